@@ -1,0 +1,19 @@
+"""funcpar: JAX-style functional tensor/data/pipeline parallel training of Hugging Face-style models on torch.func.
+
+The public API is what this module re-exports; everything else is private.
+"""
+
+from . import collectives as collectives
+from . import tree as tree
+from .collectives import CollectiveError as CollectiveError
+from .mesh import Mesh as Mesh
+from .mesh import MeshError as MeshError
+from .sharding import ShardingError as ShardingError
+from .sharding import gather as gather
+from .sharding import shard as shard
+from .spec import P as P
+from .spec import SpecError as SpecError
+from .spec import local_shape as local_shape
+from .spec import local_slice as local_slice
+
+__version__ = "0.1.0"

@@ -1,0 +1,396 @@
+"""Differentiable collectives over one mesh axis, and the only module that calls torch.distributed ops.
+
+Each collective is a ``torch.autograd.Function`` with a separate ``setup_context`` and a ``vmap`` rule, so it works
+under ``torch.func.grad``, ``vjp`` and ``vmap`` as well as ``.backward()``. Its backward is its conjugate collective
+(itself a Function, so higher-order derivatives stay correct). Every function takes ``(x, mesh, axis)``; on an
+axis of size 1 it returns ``x`` untouched, so at ``Mesh()`` a model is the single-device program.
+
+Gradient convention (Megatron's, and the one that makes sharded gradients equal the single-device ones): the
+objective is the sum over ranks of each rank's *partial* values and counts each *replicated* value once.
+
+===========================  ======================  ======================  =====================================
+function                     forward                 backward                typical use
+===========================  ======================  ======================  =====================================
+``copy_to_region``  (f)      identity                all-reduce sum          input of a column-parallel layer
+``reduce_from_region`` (g)   all-reduce sum          identity                output of a row-parallel layer
+``all_gather``               all-gather along dim    reduce-scatter          sequence-parallel entry
+``reduce_scatter``           reduce-scatter          all-gather              sequence-parallel exit
+``scatter_to_region``        keep own block of dim   all-gather              replicated -> sharded (split)
+``gather_from_region``       all-gather along dim    keep own block          sharded -> replicated (gather)
+===========================  ======================  ======================  =====================================
+
+Non-differentiable: :func:`all_reduce` (sum/max/min/avg, over one axis or several, for statistics such as a global
+gradient norm), :func:`broadcast`, and point-to-point :func:`send` / :func:`recv` / :func:`sendrecv` along an axis
+(pipeline stages). Every wait is bounded by the mesh's timeout: a dead or stuck peer becomes an error, not a hang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .mesh import Mesh
+
+__all__ = [
+    "copy_to_region",
+    "reduce_from_region",
+    "all_gather",
+    "reduce_scatter",
+    "scatter_to_region",
+    "gather_from_region",
+    "all_reduce",
+    "broadcast",
+    "send",
+    "recv",
+    "sendrecv",
+    "CollectiveError",
+]
+
+
+class CollectiveError(RuntimeError):
+    """A collective that cannot run: bad shape for the axis, or a peer that failed or timed out."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# raw (non-differentiable) operations; the only calls into torch.distributed
+# ---------------------------------------------------------------------------------------------------------------
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed the flat-tensor collectives; keep working on the older names too
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _wait(work, mesh: "Mesh", what: str, axis: str) -> None:
+    where = (
+        f"mesh axis '{axis}' of {mesh!r} (rank {mesh.rank}, group ranks {mesh.group_ranks(axis)})"
+        if axis in mesh.axis_names
+        else f"{mesh!r} (rank {mesh.rank})"
+    )
+    try:
+        ok = work.wait(timeout=mesh.timeout)
+    except Exception as e:  # gloo/nccl raise on a dead peer or on the timeout
+        raise CollectiveError(
+            f"{what} over {where} failed: a peer rank has died or stopped responding "
+            f"(timeout {mesh.timeout.total_seconds():g} s). Cause: {e}"
+        ) from e
+    if ok is False:
+        raise CollectiveError(
+            f"{what} over {where} did not complete within {mesh.timeout.total_seconds():g} s: "
+            f"a peer rank has died or stopped responding"
+        )
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise CollectiveError(f"dim {dim} is out of range for a tensor of rank {ndim}")
+    return dim % ndim
+
+
+def _check_divisible(x: torch.Tensor, dim: int, mesh: "Mesh", axis: str, what: str) -> int:
+    n = mesh.axis_size(axis)
+    if x.shape[dim] % n:
+        raise CollectiveError(
+            f"{what}: dimension {dim} of a tensor of shape {tuple(x.shape)} (size {x.shape[dim]}) is not divisible "
+            f"by mesh axis '{axis}' of size {n}"
+        )
+    return n
+
+
+def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -> torch.Tensor:
+    y = x.detach().clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=mesh.group(axis), async_op=True)
+    _wait(work, mesh, f"all_reduce({op})", axis)
+    return y
+
+
+def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
+    n = mesh.axis_size(axis)
+    xm = x.detach().movedim(dim, 0).contiguous()
+    out = xm.new_empty((n * xm.shape[0], *xm.shape[1:]))
+    work = _all_gather_flat(out, xm, group=mesh.group(axis), async_op=True)
+    _wait(work, mesh, "all_gather", axis)
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def _raw_reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
+    n = _check_divisible(x, dim, mesh, axis, "reduce_scatter")
+    xm = x.detach().movedim(dim, 0).contiguous()
+    out = xm.new_empty((xm.shape[0] // n, *xm.shape[1:]))
+    work = _reduce_scatter_flat(out, xm, group=mesh.group(axis), async_op=True)
+    _wait(work, mesh, "reduce_scatter", axis)
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def _own_block(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
+    n = _check_divisible(x, dim, mesh, axis, "scatter_to_region")
+    k = x.shape[dim] // n
+    return x.narrow(dim, mesh.coord(axis) * k, k).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# differentiable collectives
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Elementwise(torch.autograd.Function):
+    """Shared ``setup_context``/``vmap`` for collectives that act element by element (f and g)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.mesh, ctx.axis = inputs
+
+    @classmethod
+    def _vmap(cls, info, in_dims, x, mesh, axis):
+        return cls.apply(x, mesh, axis), in_dims[0]
+
+
+class _CopyToRegion(_Elementwise):
+    @staticmethod
+    def forward(x, mesh, axis):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ReduceFromRegion.apply(g, ctx.mesh, ctx.axis), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis):
+        return _CopyToRegion._vmap(info, in_dims, x, mesh, axis)
+
+
+class _ReduceFromRegion(_Elementwise):
+    @staticmethod
+    def forward(x, mesh, axis):
+        return _raw_all_reduce(x, mesh, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _CopyToRegion.apply(g, ctx.mesh, ctx.axis), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis):
+        return _ReduceFromRegion._vmap(info, in_dims, x, mesh, axis)
+
+
+class _AlongDim(torch.autograd.Function):
+    """Shared ``setup_context``/``vmap`` for collectives along a tensor dimension."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.mesh, ctx.axis, ctx.dim = inputs
+
+    @classmethod
+    def _vmap(cls, info, in_dims, x, mesh, axis, dim):
+        bdim = in_dims[0]
+        if bdim is None:
+            return cls.apply(x, mesh, axis, dim), None
+        x = x.movedim(bdim, 0)
+        return cls.apply(x, mesh, axis, _norm_dim(dim, x.ndim - 1) + 1), 0
+
+
+class _AllGather(_AlongDim):
+    @staticmethod
+    def forward(x, mesh, axis, dim):
+        return _raw_all_gather(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ReduceScatter.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis, dim):
+        return _AllGather._vmap(info, in_dims, x, mesh, axis, dim)
+
+
+class _ReduceScatter(_AlongDim):
+    @staticmethod
+    def forward(x, mesh, axis, dim):
+        return _raw_reduce_scatter(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllGather.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis, dim):
+        return _ReduceScatter._vmap(info, in_dims, x, mesh, axis, dim)
+
+
+class _ScatterToRegion(_AlongDim):
+    @staticmethod
+    def forward(x, mesh, axis, dim):
+        return _own_block(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _GatherFromRegion.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis, dim):
+        return _ScatterToRegion._vmap(info, in_dims, x, mesh, axis, dim)
+
+
+class _GatherFromRegion(_AlongDim):
+    @staticmethod
+    def forward(x, mesh, axis, dim):
+        return _raw_all_gather(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ScatterToRegion.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis, dim):
+        return _GatherFromRegion._vmap(info, in_dims, x, mesh, axis, dim)
+
+
+def _trivial(mesh: "Mesh", axis: str) -> bool:
+    return mesh.axis_size(axis) == 1
+
+
+def copy_to_region(x: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+    """f: identity forward, all-reduce-sum of the gradient backward (a replicated input feeding sharded work)."""
+    return x if _trivial(mesh, axis) else _CopyToRegion.apply(x, mesh, axis)
+
+
+def reduce_from_region(x: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+    """g: all-reduce-sum of partial results forward, identity backward (output of a row-parallel layer)."""
+    return x if _trivial(mesh, axis) else _ReduceFromRegion.apply(x, mesh, axis)
+
+
+def all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:
+    """Concatenate the ranks' blocks along ``dim`` forward; reduce-scatter the gradient backward.
+
+    Use it where the gathered tensor feeds *partial* per-rank work (sequence parallelism before a column-parallel
+    layer). Where it feeds replicated work, use :func:`gather_from_region`.
+    """
+    if _trivial(mesh, axis):
+        return x
+    return _AllGather.apply(x, mesh, axis, _norm_dim(dim, x.ndim))
+
+
+def reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:
+    """Sum partial tensors and keep this rank's block of ``dim`` forward; all-gather the gradient backward."""
+    if _trivial(mesh, axis):
+        return x
+    return _ReduceScatter.apply(x, mesh, axis, _norm_dim(dim, x.ndim))
+
+
+def scatter_to_region(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's block of a replicated tensor along ``dim`` (no communication); all-gather backward."""
+    if _trivial(mesh, axis):
+        return x
+    return _ScatterToRegion.apply(x, mesh, axis, _norm_dim(dim, x.ndim))
+
+
+def gather_from_region(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = -1) -> torch.Tensor:
+    """Concatenate the ranks' blocks along ``dim`` into a replicated tensor; keep own block of the gradient."""
+    if _trivial(mesh, axis):
+        return x
+    return _GatherFromRegion.apply(x, mesh, axis, _norm_dim(dim, x.ndim))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# non-differentiable helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _axes(axis: str | Sequence[str]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str | Sequence[str], op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over one axis or several (``("dp", "tp")``); returns a new tensor, never tracks gradients.
+
+    ``op`` is ``"sum"``, ``"max"``, ``"min"`` or ``"avg"`` (sum divided by the number of ranks reduced over).
+    """
+    if op not in ("sum", "max", "min", "avg"):
+        raise CollectiveError(f"all_reduce: unknown op {op!r}; use 'sum', 'max', 'min' or 'avg'")
+    y = x.detach().clone()
+    n = 1
+    for a in _axes(axis):
+        if not _trivial(mesh, a):
+            y = _raw_all_reduce(y, mesh, a, "sum" if op == "avg" else op)
+            n *= mesh.axis_size(a)
+    return y / n if op == "avg" and n > 1 else y
+
+
+def broadcast(x: torch.Tensor, mesh: "Mesh", axis: str, src: int = 0) -> torch.Tensor:
+    """The value held by the rank at coordinate ``src`` along ``axis``, on every rank of the group."""
+    if _trivial(mesh, axis):
+        return x.detach().clone()
+    y = x.detach().clone(memory_format=torch.contiguous_format)
+    work = dist.broadcast(y, src=mesh.group_ranks(axis)[src], group=mesh.group(axis), async_op=True)
+    _wait(work, mesh, "broadcast", axis)
+    return y
+
+
+def _peer(mesh: "Mesh", axis: str, coord: int, what: str) -> int:
+    n = mesh.axis_size(axis)
+    if not 0 <= coord < n:
+        raise CollectiveError(f"{what}: coordinate {coord} is outside mesh axis '{axis}' of size {n}")
+    if coord == mesh.coord(axis):
+        raise CollectiveError(f"{what}: rank {mesh.rank} cannot exchange with itself along '{axis}'")
+    return mesh.group_ranks(axis)[coord]
+
+
+def sendrecv(
+    mesh: "Mesh",
+    axis: str,
+    sends: Sequence[tuple[torch.Tensor, int]] = (),
+    recvs: Sequence[tuple[torch.Tensor, int]] = (),
+) -> None:
+    """Post every send ``(tensor, dst_coord)`` and receive ``(buffer, src_coord)`` along ``axis`` at once, then wait.
+
+    Coordinates are positions along ``axis`` (pipeline stage numbers for ``"pp"``). Receives fill their buffers in
+    place. Batching both directions in one call cannot deadlock the way blocking send-then-recv pairs can.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
+    ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        _wait(work, mesh, "send/recv", axis)
+
+
+def send(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int) -> None:
+    """Send ``x`` to the rank at coordinate ``dst`` along ``axis``."""
+    sendrecv(mesh, axis, sends=[(x, dst)])
+
+
+def recv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int) -> torch.Tensor:
+    """Receive into ``buf`` (shape and dtype must match what is sent) from coordinate ``src`` along ``axis``."""
+    sendrecv(mesh, axis, recvs=[(buf, src)])
+    return buf
+
+
+def gather_blocks_to(
+    block: torch.Tensor | None, mesh: "Mesh", sources: Sequence[int], dst: int
+) -> list[torch.Tensor] | None:
+    """World-rank gather of one block from each rank in ``sources`` onto rank ``dst`` (blocks of one shape).
+
+    Used by :func:`funcpar.sharding.gather` with ``dst``: only the ranks owning distinct blocks send, so replicated
+    copies never move. Returns the blocks in ``sources`` order on ``dst``, ``None`` elsewhere.
+    """
+    me = mesh.rank
+    if me == dst:
+        out: list[torch.Tensor] = []
+        ops = []
+        for r in sources:
+            if r == me:
+                out.append(block.contiguous())
+            else:
+                buf = torch.empty_like(block, memory_format=torch.contiguous_format)
+                ops.append(dist.P2POp(dist.irecv, buf, r))
+                out.append(buf)
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            _wait(work, mesh, f"gather to rank {dst}", "world")
+        return out
+    if me in sources:
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, block.contiguous(), dst)]):
+            _wait(work, mesh, f"gather to rank {dst}", "world")
+    return None

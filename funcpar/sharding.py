@@ -1,0 +1,91 @@
+"""Global <-> local trees: ``shard`` cuts each rank's blocks out of global tensors, ``gather`` reassembles them.
+
+Both walk the tree leaf by leaf, so the extra memory at any moment is about one leaf.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from . import collectives as C
+from .spec import P, broadcast_specs, local_slice, validate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .mesh import Mesh
+
+__all__ = ["shard", "gather", "shard_leaf", "gather_leaf", "ShardingError"]
+
+
+class ShardingError(ValueError):
+    """A bad argument to shard/gather."""
+
+
+def shard_leaf(x: torch.Tensor, spec: P, mesh: "Mesh", path: str = "") -> torch.Tensor:
+    """This rank's block of the global tensor ``x`` (a fresh contiguous tensor, so ``x`` can be freed)."""
+    idx = local_slice(spec, tuple(x.shape), mesh, path=path)
+    return x[idx].clone(memory_format=torch.contiguous_format)
+
+
+def _global_shape(x: torch.Tensor, spec: P, mesh: "Mesh") -> tuple[int, ...]:
+    return tuple(n * _parts(spec, i, mesh) for i, n in enumerate(x.shape))
+
+
+def _parts(spec: P, i: int, mesh: "Mesh") -> int:
+    n = 1
+    for a in spec.axes_of(i):
+        n *= mesh.axis_size(a)
+    return n
+
+
+def gather_leaf(
+    x: torch.Tensor, spec: P, mesh: "Mesh", dst: int | None = None, path: str = ""
+) -> torch.Tensor | None:
+    """The global tensor from this rank's block ``x``: on every rank, or only on global rank ``dst``."""
+    if len(spec) > x.ndim:
+        validate(spec, tuple(x.shape), mesh, path)  # raises: spec longer than the tensor
+    gshape = _global_shape(x, spec, mesh)
+    validate(spec, gshape, mesh, path)
+    if dst is None:
+        y = x
+        for i in range(len(spec)):
+            # minor axis first: after gathering it, each block of the next-major axis is contiguous
+            for a in reversed(spec.axes_of(i)):
+                y = C._raw_all_gather(y, mesh, a, i) if mesh.axis_size(a) > 1 else y
+        return y if y is not x else x.detach().clone()
+    if mesh.size == 1:
+        return x.detach().clone()
+    # Only one rank per distinct block sends: the one at coordinate 0 of every axis the spec does not name.
+    named = set(spec.axes)
+    sources = [r for r in range(mesh.size) if all(mesh.coords_of(r)[a] == 0 for a in mesh.axis_names if a not in named)]
+    blocks = C.gather_blocks_to(x.detach(), mesh, sources, dst)
+    if blocks is None:
+        return None
+    out = x.new_empty(gshape)
+    for r, b in zip(sources, blocks):
+        out[local_slice(spec, gshape, mesh, coords=mesh.coords_of(r))] = b
+    return out
+
+
+def shard(tree: Any, specs: Any, mesh: "Mesh") -> Any:
+    """Global tree -> this rank's local tree. Every rank passes the same global values."""
+    matched = broadcast_specs(specs, tree)
+    _, treedef = optree.tree_flatten(tree)
+    return optree.tree_unflatten(treedef, [shard_leaf(x, s, mesh, p) for p, s, x in matched])
+
+
+def gather(tree: Any, specs: Any, mesh: "Mesh", dst: int | None = None) -> Any:
+    """Local tree -> global tree, on every rank (``dst=None``) or only on global rank ``dst`` (``None`` elsewhere).
+
+    Collective: every rank must call it with the same specs.
+    """
+    matched = broadcast_specs(specs, tree)
+    _, treedef = optree.tree_flatten(tree)
+    if dst is not None and not 0 <= dst < mesh.size:
+        raise ShardingError(f"gather: dst={dst} is not a rank of {mesh} (ranks 0..{mesh.size - 1})")
+    leaves = [gather_leaf(x, s, mesh, dst, p) for p, s, x in matched]
+    if dst is not None and mesh.rank != dst:
+        return None
+    return optree.tree_unflatten(treedef, leaves)
