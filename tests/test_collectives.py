@@ -1,0 +1,202 @@
+"""Every differentiable collective: forward value and gradient under torch.func.grad, .backward() and vmap, on real
+gloo groups, against an unsharded reference computed here in one process (float32, <= 1e-6 relative).
+
+Objective convention (funcpar.collectives): the sum over ranks of partial values, replicated values counted once.
+Each case below builds global tensors from a seed; rank r of an axis of size n sees its share of them.
+"""
+
+import pytest
+import torch
+
+import harness
+from funcpar import collectives as C
+
+NAMES = ["copy_to_region", "reduce_from_region", "all_gather", "reduce_scatter", "scatter_to_region", "gather_from_region"]
+# (mesh sizes, axis, world): tp=2 and tp=4 on their own, and both axes of Mesh(tp=4, dp=2)
+MESHES = [({"tp": 2}, "tp", 2), ({"tp": 4}, "tp", 4), ({"tp": 4, "dp": 2}, "tp", 8), ({"tp": 4, "dp": 2}, "dp", 8)]
+
+
+def problem(n, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = [3, 5]
+    shape[dim] = 2 * n
+    return {
+        "X": torch.randn(*shape, generator=g),  # a replicated/global input
+        "Ps": torch.randn(n, *shape, generator=g),  # partial inputs, one per rank
+        "Cs": torch.randn(n, *shape, generator=g),  # rank-specific coefficients of partial objectives
+        "CC": torch.randn(*shape, generator=g),  # replicated coefficients
+    }
+
+
+def chunk(t, n, r, dim):
+    return t.chunk(n, dim)[r]
+
+
+def local_case(name, pr, n, r, dim, coll):
+    """(local input, local objective) for rank r: what a sharded program computes."""
+    X, Ps, Cs, CC = pr["X"], pr["Ps"], pr["Cs"], pr["CC"]
+    if name == "copy_to_region":
+        return X, lambda x: (Cs[r] * coll(x).sin()).sum()
+    if name == "reduce_from_region":
+        return Ps[r], lambda p: (CC * coll(p).sin()).sum()
+    if name == "all_gather":
+        return chunk(X, n, r, dim), lambda x: (Cs[r] * coll(x).sin()).sum()
+    if name == "reduce_scatter":
+        return Ps[r], lambda p: (chunk(CC, n, r, dim) * coll(p).sin()).sum()
+    if name == "scatter_to_region":
+        return X, lambda x: (chunk(CC, n, r, dim) * coll(x).sin()).sum()
+    if name == "gather_from_region":
+        return chunk(X, n, r, dim), lambda x: (CC * coll(x).sin()).sum()
+    raise AssertionError(name)
+
+
+def reference(name, pr, n, r, dim):
+    """(forward value, gradient) rank r must see, from the global objective computed in this one process."""
+    X, Ps, Cs, CC = pr["X"], pr["Ps"], pr["Cs"], pr["CC"]
+    if name in ("copy_to_region", "all_gather", "gather_from_region", "scatter_to_region"):
+        if name in ("copy_to_region", "all_gather"):
+            objective = lambda x: sum((Cs[k] * x.sin()).sum() for k in range(n))  # noqa: E731
+        else:
+            objective = lambda x: (CC * x.sin()).sum()  # noqa: E731
+        gX = torch.func.grad(objective)(X)
+        fwd = chunk(X, n, r, dim) if name == "scatter_to_region" else X
+        grad = gX if name in ("copy_to_region", "scatter_to_region") else chunk(gX, n, r, dim)
+        return fwd, grad
+    gP = torch.func.grad(lambda P: (CC * P.sum(0).sin()).sum())(Ps)
+    total = Ps.sum(0)
+    return (total if name == "reduce_from_region" else chunk(total, n, r, dim)), gP[r]
+
+
+def _run(name, sizes, axis, dim, seed):
+    m = harness.mesh(**sizes)
+    n, r = m.axis_size(axis), m.coord(axis)
+    fn = getattr(C, name)
+    coll = (lambda t: fn(t, m, axis)) if name in ("copy_to_region", "reduce_from_region") else (lambda t: fn(t, m, axis, dim))
+    pr = problem(n, dim, seed)
+    x, objective = local_case(name, pr, n, r, dim, coll)
+    fwd = coll(x)
+    grad_func = torch.func.grad(objective)(x)
+    # classic autograd: the gradient must not be summed once per rank
+    xb = x.clone().requires_grad_(True)
+    objective(xb).backward()
+    # vmap over a batch of two inputs equals two separate calls, values and gradients
+    batch = torch.stack([x, 0.5 * x])
+    vfwd = torch.func.vmap(coll)(batch)
+    vgrad = torch.func.grad(lambda b: torch.func.vmap(objective)(b).sum())(batch)
+    sep_fwd = torch.stack([coll(x), coll(0.5 * x)])
+    sep_grad = torch.stack([torch.func.grad(objective)(x), torch.func.grad(objective)(0.5 * x)])
+    # vmap with the batch dimension not in front
+    vfwd1 = torch.func.vmap(coll, in_dims=1, out_dims=1)(batch.movedim(0, 1))
+    return {"r": r, "n": n, "fwd": fwd, "grad": grad_func, "grad_bw": xb.grad, "vmap": (vfwd, vgrad, sep_fwd, sep_grad, vfwd1)}
+
+
+def assert_rel(got, want, tol=1e-6, what=""):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs().max().item()
+    scale = max(want.abs().max().item(), 1e-30)
+    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("sizes, axis, world", MESHES, ids=lambda v: str(v))
+@pytest.mark.parametrize("name", NAMES)
+def test_collective_value_and_gradient_match_reference(name, sizes, axis, world):
+    for dim, seed in ((0, 1), (1, 2)):
+        results = harness.run(world, _run, name, sizes, axis, dim, seed)
+        for res in results:
+            n, r = res["n"], res["r"]
+            fwd, grad = reference(name, problem(n, dim, seed), n, r, dim)
+            where = f"{name} axis={axis} n={n} rank-coord={r} dim={dim}"
+            assert_rel(res["fwd"], fwd, what=f"{where} forward")
+            assert_rel(res["grad"], grad, what=f"{where} grad (torch.func.grad)")
+            assert_rel(res["grad_bw"], grad, what=f"{where} grad (.backward)")
+            vfwd, vgrad, sep_fwd, sep_grad, vfwd1 = res["vmap"]
+            assert_rel(vfwd, sep_fwd, what=f"{where} vmap forward")
+            assert_rel(vgrad, sep_grad, what=f"{where} vmap grad")
+            assert_rel(vfwd1, sep_fwd.movedim(0, 1), what=f"{where} vmap in_dims=1")
+
+
+def _second_order(sizes):
+    m = harness.mesh(**sizes)
+    r = m.coord("tp")
+    x = torch.linspace(-1, 1, 6) + r  # partial per rank
+    # objective: sum_r of (sum_k x_k)^3 pieces, through g then f; its Hessian-vector product needs conjugates of conjugates
+    f = lambda x: (C.copy_to_region(C.reduce_from_region(x, m, "tp"), m, "tp") ** 3).sum() * (r + 1)  # noqa: E731
+    hvp = torch.func.grad(lambda x: torch.func.grad(f)(x).sum())(x)
+    return r, m.axis_size("tp"), hvp
+
+
+def test_second_order_gradients_through_collectives():
+    for res in harness.run(4, _second_order, {"tp": 4}):
+        r, n, hvp = res
+        X = torch.stack([torch.linspace(-1, 1, 6) + k for k in range(n)])
+        # global objective: sum_k (k+1) * sum((sum_j X_j)^3)
+        F = lambda X: sum((k + 1) * (X.sum(0) ** 3).sum() for k in range(n))  # noqa: E731
+        want = torch.func.grad(lambda X: torch.func.grad(F)(X).sum())(X)[r]
+        assert_rel(hvp, want, what="second order")
+
+
+def _stats(sizes):
+    m = harness.mesh(**sizes)
+    v = torch.tensor([float(m.rank), -float(m.rank), 1.0])
+    out = {op: C.all_reduce(v, m, ("dp", "tp"), op) for op in ("sum", "max", "min", "avg")}
+    out["tp_only"] = C.all_reduce(v, m, "tp")
+    out["bcast"] = C.broadcast(v, m, "dp", src=1)
+    out["untouched"] = v
+    return m.rank, m.coords, out
+
+
+def test_non_differentiable_reductions_and_broadcast():
+    for rank, coords, out in harness.run(8, _stats, {"tp": 4, "dp": 2}):
+        ranks = torch.arange(8.0)
+        assert torch.equal(out["sum"], torch.tensor([ranks.sum(), -ranks.sum(), 8.0]))
+        assert torch.equal(out["max"], torch.tensor([7.0, 0.0, 1.0]))
+        assert torch.equal(out["min"], torch.tensor([0.0, -7.0, 1.0]))
+        assert torch.allclose(out["avg"], torch.tensor([3.5, -3.5, 1.0]))
+        tp_ranks = torch.arange(4.0) + 4 * coords["dp"]
+        assert torch.equal(out["tp_only"], torch.tensor([tp_ranks.sum(), -tp_ranks.sum(), 4.0]))
+        src = 4 + coords["tp"]  # dp coordinate 1 of this rank's dp group
+        assert torch.equal(out["bcast"], torch.tensor([float(src), -float(src), 1.0]))
+        assert torch.equal(out["untouched"], torch.tensor([float(rank), -float(rank), 1.0]))
+
+
+def _p2p(sizes):
+    m = harness.mesh(**sizes)
+    s, n = m.coord("dp"), m.axis_size("dp")
+    nxt, prv = (s + 1) % n, (s - 1) % n
+    got = torch.empty(3)
+    C.sendrecv(m, "dp", sends=[(torch.full((3,), float(m.rank)), nxt)], recvs=[(got, prv)])
+    single = torch.empty(2)
+    if s == 0:
+        C.send(torch.tensor([1.0, 2.0]) * m.rank, m, "dp", dst=1)
+    elif s == 1:
+        C.recv(single, m, "dp", src=0)
+    errs = []
+    for bad in (lambda: C.send(got, m, "dp", dst=n), lambda: C.send(got, m, "dp", dst=s)):
+        try:
+            bad()
+        except C.CollectiveError as e:
+            errs.append(str(e))
+    return m.rank, got, single if s == 1 else None, errs, m.group_ranks("dp")
+
+
+def test_point_to_point_ring_along_an_axis():
+    for rank, got, single, errs, dp_ranks in harness.run(8, _p2p, {"tp": 2, "dp": 4}):
+        s = dp_ranks.index(rank)
+        assert torch.equal(got, torch.full((3,), float(dp_ranks[(s - 1) % 4])))
+        if single is not None:
+            assert torch.equal(single, torch.tensor([1.0, 2.0]) * dp_ranks[0])
+        assert "coordinate 4 is outside mesh axis 'dp' of size 4" in errs[0]
+        assert "cannot exchange with itself along 'dp'" in errs[1]
+
+
+def _bad_shape(sizes):
+    m = harness.mesh(**sizes)
+    try:
+        C.reduce_scatter(torch.ones(3, 5), m, "tp", 0)
+    except C.CollectiveError as e:
+        return str(e)
+
+
+def test_collective_shape_error_names_axis_and_size():
+    for msg in harness.run(2, _bad_shape, {"tp": 2}):
+        assert "dimension 0 of a tensor of shape (3, 5) (size 3) is not divisible by mesh axis 'tp' of size 2" in msg

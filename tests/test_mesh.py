@@ -1,0 +1,96 @@
+"""Mesh on real gloo worlds: rank layout read back from the process groups, world-size mismatch, and a rank that
+dies or stalls mid-collective turning into an error on the others within the configured timeout."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import funcpar as fp
+import harness
+from funcpar import collectives as C
+
+
+def _layout(sizes):
+    import torch.distributed as dist
+
+    m = harness.mesh(**sizes)
+    from_groups = {a: dist.get_process_group_ranks(m.group(a)) for a in ("pp", "dp", "tp")}
+    from_device_mesh = {a: dist.get_process_group_ranks(m.device_mesh.get_group(a)) for a in ("pp", "dp", "tp")}
+    return m.rank, m.coords, from_groups, from_device_mesh, {a: m.group_ranks(a) for a in ("pp", "dp", "tp")}, m.timeout
+
+
+def test_rank_layout_tp_innermost():
+    tp_groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    dp_groups = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for rank, coords, groups, dm_groups, listed, timeout in harness.run(8, _layout, {"tp": 4, "dp": 2}):
+        assert coords == {"pp": 0, "dp": rank // 4, "tp": rank % 4}
+        for g in (groups, dm_groups, listed):
+            assert g["tp"] == next(x for x in tp_groups if rank in x)
+            assert g["dp"] == next(x for x in dp_groups if rank in x)
+            assert g["pp"] == [rank]
+        assert timeout.total_seconds() == 60  # FUNCPAR_TIMEOUT, set by the harness, configures the default
+
+
+def test_rank_layout_with_pipeline_axis():
+    # Mesh(pp=2, dp=2, tp=2): rank = (p*dp + d)*tp + t
+    for rank, coords, groups, _, _, _ in harness.run(8, _layout, {"pp": 2, "dp": 2, "tp": 2}):
+        p, d, t = rank // 4, (rank // 2) % 2, rank % 2
+        assert coords == {"pp": p, "dp": d, "tp": t}
+        assert groups["pp"] == [d * 2 + t, 4 + d * 2 + t]
+        assert groups["dp"] == [p * 4 + t, p * 4 + 2 + t]
+        assert groups["tp"] == [p * 4 + d * 2, p * 4 + d * 2 + 1]
+
+
+def _mismatch():
+    out = []
+    for sizes in ({"tp": 2}, {"tp": 4, "dp": 2}):
+        try:
+            fp.Mesh(**sizes)
+        except fp.MeshError as e:
+            out.append(str(e))
+    local = fp.Mesh()  # a size-1 mesh is process-local, whatever the world
+    out.append((local.size, local.coords))
+    return out
+
+
+def test_mesh_size_must_match_world():
+    for errs in harness.run(4, _mismatch):
+        assert errs[0] == (
+            "Mesh(pp=1, dp=1, tp=2) has 2 ranks but the torch.distributed world has 4 processes: "
+            "choose pp*dp*tp = 4 or launch with torchrun --nproc-per-node 2"
+        )
+        assert "Mesh(pp=1, dp=2, tp=4) has 8 ranks but the torch.distributed world has 4 processes" in errs[1]
+        assert errs[2] == (1, {"pp": 0, "dp": 0, "tp": 0})
+
+
+def _peer_fails(mode, timeout):
+    m = fp.Mesh(tp=2, timeout=timeout)
+    C.reduce_from_region(torch.ones(2), m, "tp")  # the group works
+    if m.rank == 1:
+        if mode == "exit":
+            os._exit(7)
+        time.sleep(timeout * 3)  # alive but stuck, e.g. in a long host-side computation
+        return "stalled"
+    t0 = time.monotonic()
+    try:
+        C.reduce_from_region(torch.ones(2), m, "tp")
+    except C.CollectiveError as e:
+        return time.monotonic() - t0, str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["exit", "stall"])
+def test_dead_or_stuck_rank_becomes_an_error_within_timeout(mode):
+    timeout = 3.0
+    pool = harness.Pool(2)
+    try:
+        results = pool.run(_peer_fails, mode, timeout, allow_death=True, timeout=60)
+    finally:
+        pool.close()
+    assert isinstance(results[1], harness.Died) if mode == "exit" else results[1] == "stalled"
+    elapsed, msg = results[0]
+    assert elapsed < timeout + 5, elapsed
+    assert "all_reduce(sum) over mesh axis 'tp' of Mesh(pp=1, dp=1, tp=2) (rank 0, group ranks [0, 1]) failed" in msg
+    assert "a peer rank has died or stopped responding (timeout 3 s)" in msg
