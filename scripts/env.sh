@@ -1,0 +1,34 @@
+# Sourced by the other scripts: makes sure a Python environment with funcpar exists, and sets $PY to it.
+#
+# Default: a virtual environment in .venv, with the CPU build torch==2.13.0 installed first (so nothing pulls a
+# multi-GB CUDA build), then funcpar in editable mode with its test extras.
+# GPU users: set FUNCPAR_PYTHON to the python of an environment that already has your CUDA torch; funcpar is then
+# installed into it with a torch *range* that your torch satisfies, so pip leaves your torch alone.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ -n "${FUNCPAR_PYTHON:-}" ]; then
+    PY=$FUNCPAR_PYTHON
+    stamp_dir=$("$PY" -c 'import sys; print(sys.prefix)')
+else
+    if [ ! -x "$ROOT/.venv/bin/python" ]; then
+        echo "[funcpar] creating $ROOT/.venv" >&2
+        python3 -m venv "$ROOT/.venv"
+    fi
+    PY=$ROOT/.venv/bin/python
+    stamp_dir=$ROOT/.venv
+    if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+        echo "[funcpar] installing torch==2.13.0 (CPU build)" >&2
+        "$PY" -m pip install -q torch==2.13.0
+    fi
+fi
+# (re)install the project when pyproject.toml changed since the last install into this environment
+want=$(sha1sum "$ROOT/pyproject.toml" | cut -d' ' -f1)
+stamp="$stamp_dir/.funcpar-installed"
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ] || ! "$PY" -c "import funcpar, funcpar.models" >/dev/null 2>&1; then
+    echo "[funcpar] installing funcpar and its test extras" >&2
+    "$PY" -m pip install -q -e "$ROOT[test]"
+    echo "$want" > "$stamp"
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1
