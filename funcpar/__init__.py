@@ -4,6 +4,8 @@ The public API is what this module re-exports; everything else is private.
 """
 
 from . import collectives as collectives
+from . import hf as hf
+from . import layers as layers
 from . import tree as tree
 from .collectives import CollectiveError as CollectiveError
 from .mesh import Mesh as Mesh

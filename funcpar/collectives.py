@@ -43,6 +43,7 @@ __all__ = [
     "gather_from_region",
     "all_reduce",
     "broadcast",
+    "barrier",
     "send",
     "recv",
     "sendrecv",
@@ -101,8 +102,10 @@ def _check_divisible(x: torch.Tensor, dim: int, mesh: "Mesh", axis: str, what: s
 
 
 def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -> torch.Tensor:
+    """All-reduce over ``axis``, or over the whole mesh for ``axis="world"``."""
     y = x.detach().clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=mesh.group(axis), async_op=True)
+    group = None if axis == "world" else mesh.group(axis)
+    work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=group, async_op=True)
     _wait(work, mesh, f"all_reduce({op})", axis)
     return y
 
@@ -303,20 +306,50 @@ def _axes(axis: str | Sequence[str]) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
+class _AllReduceStat(torch.autograd.Function):
+    """Non-differentiable all-reduce, as a Function so that it unwraps torch.func transforms' tensors."""
+
+    @staticmethod
+    def forward(x, mesh, axes, op):
+        y = x.detach().clone()
+        n = 1
+        for a in axes:
+            if not _trivial(mesh, a):
+                y = _raw_all_reduce(y, mesh, a, "sum" if op == "avg" else op)
+                n *= mesh.axis_size(a)
+        return y / n if op == "avg" and n > 1 else y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - outputs are non-differentiable
+        return None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axes, op):
+        return _AllReduceStat.apply(x, mesh, axes, op), in_dims[0]
+
+
 def all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str | Sequence[str], op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over one axis or several (``("dp", "tp")``); returns a new tensor, never tracks gradients.
+    """Reduce ``x`` over one axis or several (``("dp", "tp")``); returns a new tensor that carries no gradient.
 
     ``op`` is ``"sum"``, ``"max"``, ``"min"`` or ``"avg"`` (sum divided by the number of ranks reduced over).
+    Usable inside ``torch.func`` transforms (statistics such as a softmax's running max).
     """
     if op not in ("sum", "max", "min", "avg"):
         raise CollectiveError(f"all_reduce: unknown op {op!r}; use 'sum', 'max', 'min' or 'avg'")
-    y = x.detach().clone()
-    n = 1
-    for a in _axes(axis):
-        if not _trivial(mesh, a):
-            y = _raw_all_reduce(y, mesh, a, "sum" if op == "avg" else op)
-            n *= mesh.axis_size(a)
-    return y / n if op == "avg" and n > 1 else y
+    axes = _axes(axis)
+    for a in axes:
+        mesh.axis_size(a)  # unknown axis -> a clear MeshError
+    return _AllReduceStat.apply(x.detach(), mesh, axes, op)
+
+
+def barrier(mesh: "Mesh") -> None:
+    """Wait until every rank of the mesh gets here (bounded by the mesh's timeout)."""
+    if mesh.size > 1:
+        _raw_all_reduce(torch.zeros(1, device=mesh.device), mesh, "world")
 
 
 def broadcast(x: torch.Tensor, mesh: "Mesh", axis: str, src: int = 0) -> torch.Tensor:

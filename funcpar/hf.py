@@ -1,0 +1,492 @@
+"""Hugging Face checkpoints in and out.
+
+``load`` reads ``config.json`` and ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) into a
+parameter tree already sharded for a mesh. Each rank reads **only the bytes of its own blocks**: the safetensors
+header gives every tensor's offset, and the block is fetched with ``pread`` run by run (a row-block is one read,
+a column-block one read per row), never the whole tensor. The check is strict: every missing, unexpected or
+mis-shaped tensor is reported at once, by name and shape. Only JSON and raw tensor bytes are read; nothing is
+unpickled.
+
+``save`` gathers leaf by leaf onto rank 0 (each distinct block moves once) and writes sharded safetensors files
+of at most ``max_shard_size`` bytes, the index and ``config.json`` into a temporary folder that is renamed into
+place when complete, so a reader never sees a half-written export.
+
+The mapping between HF names and pytree paths is data kept by each model module (DESIGN rule 6):
+``HF_NAMES`` (pairs of patterns with ``{i}`` for the layer index), ``HF_TRANSPOSED`` (leaves stored transposed in
+the checkpoint) and ``HF_SPLITS`` (a leaf that is part ``k`` of ``n`` of a fused HF tensor along a dimension).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
+
+import optree
+import torch
+
+from . import collectives as C
+from .mesh import Mesh
+from .sharding import gather_leaf
+from .spec import P, broadcast_specs, local_slice
+
+__all__ = ["load", "save", "auto_specs", "HFError", "known_models"]
+
+
+class HFError(ValueError):
+    """A checkpoint folder that cannot be loaded as asked (named file, tensors and shapes in the message)."""
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100 * 2**20
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def _read_header(file: Path) -> dict[str, _Tensor]:
+    def corrupt(why: str) -> HFError:
+        return HFError(f"corrupt safetensors file {file}: {why}")
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise corrupt(f"the file has {size} bytes, fewer than the 8-byte header length")
+            n = int.from_bytes(raw, "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise corrupt(f"header length {n} exceeds the file's {size} bytes")
+            header = json.loads(fh.read(n))
+    except FileNotFoundError:
+        raise HFError(f"safetensors file {file} does not exist") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise corrupt(f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[meta["dtype"]]
+            shape = tuple(int(s) for s in meta["shape"])
+            a, b = (int(o) for o in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise corrupt(f"tensor '{name}' has a malformed entry {meta!r}") from None
+        want = math.prod(shape) * dtype.itemsize
+        if b - a != want or a < 0:
+            raise corrupt(f"tensor '{name}' of {meta['dtype']}{list(shape)} spans bytes {a}..{b}, not {want} bytes")
+        if base + b > size:
+            raise corrupt(f"tensor '{name}' ends at byte {base + b} but the file has {size} bytes (truncated?)")
+        out[name] = _Tensor(file, dtype, shape, base + a, want)
+    return out
+
+
+class _Reader:
+    """The tensors of a checkpoint folder (headers only), and block reads that count their bytes."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.bytes_read = 0
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        self.tensors: dict[str, _Tensor] = {}
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HFError(f"corrupt index {index}: {e!r}") from None
+            files = sorted(set(weight_map.values()))
+            headers = {f: _read_header(folder / f) for f in files}
+            for name, f in weight_map.items():
+                if name not in headers[f]:
+                    raise HFError(f"index {index} puts tensor '{name}' in {f}, but that file has no such tensor")
+                self.tensors[name] = headers[f][name]
+            for f, h in headers.items():
+                for name in h:
+                    self.tensors.setdefault(name, h[name])
+        elif single.exists():
+            self.tensors = _read_header(single)
+        else:
+            raise HFError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+
+    def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        """The block ``region`` (one slice per dimension) of tensor ``name``, read from disk run by run."""
+        t = self.tensors[name]
+        shape = t.shape
+        region = tuple(region) + tuple(slice(0, s) for s in shape[len(region):])
+        bounds = [(sl.start or 0, shape[i] if sl.stop is None else sl.stop) for i, sl in enumerate(region)]
+        out_shape = tuple(b - a for a, b in bounds)
+        item = t.dtype.itemsize
+        out = torch.empty(math.prod(out_shape) * item, dtype=torch.uint8)
+        if out.numel():
+            strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+            # k: the outermost dimension below which the block covers whole dimensions -> contiguous runs
+            k = len(shape)
+            while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
+                k -= 1
+            k = max(k - 1, 0)
+            run = (bounds[k][1] - bounds[k][0]) * strides[k] * item if shape else item
+            buf = memoryview(out.numpy())
+            pos = 0
+            with open(t.file, "rb") as fh:
+                fd = fh.fileno()
+                for idx in _product([range(a, b) for a, b in bounds[:k]]):
+                    elem = sum(i * s for i, s in zip(idx, strides)) + (bounds[k][0] * strides[k] if shape else 0)
+                    got = os.preadv(fd, [buf[pos : pos + run]], t.start + elem * item)
+                    if got != run:
+                        raise HFError(f"corrupt safetensors file {t.file}: short read in tensor '{name}'")
+                    pos += run
+            self.bytes_read += pos
+        return out.view(t.dtype).reshape(out_shape)
+
+
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for i in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (i, *rest)
+
+
+# ------------------------------------------------------------------------------------------- model tables
+
+
+def known_models() -> dict[str, ModuleType]:
+    """``{model_type: module}`` for every architecture funcpar implements."""
+    from .models import gpt2, llama  # models import funcpar's public API; imported here lazily, never at top
+
+    return {mt: m for m in (llama, gpt2) for mt in m.MODEL_TYPES}
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    f = folder / "config.json"
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise HFError(f"{folder} has no config.json: is it a Hugging Face model folder?") from None
+    except json.JSONDecodeError as e:
+        raise HFError(f"{f} is not valid JSON: {e}") from None
+
+
+def _resolve_model(model: ModuleType | None, cfg: dict, folder: Path) -> ModuleType:
+    known = known_models()
+    mt = cfg.get("model_type")
+    names = ", ".join(sorted(known))
+    if model is None:
+        if mt not in known:
+            raise HFError(f"{folder / 'config.json'} has model_type '{mt}', which funcpar does not know; it knows: {names}")
+        return known[mt]
+    if mt is not None and mt not in model.MODEL_TYPES:
+        raise HFError(
+            f"{folder / 'config.json'} has model_type '{mt}', which {model.__name__} does not implement "
+            f"({', '.join(model.MODEL_TYPES)}); funcpar knows: {names}"
+        )
+    return model
+
+
+@dataclass(frozen=True)
+class _Map:
+    hf: str
+    transposed: bool
+    split: tuple[int, int, int] | None
+
+    def hf_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        s = list(leaf_shape)
+        if self.transposed:
+            s.reverse()
+        if self.split:
+            s[self.split[0]] *= self.split[2]
+        return tuple(s)
+
+    def file_region(self, region: tuple[slice, ...], hf_shape: tuple[int, ...]) -> tuple[slice, ...]:
+        r = list(region)
+        if self.transposed:
+            r.reverse()
+        if self.split:
+            dim, k, n = self.split
+            off = k * (hf_shape[dim] // n)
+            r[dim] = slice(r[dim].start + off, r[dim].stop + off)
+        return tuple(r)
+
+
+def _plan(model: ModuleType, paths: list[str]) -> list[_Map]:
+    """The HF tensor (and transform) of every leaf path, from the model's literal tables."""
+    rules = []
+    for pat, hf in model.HF_NAMES:
+        rx = re.compile("^" + re.escape(pat).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+        rules.append((rx, pat, hf))
+    transposed = set(getattr(model, "HF_TRANSPOSED", ()))
+    splits = dict(getattr(model, "HF_SPLITS", {}))
+    out = []
+    for p in paths:
+        for rx, pat, hf in rules:
+            m = rx.match(p)
+            if m:
+                i = m.groupdict().get("i")
+                out.append(_Map(hf.format(i=i) if i is not None else hf, pat in transposed, splits.get(pat)))
+                break
+        else:
+            raise HFError(f"{model.__name__}.HF_NAMES has no Hugging Face name for leaf '{p}'")
+    return out
+
+
+def _check(reader: _Reader, folder: Path, model: ModuleType, cfg, leaves, plan: list[_Map]) -> None:
+    expected: dict[str, tuple[int, ...]] = {}
+    for (_, _, meta), mp in zip(leaves, plan):
+        expected.setdefault(mp.hf, mp.hf_shape(tuple(meta.shape)))
+    present = set(reader.tensors)
+    ignored = [re.compile(p) for p in model.hf_ignored(cfg)]
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(n for n in present - set(expected) if not any(r.match(n) for r in ignored))
+    wrong = sorted(n for n in set(expected) & present if reader.tensors[n].shape != expected[n])
+    if not (missing or unexpected or wrong):
+        return
+    lines = [f"checkpoint {folder} does not match {model.__name__} built from its config.json:"]
+    if missing:
+        lines.append(f"  missing ({len(missing)}): " + ", ".join(f"{n} {list(expected[n])}" for n in missing))
+    if unexpected:
+        lines.append(
+            f"  unexpected ({len(unexpected)}): "
+            + ", ".join(f"{n} {list(reader.tensors[n].shape)} in {reader.tensors[n].file.name}" for n in unexpected)
+        )
+    if wrong:
+        lines.append(
+            f"  wrong shape ({len(wrong)}): "
+            + ", ".join(f"{n} is {list(reader.tensors[n].shape)}, expected {list(expected[n])}" for n in wrong)
+        )
+    raise HFError("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------- API
+
+
+def load(
+    path: str | os.PathLike,
+    model: ModuleType | None = None,
+    mesh: Mesh | None = None,
+    specs: Any = None,
+    dtype: torch.dtype | None = None,
+    stats: dict | None = None,
+):
+    """``(params, cfg)``: this rank's shards of the checkpoint in ``path``, as ``model`` lays them out.
+
+    ``model`` defaults to the module implementing the folder's ``model_type``; ``specs`` to ``model.specs(cfg, mesh)``;
+    ``dtype`` to the checkpoint's. Pass a dict as ``stats`` to get ``bytes_read`` (tensor bytes this rank read).
+    """
+    folder = Path(path)
+    raw = _read_config(folder)
+    model = _resolve_model(model, raw, folder)
+    try:
+        cfg = model.Config.from_hf(raw)
+    except (KeyError, ValueError) as e:
+        raise HFError(f"{folder / 'config.json'}: {e}") from None
+    mesh = mesh or Mesh()
+    shapes = model.init(cfg, device="meta")
+    leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, shapes)
+    plan = _plan(model, [p for p, _, _ in leaves])
+    reader = _Reader(folder)
+    _check(reader, folder, model, cfg, leaves, plan)
+    out = []
+    for (p, spec, meta), mp in zip(leaves, plan):
+        region = local_slice(spec, tuple(meta.shape), mesh, path=p)
+        t = reader.read(mp.hf, mp.file_region(region, reader.tensors[mp.hf].shape))
+        if mp.transposed:
+            t = t.t().contiguous()
+        if dtype is not None:
+            t = t.to(dtype)
+        out.append(t.to(mesh.device))
+    if stats is not None:
+        stats["bytes_read"] = reader.bytes_read
+    return optree.tree_unflatten(optree.tree_structure(shapes), out), cfg
+
+
+def _parse_size(s: int | str) -> int:
+    if isinstance(s, int):
+        return s
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", s, re.I)
+    if not m:
+        raise HFError(f"max_shard_size {s!r}: expected bytes or a size such as '500MB' or '5GB'")
+    unit = (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+class _ShardWriter:
+    def __init__(self, folder: Path, limit: int):
+        from safetensors.torch import save_file
+
+        self._save = save_file
+        self.folder, self.limit = folder, limit
+        self.current: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nb = t.numel() * t.element_size()
+        if self.current and self.size + nb > self.limit:
+            self.flush()
+        self.current[name] = t
+        self.size += nb
+        self.total += nb
+
+    def flush(self) -> None:
+        if self.current:
+            self._save(self.current, str(self.folder / f"part-{len(self.files)}.safetensors"), metadata={"format": "pt"})
+            self.files.append(list(self.current))
+            self.current, self.size = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        n = len(self.files)
+        if n == 1:
+            os.rename(self.folder / "part-0.safetensors", self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        for k, names in enumerate(self.files):
+            fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self.folder / f"part-{k}.safetensors", self.folder / fname)
+            weight_map.update({name: fname for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save(
+    path: str | os.PathLike,
+    params: Any,
+    model: ModuleType,
+    cfg: Any,
+    mesh: Mesh | None = None,
+    specs: Any = None,
+    max_shard_size: int | str = "2GB",
+) -> None:
+    """Write ``params`` (this rank's shards) as a transformers checkpoint folder; collective over the mesh.
+
+    Rank 0 writes; the folder appears complete or not at all (an existing one is replaced only once the new one
+    is fully written).
+    """
+    mesh = mesh or Mesh()
+    limit = _parse_size(max_shard_size)
+    folder = Path(path)
+    leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, params)
+    plan = _plan(model, [p for p, _, _ in leaves])
+    writer = tmp = None
+    error: BaseException | None = None
+    if mesh.rank == 0:
+        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        writer = _ShardWriter(tmp, limit)
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for (p, spec, x), mp in zip(leaves, plan):
+        g = gather_leaf(x, spec, mesh, dst=0, path=p)  # collective: every rank takes part
+        if writer is None or error is not None:
+            continue
+        try:
+            g = g.detach().cpu()
+            if mp.transposed:
+                g = g.t()
+            if mp.split:
+                dim, k, n = mp.split
+                parts = pending.setdefault(mp.hf, {})
+                parts[k] = g
+                if len(parts) < n:
+                    continue
+                g = torch.cat([parts.pop(i) for i in range(n)], dim)
+                del pending[mp.hf]
+            writer.add(mp.hf, g.contiguous())
+        except BaseException as e:  # noqa: BLE001 - reported to every rank below
+            error = e
+    if writer is not None and error is None:
+        try:
+            writer.finish()
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
+            _swap_into_place(tmp, folder)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    failed = C.all_reduce(torch.tensor([1.0 if error is not None else 0.0]), mesh, ("pp", "dp", "tp"), "max")
+    if error is not None:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error
+    if failed.item():
+        raise HFError(f"export to {folder} failed on rank 0; nothing was written")
+
+
+def _swap_into_place(tmp: Path, folder: Path) -> None:
+    if folder.exists():
+        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+        os.rename(folder, old)
+        os.rename(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, folder)
+
+
+# ------------------------------------------------------------------------------------------- auto_specs
+
+_FUSED = {"c_attn", "qkv_proj", "query_key_value", "W_pack", "gate_up_proj", "Wqkv"}
+_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc_in", "fc1", "w1", "w3", "query", "key",
+           "value", "dense_h_to_4h", "c_fc", "wq", "wk", "wv"}
+_ROW = {"o_proj", "out_proj", "down_proj", "fc_out", "fc2", "w2", "dense_4h_to_h", "dense", "c_proj", "wo"}
+_VOCAB = {"embed_tokens", "wte", "word_embeddings", "embed_in", "lm_head", "embed_out", "tok_embeddings", "output"}
+_CONV1D = {"c_fc", "c_proj", "c_attn"}  # GPT-2 style Conv1D: weights stored (in, out)
+
+
+def auto_specs(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, P]:
+    """A tensor-parallel plan from conventional Hugging Face names, like DeepSpeed's AutoTP parser.
+
+    ``source`` is a checkpoint folder (only headers are read) or a mapping of names to tensors or shapes.
+    Returns ``{hf_name: P}`` in the checkpoint's own layout: q/k/v/gate/up/fc_in -> column-parallel (output dim
+    split, bias split), o/down/fc_out -> row-parallel (input dim split, bias replicated), embeddings and lm_head ->
+    vocab-parallel (rows split), everything else (norms, positions, fused q/k/v, unknown names) replicated, which is
+    always correct, merely not sharded. GPT-2 Conv1D layers (stored ``(in, out)``) get the transposed specs.
+    """
+    if isinstance(source, Mapping):
+        shapes = {n: tuple(getattr(v, "shape", v)) for n, v in source.items()}
+    else:
+        shapes = {n: t.shape for n, t in _Reader(Path(source)).tensors.items()}
+    out = {}
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        leaf, module = parts[-1], (parts[-2] if len(parts) > 1 else "")
+        if len(shape) == 2 and leaf == "weight":
+            conv = module in _CONV1D
+            if module in _VOCAB:
+                out[name] = P("tp", None)
+            elif module in _FUSED:
+                out[name] = P()
+            elif module in _COLUMN:
+                out[name] = P(None, "tp") if conv else P("tp", None)
+            elif module in _ROW:
+                out[name] = P("tp", None) if conv else P(None, "tp")
+            else:
+                out[name] = P()
+        elif len(shape) == 1 and leaf == "bias" and module in _COLUMN and module not in _FUSED:
+            out[name] = P("tp")
+        else:
+            out[name] = P()
+    return out

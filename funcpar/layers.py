@@ -1,0 +1,74 @@
+"""Per-shard building blocks shared by the models: vocab-parallel embedding and vocab-parallel cross-entropy.
+
+Both take this rank's block of vocabulary rows (``V/tp`` of them, block ``c`` = rows ``c*V/tp ..``) and never
+materialise full-vocabulary tensors. At ``Mesh()`` they are the plain ``F.embedding`` and cross-entropy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from . import collectives as C
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .mesh import Mesh
+
+__all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+    """Rows of a vocab-sharded embedding table: each rank looks up the ids it owns, zeros elsewhere, then sums."""
+    if mesh.axis_size(axis) == 1:
+        return F.embedding(ids, weight)  # (B, T) -> (B, T, d)
+    n = weight.shape[0]
+    local = ids - mesh.coord(axis) * n
+    inside = (local >= 0) & (local < n)
+    rows = F.embedding(local.clamp(0, n - 1), weight)  # (B, T, d), wrong rows where not inside
+    rows = torch.where(inside[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return C.reduce_from_region(rows, mesh, axis)
+
+
+def vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+    """Per-position ``-log softmax(logits)[label]`` from vocab-sharded logits (``(..., V/tp)``), in float32.
+
+    Positions whose label is ``-100`` (or any id outside the vocabulary) give an unspecified finite value: mask
+    them out. The softmax max is a statistic (no gradient), which is exact since log-sum-exp does not depend on it.
+    """
+    logits = logits.float()
+    n = logits.shape[-1]
+    m = C.all_reduce(logits.amax(-1), mesh, axis, "max")  # (...,)
+    z = logits - m[..., None]
+    sumexp = C.reduce_from_region(z.exp().sum(-1), mesh, axis)  # (...,)
+    local = labels - mesh.coord(axis) * n
+    inside = (local >= 0) & (local < n)
+    picked = z.gather(-1, local.clamp(0, n - 1)[..., None]).squeeze(-1)  # (...,)
+    picked = torch.where(inside, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+    return sumexp.log() - C.reduce_from_region(picked, mesh, axis)
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mesh: "Mesh",
+    axis: str,
+    loss_mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """transformers' causal-LM loss: position t predicts label t+1; ``-100`` labels (and ``loss_mask == 0``) ignored.
+
+    ``reduction="mean"`` divides by the number of counted tokens (as transformers does); ``"sum"`` does not.
+    """
+    if loss_mask is not None:
+        labels = labels.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
+    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): the target of position t
+    valid = shifted != IGNORE_INDEX
+    tok = vocab_cross_entropy(logits, shifted, mesh, axis)  # (B, T)
+    total = torch.where(valid, tok, torch.zeros((), dtype=tok.dtype, device=tok.device)).sum()
+    if reduction == "sum":
+        return total
+    return total / valid.sum().clamp(min=1)

@@ -1,0 +1,190 @@
+"""GPT-2 as transformers defines it: learned positions, LayerNorm with bias, gelu (tanh), tied embeddings.
+
+Its checkpoint differs in kind from Llama's: Conv1D weights are stored ``(in, out)`` (this model keeps
+``(out, in)``, so the table lists them as transposes) and q/k/v are one fused ``c_attn`` tensor, split here into
+three leaves so that tp can shard each by heads (the table lists the splits). Per-shard code as in llama.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import einops
+import torch
+import torch.nn.functional as F
+
+from funcpar import P
+from funcpar import collectives as C
+from funcpar import layers as L
+
+MODEL_TYPES = ("gpt2",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_positions: int = 1024
+    n_inner: int | None = None
+    layer_norm_epsilon: float = 1e-5
+    activation_function: str = "gelu_new"
+    tie_word_embeddings: bool = True
+    model_type: str = "gpt2"
+    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
+
+    @property
+    def inner(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "Config":
+        if d.get("model_type", "gpt2") != "gpt2":
+            raise ValueError(f"model_type '{d.get('model_type')}' is not gpt2")
+        act = d.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"activation_function '{act}' is not supported (gelu_new, gelu_pytorch_tanh, gelu)")
+        for flag in ("scale_attn_by_inverse_layer_idx",):
+            if d.get(flag):
+                raise ValueError(f"GPT-2 option {flag}=True is not supported")
+        if d.get("tie_word_embeddings", True) is False:
+            raise ValueError("GPT-2 with an untied lm_head is not supported")
+        return cls(
+            vocab_size=d["vocab_size"],
+            n_embd=d["n_embd"],
+            n_layer=d["n_layer"],
+            n_head=d["n_head"],
+            n_positions=d.get("n_positions", 1024),
+            n_inner=d.get("n_inner"),
+            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+            activation_function=act,
+            hf=dict(d),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        d = dict(self.hf)
+        d.update(
+            model_type="gpt2",
+            architectures=d.get("architectures") or ["GPT2LMHeadModel"],
+            vocab_size=self.vocab_size, n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head,
+            n_positions=self.n_positions, n_inner=self.n_inner, layer_norm_epsilon=self.layer_norm_epsilon,
+            activation_function=self.activation_function, tie_word_embeddings=True,
+        )
+        return d
+
+
+def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    d, inner = cfg.n_embd, cfg.inner
+
+    def w(*shape):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
+
+    def const(n, v):
+        return torch.full((n,), float(v), dtype=dtype, device=device)
+
+    layers = [
+        {
+            "ln1_w": const(d, 1), "ln1_b": const(d, 0),
+            "wq": w(d, d), "wk": w(d, d), "wv": w(d, d), "bq": const(d, 0), "bk": const(d, 0), "bv": const(d, 0),
+            "wo": w(d, d), "bo": const(d, 0),
+            "ln2_w": const(d, 1), "ln2_b": const(d, 0),
+            "w_fc": w(inner, d), "b_fc": const(inner, 0), "w_proj": w(d, inner), "b_proj": const(d, 0),
+        }
+        for _ in range(cfg.n_layer)
+    ]
+    return {"wte": w(cfg.vocab_size, d), "wpe": w(cfg.n_positions, d), "layers": layers,
+            "ln_f_w": const(d, 1), "ln_f_b": const(d, 0)}
+
+
+def specs(cfg: Config, mesh=None):
+    layer = {
+        "ln1_w": P(), "ln1_b": P(), "ln2_w": P(), "ln2_b": P(),
+        "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None),
+        "bq": P("tp"), "bk": P("tp"), "bv": P("tp"),
+        "wo": P(None, "tp"), "bo": P(),
+        "w_fc": P("tp", None), "b_fc": P("tp"), "w_proj": P(None, "tp"), "b_proj": P(),
+    }
+    return {"wte": P("tp", None), "wpe": P(), "layers": [dict(layer) for _ in range(cfg.n_layer)],
+            "ln_f_w": P(), "ln_f_b": P()}
+
+
+HF_NAMES = [
+    ("wte", "transformer.wte.weight"),
+    ("wpe", "transformer.wpe.weight"),
+    ("ln_f_w", "transformer.ln_f.weight"),
+    ("ln_f_b", "transformer.ln_f.bias"),
+    ("layers.{i}.ln1_w", "transformer.h.{i}.ln_1.weight"),
+    ("layers.{i}.ln1_b", "transformer.h.{i}.ln_1.bias"),
+    ("layers.{i}.wq", "transformer.h.{i}.attn.c_attn.weight"),
+    ("layers.{i}.wk", "transformer.h.{i}.attn.c_attn.weight"),
+    ("layers.{i}.wv", "transformer.h.{i}.attn.c_attn.weight"),
+    ("layers.{i}.bq", "transformer.h.{i}.attn.c_attn.bias"),
+    ("layers.{i}.bk", "transformer.h.{i}.attn.c_attn.bias"),
+    ("layers.{i}.bv", "transformer.h.{i}.attn.c_attn.bias"),
+    ("layers.{i}.wo", "transformer.h.{i}.attn.c_proj.weight"),
+    ("layers.{i}.bo", "transformer.h.{i}.attn.c_proj.bias"),
+    ("layers.{i}.ln2_w", "transformer.h.{i}.ln_2.weight"),
+    ("layers.{i}.ln2_b", "transformer.h.{i}.ln_2.bias"),
+    ("layers.{i}.w_fc", "transformer.h.{i}.mlp.c_fc.weight"),
+    ("layers.{i}.b_fc", "transformer.h.{i}.mlp.c_fc.bias"),
+    ("layers.{i}.w_proj", "transformer.h.{i}.mlp.c_proj.weight"),
+    ("layers.{i}.b_proj", "transformer.h.{i}.mlp.c_proj.bias"),
+]
+# Conv1D stores (in, out); these leaves are (out, in)
+HF_TRANSPOSED = ["layers.{i}.wq", "layers.{i}.wk", "layers.{i}.wv", "layers.{i}.wo", "layers.{i}.w_fc", "layers.{i}.w_proj"]
+# leaf = part k of n of the fused HF tensor along HF dimension `dim`: (dim, k, n)
+HF_SPLITS = {
+    "layers.{i}.wq": (1, 0, 3), "layers.{i}.wk": (1, 1, 3), "layers.{i}.wv": (1, 2, 3),
+    "layers.{i}.bq": (0, 0, 3), "layers.{i}.bk": (0, 1, 3), "layers.{i}.bv": (0, 2, 3),
+}
+# causal-mask buffers older GPT-2 checkpoints carry, and a copy of the tied head
+HF_IGNORED = [r".*\.attn\.bias$", r".*\.attn\.masked_bias$", r"^lm_head\.weight$"]
+
+
+def hf_ignored(cfg: Config) -> list[str]:
+    return HF_IGNORED
+
+
+def _gelu(x, cfg: Config):
+    return F.gelu(x) if cfg.activation_function == "gelu" else F.gelu(x, approximate="tanh")
+
+
+def _block(p, x, cfg: Config, mesh):
+    hd = cfg.head_dim
+    h = C.copy_to_region(F.layer_norm(x, (cfg.n_embd,), p["ln1_w"], p["ln1_b"], cfg.layer_norm_epsilon), mesh, "tp")
+    q = F.linear(h, p["wq"], p["bq"])  # (B, T, d) -> (B, T, H/tp*hd)
+    k = F.linear(h, p["wk"], p["bk"])  # (B, T, H/tp*hd)
+    v = F.linear(h, p["wv"], p["bv"])  # (B, T, H/tp*hd)
+    q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
+    x = x + C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
+    h = C.copy_to_region(F.layer_norm(x, (cfg.n_embd,), p["ln2_w"], p["ln2_b"], cfg.layer_norm_epsilon), mesh, "tp")
+    h = _gelu(F.linear(h, p["w_fc"], p["b_fc"]), cfg)  # (B, T, d) -> (B, T, I/tp)
+    return x + C.reduce_from_region(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, I/tp) -> (B, T, d)
+
+
+def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """This rank's logits (B, T, V/tp), vocab-sharded over tp."""
+    T = tokens.shape[1]
+    if T > cfg.n_positions:
+        raise ValueError(f"sequence length {T} exceeds GPT-2's n_positions={cfg.n_positions}")
+    x = L.vocab_embedding(params["wte"], tokens, mesh, "tp") + params["wpe"][:T]  # (B, T, d)
+    for lp in params["layers"]:
+        x = _block(lp, x, cfg, mesh)
+    x = F.layer_norm(x, (cfg.n_embd,), params["ln_f_w"], params["ln_f_b"], cfg.layer_norm_epsilon)
+    return F.linear(C.copy_to_region(x, mesh, "tp"), params["wte"])  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+
+
+def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
+    tokens = batch["input_ids"]
+    logits = forward(params, tokens, cfg, mesh)
+    return L.causal_lm_loss(logits, batch.get("labels", tokens), mesh, "tp", batch.get("loss_mask"), reduction)

@@ -1,0 +1,350 @@
+"""The Llama family as transformers defines it: Llama (GQA, rope_theta, llama3/linear rope scaling), Mistral
+(sliding-window attention), Qwen2 (q/k/v bias), with or without tied embeddings.
+
+Per-shard code (DESIGN rule 1): q/k/v and gate/up are column-parallel (output rows split over tp), o and down are
+row-parallel (input columns split), the embedding and the LM head are vocab-parallel, and the loss is a
+vocab-parallel cross-entropy, so full-vocabulary logits never exist during training. Weights keep transformers'
+``(out, in)`` layout, so this model's HF table needs no transposes. Local head counts are read from the shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import einops
+import torch
+import torch.nn.functional as F
+
+from funcpar import P
+from funcpar import collectives as C
+from funcpar import layers as L
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = dataclasses.field(default=None, hash=False, compare=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_windows: tuple = ()  # per layer: a window size or None
+    model_type: str = "llama"
+    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "Config":
+        mt = d.get("model_type", "llama")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"model_type '{mt}' is not a Llama-family model ({', '.join(MODEL_TYPES)})")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act '{act}' is not supported by funcpar's llama model (only 'silu')")
+        heads = d["num_attention_heads"]
+        rp = d.get("rope_parameters") or {}
+        theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = dict(rp) if rp.get("rope_type", rp.get("type", "default")) != "default" else d.get("rope_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"rope scaling type '{kind}' is not supported (supported: default, linear, llama3)")
+            if kind == "default":
+                scaling = None
+        n = d["num_hidden_layers"]
+        window = d.get("sliding_window")
+        if mt == "mistral":
+            windows = tuple([window] * n)
+        elif mt == "qwen2" and d.get("use_sliding_window") and window:
+            types = d.get("layer_types") or [
+                "sliding_attention" if i >= d.get("max_window_layers", n) else "full_attention" for i in range(n)
+            ]
+            windows = tuple(window if t == "sliding_attention" else None for t in types)
+        else:
+            windows = tuple([None] * n)
+        bias = bool(d.get("attention_bias", False))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if mt == "qwen2" else bias,
+            o_bias=False if mt == "qwen2" else bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_windows=windows,
+            model_type=mt,
+            hf=dict(d),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict: the original one where this config came from a folder, with our fields set."""
+        d = dict(self.hf)
+        d.update(
+            model_type=self.model_type,
+            architectures=d.get("architectures") or [ARCHITECTURES[self.model_type]],
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act="silu",
+        )
+        if self.model_type != "qwen2":
+            d["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            d["mlp_bias"] = self.mlp_bias
+        if "rope_theta" in self.hf and "rope_parameters" not in self.hf:  # transformers 4 style
+            d["rope_theta"] = self.rope_theta
+            d["rope_scaling"] = self.rope_scaling
+        else:
+            d["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        return d
+
+
+def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    """Global parameters, N(0, 0.02) weights and unit norms as transformers initialises them. ``device="meta"``
+    gives shapes only."""
+    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def w(*shape):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    def zeros(n):
+        return torch.zeros(n, dtype=dtype, device=device)
+
+    layers = []
+    for _ in range(cfg.num_hidden_layers):
+        lp = {
+            "attn_norm": ones(d),
+            "wq": w(cfg.num_attention_heads * hd, d),
+            "wk": w(cfg.num_key_value_heads * hd, d),
+            "wv": w(cfg.num_key_value_heads * hd, d),
+            "wo": w(d, cfg.num_attention_heads * hd),
+            "mlp_norm": ones(d),
+            "w_gate": w(inter, d),
+            "w_up": w(inter, d),
+            "w_down": w(d, inter),
+        }
+        if cfg.qkv_bias:
+            lp |= {"bq": zeros(cfg.num_attention_heads * hd), "bk": zeros(cfg.num_key_value_heads * hd),
+                   "bv": zeros(cfg.num_key_value_heads * hd)}
+        if cfg.o_bias:
+            lp["bo"] = zeros(d)
+        if cfg.mlp_bias:
+            lp |= {"b_gate": zeros(inter), "b_up": zeros(inter), "b_down": zeros(d)}
+        layers.append(lp)
+    params = {"embed": w(cfg.vocab_size, d), "layers": layers, "norm": ones(d)}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = w(cfg.vocab_size, d)
+    return params
+
+
+_LAYER_SPECS = {
+    "attn_norm": P(), "mlp_norm": P(),
+    "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None), "wo": P(None, "tp"),
+    "bq": P("tp"), "bk": P("tp"), "bv": P("tp"), "bo": P(),
+    "w_gate": P("tp", None), "w_up": P("tp", None), "w_down": P(None, "tp"),
+    "b_gate": P("tp"), "b_up": P("tp"), "b_down": P(),
+}
+
+
+def specs(cfg: Config, mesh=None):
+    """Megatron's plan: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and head.
+
+    Given the mesh, a tp larger than (or not dividing) the kv-head count replicates the k/v projections instead of
+    cutting heads apart; each rank then uses the kv heads its query heads need (see ``_attention``).
+    """
+    shapes = init(cfg, device="meta")
+    layer = dict(_LAYER_SPECS)
+    if mesh is not None and cfg.num_key_value_heads % mesh.axis_size("tp"):
+        layer |= {"wk": P(), "wv": P(), "bk": P(), "bv": P()}
+    out = {
+        "embed": P("tp", None),
+        "layers": [{k: layer[k] for k in lp} for lp in shapes["layers"]],
+        "norm": P(),
+    }
+    if "lm_head" in shapes:
+        out["lm_head"] = P("tp", None)
+    return out
+
+
+# transformers name <-> pytree path: a literal table ({i} = layer index); this model stores weights as HF does,
+# so it has no transposes and no splits
+HF_NAMES = [
+    ("embed", "model.embed_tokens.weight"),
+    ("norm", "model.norm.weight"),
+    ("lm_head", "lm_head.weight"),
+    ("layers.{i}.attn_norm", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.mlp_norm", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.wq", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.wk", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.wv", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.wo", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.bq", "model.layers.{i}.self_attn.q_proj.bias"),
+    ("layers.{i}.bk", "model.layers.{i}.self_attn.k_proj.bias"),
+    ("layers.{i}.bv", "model.layers.{i}.self_attn.v_proj.bias"),
+    ("layers.{i}.bo", "model.layers.{i}.self_attn.o_proj.bias"),
+    ("layers.{i}.w_gate", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.w_up", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.w_down", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.b_gate", "model.layers.{i}.mlp.gate_proj.bias"),
+    ("layers.{i}.b_up", "model.layers.{i}.mlp.up_proj.bias"),
+    ("layers.{i}.b_down", "model.layers.{i}.mlp.down_proj.bias"),
+]
+HF_TRANSPOSED: list[str] = []
+HF_SPLITS: dict[str, tuple[int, int, int]] = {}
+# tensors some checkpoints carry that hold nothing to load (regular expressions)
+HF_IGNORED = [r".*\.rotary_emb\.inv_freq$"]
+
+
+def hf_ignored(cfg: Config) -> list[str]:
+    # a tied checkpoint may still carry a copy of the head; it is the embedding
+    return HF_IGNORED + ([r"^lm_head\.weight$"] if cfg.tie_word_embeddings else [])
+
+
+# ------------------------------------------------------------------------------------------------- the model
+
+
+def rope_inv_freq(cfg: Config) -> torch.Tensor:
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv / s["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rope_cos_sin(cfg: Config, T: int, device, dtype):
+    freqs = torch.arange(T, device=device).float()[:, None] * rope_inv_freq(cfg).to(device)[None, :]  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _kv_weights(p, cfg: Config, mesh):
+    """This rank's k/v projections: its shards, or, where they are replicated because tp does not divide the kv
+    heads, the rows of the kv heads its query heads use (gradients summed over tp by ``copy_to_region``)."""
+    hd = cfg.head_dim
+    hq, hkv = p["wq"].shape[0] // hd, p["wk"].shape[0] // hd  # local head counts, read from the shards
+    if p["wq"].shape[0] % hd or p["wk"].shape[0] % hd:
+        raise ValueError(
+            f"the tp plan cuts attention heads apart (local wq {tuple(p['wq'].shape)}, wk {tuple(p['wk'].shape)}, "
+            f"head_dim {hd}, tp={mesh.axis_size('tp')}): build specs with specs(cfg, mesh), which replicates k/v "
+            f"when tp does not divide num_key_value_heads={cfg.num_key_value_heads}"
+        )
+    names = [n for n in ("wk", "wv", "bk", "bv") if n in p]
+    if hkv != cfg.num_key_value_heads or hq == cfg.num_attention_heads:
+        return [p[n] for n in ("wk", "wv")] + [p.get(n) for n in ("bk", "bv")]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per kv head
+    q0 = mesh.coord("tp") * hq
+    k0, k1 = q0 // group, (q0 + hq - 1) // group + 1  # kv heads used by query heads q0 .. q0+hq-1
+    sel = {n: C.copy_to_region(p[n], mesh, "tp")[k0 * hd : k1 * hd] for n in names}
+    return [sel["wk"], sel["wv"], sel.get("bk"), sel.get("bv")]
+
+
+def _attention(p, x, cos, sin, window, cfg: Config, mesh):
+    hd = cfg.head_dim
+    T = x.shape[1]
+    wk, wv, bk, bv = _kv_weights(p, cfg, mesh)
+    x = C.copy_to_region(x, mesh, "tp")
+    q = F.linear(x, p["wq"], p.get("bq"))  # (B, T, d) -> (B, T, Hq/tp*hd)
+    k = F.linear(x, wk, bk)  # (B, T, d) -> (B, T, Hkv/tp*hd)
+    v = F.linear(x, wv, bv)  # (B, T, d) -> (B, T, Hkv/tp*hd)
+    q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
+    q = q * cos + _rotate_half(q) * sin  # (B, Hq/tp, T, hd)
+    k = k * cos + _rotate_half(k) * sin  # (B, Hkv/tp, T, hd)
+    if window is not None and T > window:
+        i = torch.arange(T, device=x.device)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T): causal, last `window`
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq/tp, T, hd)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq/tp, T, hd)
+    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
+    y = C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
+    return y + p["bo"] if "bo" in p else y
+
+
+def _mlp(p, x, mesh):
+    x = C.copy_to_region(x, mesh, "tp")
+    g = F.linear(x, p["w_gate"], p.get("b_gate"))  # (B, T, d) -> (B, T, I/tp)
+    u = F.linear(x, p["w_up"], p.get("b_up"))  # (B, T, d) -> (B, T, I/tp)
+    y = C.reduce_from_region(F.linear(F.silu(g) * u, p["w_down"]), mesh, "tp")  # (B, T, I/tp) -> (B, T, d)
+    return y + p["b_down"] if "b_down" in p else y
+
+
+def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """The final normed hidden states (B, T, d), replicated over tp."""
+    x = L.vocab_embedding(params["embed"], tokens, mesh, "tp")  # (B, T) -> (B, T, d)
+    cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
+    for lp, window in zip(params["layers"], cfg.sliding_windows):
+        x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, window, cfg, mesh)
+        x = x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
+    return _rms_norm(x, params["norm"], cfg.rms_norm_eps)
+
+
+def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """This rank's logits, (B, T, V/tp): vocab-sharded over tp (the full logits at ``Mesh()``)."""
+    x = C.copy_to_region(hidden_states(params, tokens, cfg, mesh), mesh, "tp")
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+
+
+def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
+    """transformers' ``labels=`` loss: mean over counted tokens of the shifted cross-entropy (``-100`` ignored,
+    ``batch["loss_mask"]`` optional), computed vocab-parallel. ``labels`` defaults to ``input_ids``."""
+    tokens = batch["input_ids"]
+    labels = batch.get("labels", tokens)
+    logits = forward(params, tokens, cfg, mesh)
+    return L.causal_lm_loss(logits, labels, mesh, "tp", batch.get("loss_mask"), reduction)

@@ -1,0 +1,53 @@
+"""Tiny transformers checkpoints made from configs (no hub), shared by the HF/model tests."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import transformers as tf
+
+CONFIGS = {
+    # GQA (8 query heads, 4 kv heads) and llama3 rope scaling: tp = 2 and 4
+    "llama": lambda: tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, rope_theta=500.0, max_position_embeddings=64,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8},
+    ),
+    # sliding window shorter than the test sequence; 2 kv heads, so tp=4 replicates k/v (beyond what peers do)
+    "mistral": lambda: tf.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=5, max_position_embeddings=64,
+    ),
+    # q/k/v bias
+    "qwen2": lambda: tf.Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64,
+    ),
+    "llama_tied": lambda: tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=64,
+    ),
+    "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32),
+}
+MAX_TP = {"llama": 4, "mistral": 4, "qwen2": 4, "llama_tied": 4, "gpt2": 4}
+
+
+def make_checkpoint(kind: str, folder: str, seed: int = 0, **save_kwargs):
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so that a mix-up would show
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder, **save_kwargs)
+    return model
+
+
+def batch(seed: int = 0, B: int = 2, T: int = 12, V: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # some ignored positions
+    return {"input_ids": ids, "labels": labels}
