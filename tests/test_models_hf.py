@@ -333,4 +333,5 @@ def test_gathered_gradients_equal_single_process(ckpts, kind):
     got = harness.run(4, _sharded_grads, path, 4, b)[0]
     for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref)):
         err = (g - r).abs().max().item()
-        assert err <= 1e-5 * r.abs().max().item(), (kind, name, err)
+        # + 1e-9: GPT-2's key bias has a mathematically zero gradient (softmax ignores a shift shared by all keys)
+        assert err <= 1e-5 * r.abs().max().item() + 1e-9, (kind, name, err)
