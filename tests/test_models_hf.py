@@ -335,3 +335,23 @@ def test_gathered_gradients_equal_single_process(ckpts, kind):
         err = (g - r).abs().max().item()
         # + 1e-9: GPT-2's key bias has a mathematically zero gradient (softmax ignores a shift shared by all keys)
         assert err <= 1e-5 * r.abs().max().item() + 1e-9, (kind, name, err)
+
+
+def test_loss_mask_equals_ignored_labels_and_transformers(ckpts):
+    import transformers as tf
+
+    path, _, _, b = ckpts["qwen2"]
+    params, cfg = fp.hf.load(path)
+    from funcpar.models import llama
+
+    mask = torch.ones_like(b["input_ids"])
+    mask[:, 5:8] = 0  # e.g. prompt tokens of an SFT sample
+    masked = llama.loss(params, {"input_ids": b["input_ids"], "loss_mask": mask}, cfg, fp.Mesh())
+    labels = b["input_ids"].masked_fill(mask == 0, -100)
+    as_labels = llama.loss(params, {"input_ids": b["input_ids"], "labels": labels}, cfg, fp.Mesh())
+    with torch.no_grad():
+        ref = tf.AutoModelForCausalLM.from_pretrained(path)(input_ids=b["input_ids"], labels=labels).loss
+    assert masked.item() == as_labels.item()
+    assert abs(masked.item() - ref.item()) <= 1e-5 * ref.item()
+    unmasked = llama.loss(params, {"input_ids": b["input_ids"]}, cfg, fp.Mesh())
+    assert abs(unmasked.item() - masked.item()) > 1e-4  # the mask changes the loss
