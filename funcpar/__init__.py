@@ -6,6 +6,7 @@ The public API is what this module re-exports; everything else is private.
 from . import collectives as collectives
 from . import hf as hf
 from . import layers as layers
+from . import optim as optim
 from . import tree as tree
 from .collectives import CollectiveError as CollectiveError
 from .mesh import Mesh as Mesh
@@ -17,5 +18,9 @@ from .spec import P as P
 from .spec import SpecError as SpecError
 from .spec import local_shape as local_shape
 from .spec import local_slice as local_slice
+from .step import Step as Step
+from .step import StepError as StepError
+from .step import TrainState as TrainState
+from .step import compile_step as compile_step
 
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "IGNORE_INDEX"]
+__all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -72,3 +72,11 @@ def causal_lm_loss(
     if reduction == "sum":
         return total
     return total / valid.sum().clamp(min=1)
+
+
+def count_targets(batch: dict) -> int:
+    """How many tokens :func:`causal_lm_loss` averages over in ``batch`` (shifted labels not ``-100``, masked)."""
+    labels = batch.get("labels", batch["input_ids"])
+    if batch.get("loss_mask") is not None:
+        labels = labels.masked_fill(~batch["loss_mask"].bool(), IGNORE_INDEX)
+    return int((labels[..., 1:] != IGNORE_INDEX).sum().item())

@@ -1,0 +1,364 @@
+"""``compile_step``: the whole sharded train step from a pure per-shard loss function.
+
+Per step: gradients with ``torch.func.grad_and_value`` over ``accum_steps`` micro-batches, each micro-batch's loss
+weighted by its share of the global batch's target tokens (so the result is exactly the loss of the global batch,
+as one process computing it would); the data-parallel reduction; the global gradient norm over every shard, each
+element counted once; clipping; the optimizer update; and the new parameters.
+
+ZeRO, bucketed. Leaves are grouped into flat buckets by dtype and by the mesh axes along which they are
+*replicated* (an axis absent from the leaf's spec). A bucket is reduced over dp with one collective and, for
+``zero >= 1``, partitioned over all of its replicated axes: a tp-sharded weight's bucket is split over dp, a
+tp-replicated norm's bucket over dp x tp. Each rank keeps optimizer state only for its part, updates it, and the
+parts are all-gathered back into whole (local) leaves. So optimizer state per rank is total/(tp*dp) up to
+padding, and a step issues a handful of collectives whatever the number of leaves.
+
+- ``zero=0``: all-reduce gradients over dp; every rank runs the optimizer on its whole local leaves.
+- ``zero=1``: accumulate micro-batch gradients locally, then one reduce-scatter per bucket.
+- ``zero=2``: reduce-scatter after every micro-batch and keep only the local part across micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from . import collectives as C
+from .mesh import Mesh
+from .optim import GradientTransformation, chain, clip_by_global_norm
+from .spec import SpecError, broadcast_specs
+from .tree import path_str
+
+__all__ = ["compile_step", "Step", "TrainState", "StepError"]
+
+
+class StepError(ValueError):
+    """A train step that cannot run as asked: batch sizes, loss shape, specs, inconsistent data."""
+
+
+class TrainState(NamedTuple):
+    params: Any  # this rank's local shards, the structure of the model's params
+    opt_state: Any  # the optimizer's state over this rank's ZeRO part of each leaf (1-D)
+    step: int  # updates done
+
+
+@dataclass
+class _Bucket:
+    dtype: torch.dtype
+    zero_axes: tuple[str, ...]  # axes this bucket's optimizer state is partitioned over (major first)
+    leaves: list[int]  # indices into the flat leaf list
+    offsets: list[int]
+    sizes: list[int]
+    length: int = 0
+    padded: int = 0
+    lo: int = 0  # this rank's part of the flat bucket: [lo, hi)
+    hi: int = 0
+    counted: bool = True  # whether this rank's part counts toward the global norm (zero=0 dedup)
+
+
+def _weight_default(mb: Any) -> float:
+    if isinstance(mb, dict) and "input_ids" in mb:
+        from .layers import count_targets
+
+        return float(count_targets(mb))
+    return float(_rows(mb))
+
+
+def _rows(batch: Any) -> int:
+    xs = [x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    if not xs:
+        raise StepError("the batch holds no tensors")
+    n = xs[0].shape[0]
+    for path, x in _batch_items(batch):
+        if x.shape[0] != n:
+            raise StepError(f"batch entries disagree on the batch dimension: {path} has {x.shape[0]} rows, not {n}")
+    return n
+
+
+def _batch_items(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    return [(f"batch[{path_str(p)!r}]", x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
+
+
+def _split(batch: Any, n: int) -> list[Any]:
+    treedef = optree.tree_structure(batch)
+    cols = [x.chunk(n, 0) if isinstance(x, torch.Tensor) else [x] * n for x in optree.tree_leaves(batch)]
+    return [optree.tree_unflatten(treedef, [c[i] for c in cols]) for i in range(n)]
+
+
+class Step:
+    """A compiled train step: ``state = step.init(params)``, ``state, metrics = step(state, batch)``."""
+
+    def __init__(
+        self,
+        loss_fn: Callable,
+        specs: Any,
+        *,
+        mesh: Mesh,
+        optimizer: GradientTransformation,
+        zero: int = 1,
+        accum_steps: int = 1,
+        clip_norm: float | None = None,
+        has_aux: bool = False,
+        check: bool = False,
+        weight_fn: Callable[[Any], float] | None = _weight_default,
+        bucket_mb: float = 1024,
+    ):
+        if zero not in (0, 1, 2):
+            raise StepError(f"zero must be 0, 1 or 2, got {zero!r}")
+        if not isinstance(accum_steps, int) or accum_steps < 1:
+            raise StepError(f"accum_steps must be a positive int, got {accum_steps!r}")
+        if mesh.axis_size("pp") > 1:
+            raise StepError(f"{mesh!r}: compile_step trains without pipeline stages (pp=1)")
+        self.loss_fn, self.specs, self.mesh = loss_fn, specs, mesh
+        self.zero, self.accum_steps, self.clip_norm = zero, accum_steps, clip_norm
+        self.has_aux, self.check, self.weight_fn = has_aux, check, weight_fn
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.optimizer = chain(clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
+        self.schedule = optimizer.schedule
+        self._grad = torch.func.grad_and_value(self._scaled_loss, has_aux=True)
+        self._layout: tuple | None = None
+        self._checked = False
+
+    # ------------------------------------------------------------------------------------------- layout
+    def _scaled_loss(self, params, batch, scale):
+        out = self.loss_fn(params, batch)
+        loss, aux = out if self.has_aux else (out, None)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise StepError(f"loss_fn must return a scalar tensor (use .mean() or .sum()); it returned {shape}")
+        return loss * scale, ((loss.detach(), aux) if self.has_aux else loss.detach())
+
+    def _build_layout(self, params: Any):
+        matched = broadcast_specs(self.specs, params)
+        mesh = self.mesh
+        leaves = [x for _, _, x in matched]
+        groups: dict[tuple, list[int]] = {}
+        for i, (path, spec, x) in enumerate(matched):
+            if not isinstance(x, torch.Tensor):
+                raise StepError(f"leaf '{path}' is a {type(x).__name__}, not a tensor")
+            if "dp" in spec.axes:
+                raise SpecError(
+                    f"leaf '{path}': spec {spec} shards over 'dp'; compile_step keeps parameters whole over dp and "
+                    f"partitions their optimizer state instead (zero=1/2)"
+                )
+            if "pp" in spec.axes:
+                raise SpecError(f"leaf '{path}': spec {spec} names 'pp', which compile_step does not use")
+            repl = tuple(a for a in ("dp", "tp") if a not in spec.axes and mesh.axis_size(a) > 1)
+            groups.setdefault((x.dtype, x.device, repl), []).append(i)
+        buckets = []
+        for (dtype, _, repl), idx in groups.items():
+            zero_axes = repl if self.zero >= 1 else ()
+            parts = math.prod(mesh.axis_size(a) for a in zero_axes)
+            cur: list[int] = []
+            cur_bytes = 0
+            chunks = []
+            for i in idx:
+                nb = leaves[i].numel() * leaves[i].element_size()
+                if cur and cur_bytes + nb > self.bucket_bytes:
+                    chunks.append(cur)
+                    cur, cur_bytes = [], 0
+                cur.append(i)
+                cur_bytes += nb
+            chunks.append(cur)
+            for chunk in chunks:
+                sizes = [leaves[i].numel() for i in chunk]
+                offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+                length = sum(sizes)
+                padded = -(-length // parts) * parts
+                part = 0
+                for a in zero_axes:
+                    part = part * mesh.axis_size(a) + mesh.coord(a)
+                n = padded // parts
+                counted = self.zero >= 1 or all(mesh.coord(a) == 0 for a in repl)
+                buckets.append(
+                    _Bucket(dtype, zero_axes, chunk, offsets, sizes, length, padded, part * n, (part + 1) * n, counted)
+                )
+        treedef = optree.tree_structure(params)
+        shapes = [tuple(x.shape) for x in leaves]
+        return treedef, shapes, buckets, [p for p, _, _ in matched]
+
+    def _views(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per leaf, this rank's part of it (1-D), as views into the bucket slices, in leaf order."""
+        treedef, shapes, buckets, _ = self._layout
+        out: list[torch.Tensor | None] = [None] * len(shapes)
+        for b, s in zip(buckets, slices):
+            for i, o, n in zip(b.leaves, b.offsets, b.sizes):
+                a, z = max(b.lo, o), min(b.hi, o + n)
+                out[i] = s[a - b.lo : z - b.lo] if a < z else s[:0]
+        return out
+
+    def _param_slices(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        _, _, buckets, _ = self._layout
+        out = []
+        for b in buckets:
+            pieces = []
+            for i, o, n in zip(b.leaves, b.offsets, b.sizes):
+                a, z = max(b.lo, o), min(b.hi, o + n)
+                if a < z:
+                    pieces.append(leaves[i].detach().reshape(-1)[a - o : z - o])
+            pad = (b.hi - b.lo) - sum(p.numel() for p in pieces)
+            if pad:
+                pieces.append(torch.zeros(pad, dtype=b.dtype, device=leaves[b.leaves[0]].device))
+            out.append(torch.cat(pieces))
+        return out
+
+    def _flat(self, b: _Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
+        pieces = [leaves[i].reshape(-1) for i in b.leaves]
+        if b.padded > b.length:
+            pieces.append(pieces[0].new_zeros(b.padded - b.length))
+        return torch.cat(pieces)
+
+    def _reduce_part(self, b: _Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """The summed-over-dp gradient of this rank's part of bucket ``b`` (the whole bucket at zero=0)."""
+        mesh = self.mesh
+        if not b.zero_axes:
+            return C._raw_all_reduce(flat, mesh, "dp") if mesh.axis_size("dp") > 1 else flat
+        if "dp" in b.zero_axes:
+            flat = C._raw_reduce_scatter(flat, mesh, "dp", 0)
+        if "tp" in b.zero_axes:  # identical across tp already: keep this rank's block
+            k = flat.numel() // mesh.axis_size("tp")
+            flat = flat[mesh.coord("tp") * k : (mesh.coord("tp") + 1) * k]
+        return flat
+
+    def _gather_whole(self, b: _Bucket, part: torch.Tensor) -> torch.Tensor:
+        mesh = self.mesh
+        for a in reversed(b.zero_axes):  # minor axis first, as the parts were cut
+            part = C._raw_all_gather(part, mesh, a, 0)
+        return part
+
+    # ----------------------------------------------------------------------------------------------- API
+    def init(self, params: Any) -> TrainState:
+        """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts."""
+        self._layout = self._build_layout(params)
+        leaves = optree.tree_leaves(params)
+        views = self._views(self._param_slices(leaves))
+        treedef = self._layout[0]
+        opt_state = self.optimizer.init(optree.tree_unflatten(treedef, views))
+        return TrainState(params, opt_state, 0)
+
+    def _check_consistency(self, params_leaves: list[torch.Tensor], batch: Any) -> None:
+        """check=True: the batch agrees across tp, replicated leaves agree along their replicated axes."""
+        mesh = self.mesh
+
+        def sums(x):
+            x = x.detach().double().reshape(-1)
+            w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(7.0).add_(1.0)
+            return torch.stack([x.sum(), (x * w).sum()])
+
+        items = [(name, x, ("tp",)) for name, x in _batch_items(batch)]
+        _, _, _, paths = self._layout
+        matched = broadcast_specs(self.specs, optree.tree_unflatten(self._layout[0], params_leaves))
+        items += [(f"leaf '{p}'", x, tuple(a for a in ("tp", "dp") if a not in s.axes)) for p, s, x in matched]
+        for axis in ("tp", "dp"):
+            if mesh.axis_size(axis) == 1:
+                continue
+            sel = [(n, x) for n, x, axes in items if axis in axes]
+            if not sel:
+                continue
+            v = torch.stack([sums(x) for _, x in sel])
+            hi, lo = C.all_reduce(v, mesh, axis, "max"), C.all_reduce(v, mesh, axis, "min")
+            bad = (hi != lo).any(-1).nonzero()
+            if len(bad):
+                name = sel[int(bad[0])][0]
+                what = "Data inconsistency within the TP group" if axis == "tp" else "Replicas disagree over dp"
+                raise StepError(
+                    f"{what}: {name} differs across mesh axis '{axis}' (group ranks {mesh.group_ranks(axis)}); "
+                    f"every rank of the group must hold the same values"
+                    + (" (feed every tp rank the same batch)" if name.startswith("batch") else "")
+                )
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        t0 = time.perf_counter()
+        mesh, A = self.mesh, self.accum_steps
+        if self._layout is None:
+            raise StepError("call step.init(params) before the first step")
+        treedef, shapes, buckets, _ = self._layout
+        p_leaves = treedef.flatten_up_to(state.params)
+        rows = _rows(batch)
+        if rows % A:
+            dp = mesh.axis_size("dp")
+            raise StepError(
+                f"the global batch of {rows * dp} rows ({rows} on this dp rank x dp={dp}) is not divisible by "
+                f"dp x accum_steps = {dp * A}: make it a multiple of {dp * A}"
+            )
+        if self.check and not self._checked:
+            self._check_consistency(p_leaves, batch)
+            self._checked = True
+        micro = _split(batch, A)
+        # each micro-batch's loss weighted by its share of the global batch's targets -> the global mean exactly
+        w = torch.tensor([self.weight_fn(mb) if self.weight_fn else 1.0 for mb in micro], dtype=torch.float64)
+        total = C.all_reduce(w.sum(), mesh, "dp").item() if mesh.axis_size("dp") > 1 else w.sum().item()
+        if total <= 0:
+            raise StepError("the global batch has no targets to train on (every label is -100 or masked)")
+        acc: list[torch.Tensor | None] = [None] * len(buckets)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        auxes = []
+        for mb, wm in zip(micro, w.tolist()):
+            grads, (_, out) = self._grad(state.params, mb, wm / total)
+            loss, aux = out if self.has_aux else (out, None)
+            auxes.append(aux)
+            loss_sum += loss.detach().double().cpu() * (wm / total)
+            g_leaves = treedef.flatten_up_to(grads)
+            for k, b in enumerate(buckets):
+                flat = self._flat(b, g_leaves)
+                if self.zero == 2:
+                    flat = self._reduce_part(b, flat)
+                acc[k] = flat if acc[k] is None else acc[k].add_(flat)
+        parts = acc if self.zero == 2 else [self._reduce_part(b, f) for b, f in zip(buckets, acc)]
+        # global norm: every element once (ZeRO parts are disjoint; at zero=0 only one replica counts)
+        sq = torch.stack([p.float().pow(2).sum() if b.counted else p.new_zeros((), dtype=torch.float32)
+                          for b, p in zip(buckets, parts)]).sum()
+        first_tp = mesh.coord("tp") == 0
+        stats = torch.stack([sq.double().cpu(), loss_sum if first_tp else torch.zeros((), dtype=torch.float64)])
+        stats = C.all_reduce(stats.to(mesh.device), mesh, ("dp", "tp"))
+        grad_norm = stats[0].sqrt().float()
+        loss_value = stats[1].item()
+        # optimizer on this rank's parts
+        g_views = optree.tree_unflatten(treedef, self._views(parts))
+        p_slices = self._param_slices(p_leaves)
+        p_views = optree.tree_unflatten(treedef, self._views(p_slices))
+        updates, opt_state = self.optimizer.update(g_views, state.opt_state, p_views, global_norm=grad_norm.to(parts[0].device))
+        new_slices = [s.clone() for s in p_slices]
+        new_views = self._views(new_slices)
+        u_leaves = treedef.flatten_up_to(updates)
+        pairs = [(v, u) for v, u in zip(new_views, u_leaves) if u is not None and v.numel()]
+        if pairs:
+            torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
+        new_leaves: list[torch.Tensor | None] = [None] * len(shapes)
+        for b, s in zip(buckets, new_slices):
+            whole = self._gather_whole(b, s)
+            for i, o, n in zip(b.leaves, b.offsets, b.sizes):
+                new_leaves[i] = whole[o : o + n].view(shapes[i])
+        new_params = optree.tree_unflatten(treedef, new_leaves)
+        elapsed = time.perf_counter() - t0
+        tokens = rows * mesh.axis_size("dp")
+        if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim > 1:
+            tokens *= batch["input_ids"].shape[1]
+        metrics = {
+            "loss": loss_value,
+            "grad_norm": grad_norm.item(),
+            "lr": self.schedule(state.step) if self.schedule else float("nan"),
+            "tokens": tokens,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else float("inf"),
+            "step": state.step + 1,
+        }
+        if self.has_aux:
+            metrics["aux"] = auxes
+        return TrainState(new_params, opt_state, state.step + 1), metrics
+
+
+def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh, optimizer: GradientTransformation, **kwargs) -> Step:
+    """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
+
+    Keyword options: ``zero`` (0, 1, 2; default 1), ``accum_steps`` (micro-batches per step), ``clip_norm``
+    (clip by the global gradient norm), ``has_aux`` (``loss_fn`` returns ``(loss, aux)``), ``check`` (verify on the
+    first step that batch and replicated leaves agree across ranks), ``weight_fn`` (a micro-batch's weight in the
+    global mean; default: its number of causal-LM targets for ``{"input_ids", ...}`` batches, else its rows),
+    ``bucket_mb`` (largest gradient bucket).
+    """
+    return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, **kwargs)

@@ -1,0 +1,325 @@
+"""compile_step on real gloo meshes against a single-process run and against transformers + torch.optim."""
+
+import functools
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+
+import funcpar as fp
+import harness
+from funcpar.models import llama
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STEPS, B, T, V = 5, 8, 16, 64
+CLIP, LR, WD = 0.5, 1e-2, 0.1
+
+
+def config(layers=2):
+    # 4 query heads, 2 kv heads: at tp=4 the k/v projections are replicated (more tp ranks than kv heads)
+    return llama.Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_windows=(None,) * layers)
+
+
+def batches():
+    out = []
+    for s in range(STEPS):
+        g = torch.Generator().manual_seed(100 + s)
+        ids = torch.randint(0, V, (B, T), generator=g)
+        labels = ids.clone()
+        labels[s % B, : 3 + s] = -100  # micro-batches and dp ranks hold different numbers of targets
+        labels[(s + 3) % B, 10:] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def make_opt(kind):
+    if kind == "adamw":
+        return fp.optim.adamw(LR, weight_decay=WD)
+    if kind == "lion":
+        return fp.optim.lion(1e-3, weight_decay=WD)
+    return fp.optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+def train(mesh, zero, accum, opt="adamw", layers=2, clip=CLIP, steps=STEPS):
+    cfg = config(layers)
+    specs = llama.specs(cfg, mesh)
+    params = fp.shard(llama.init(cfg, seed=0), specs, mesh)
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh,
+                           optimizer=make_opt(opt), zero=zero, accum_steps=accum, clip_norm=clip)
+    state = step.init(params)
+    dp, c = mesh.axis_size("dp"), mesh.coord("dp")
+    losses, norms = [], []
+    for b in batches()[:steps]:
+        local = {k: v.chunk(dp)[c] for k, v in b.items()}
+        state, m = step(state, local)
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
+    return losses, norms, fp.gather(state.params, specs, mesh, dst=0), state
+
+
+def _sharded_runs(sizes, runs, opt="adamw"):
+    mesh = harness.mesh(**sizes)
+    out = {}
+    for zero, accum in runs:
+        losses, norms, params, state = train(mesh, zero, accum, opt)
+        nbytes = sum(x.numel() * x.element_size() for x in fp.tree.leaves_with_path(state.opt_state) for x in [x[1]])
+        out[(zero, accum)] = (losses, norms, params, nbytes)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def single(opt="adamw"):
+    losses, norms, params, _ = train(fp.Mesh(), 0, 1, opt)
+    return losses, norms, params
+
+
+@functools.lru_cache(maxsize=None)
+def peer(opt="adamw"):
+    """transformers' Llama + torch.optim + clip_grad_norm_ on the same weights and global batches."""
+    import transformers as tf
+
+    cfg = config()
+    init = llama.init(cfg, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        fp.hf.save(d, init, llama, cfg)
+        model = tf.AutoModelForCausalLM.from_pretrained(d)
+        if opt == "adamw":
+            o = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        else:
+            o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+        losses, norms = [], []
+        for b in batches():
+            o.zero_grad()
+            out = model(**b)
+            out.loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            o.step()
+            losses.append(out.loss.item())
+        model.save_pretrained(d + "/out")
+        params, _ = fp.hf.load(d + "/out", llama)
+    return losses, norms, params
+
+
+def update_ratio(p, ref, init):
+    num = sum((a - b).double().pow(2).sum() for (_, a), (_, b) in zip(fp.tree.leaves_with_path(p), fp.tree.leaves_with_path(ref)))
+    den = sum((a - b).double().pow(2).sum() for (_, a), (_, b) in zip(fp.tree.leaves_with_path(ref), fp.tree.leaves_with_path(init)))
+    return math.sqrt(num / den)
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+MESHES = [({"tp": 2, "dp": 2}, 4), ({"tp": 4, "dp": 2}, 8), ({"dp": 4}, 4), ({"tp": 2}, 2)]
+RUNS = [(z, a) for z in (0, 1, 2) for a in (1, 2)]
+
+
+@pytest.mark.parametrize("sizes, world", MESHES, ids=lambda v: str(v))
+def test_adamw_steps_match_single_process_and_transformers(sizes, world):
+    s_losses, s_norms, s_params = single()
+    p_losses, p_norms, p_params = peer()
+    init = llama.init(config(), seed=0)
+    # the single-process funcpar run is itself the peer's run
+    for a, b in zip(s_losses, p_losses):
+        assert rel(a, b) <= 1e-5
+    for a, b in zip(s_norms, p_norms):
+        assert rel(a, b) <= 1e-5 and b > CLIP  # clipping is active on every step
+    assert update_ratio(s_params, p_params, init) <= 1e-4
+    results = harness.run(world, _sharded_runs, sizes, RUNS)[0]
+    tp, dp = sizes.get("tp", 1), sizes.get("dp", 1)
+    total_state = 2 * sum(x.numel() * 4 for _, x in fp.tree.leaves_with_path(init))
+    for (zero, accum), (losses, norms, params, nbytes) in results.items():
+        what = f"{sizes} zero={zero} accum={accum}"
+        for k in range(STEPS):
+            assert rel(losses[k], s_losses[k]) <= 1e-5, (what, k, losses[k], s_losses[k])
+            assert rel(losses[k], p_losses[k]) <= 1e-5, (what, k)
+            assert rel(norms[k], s_norms[k]) <= 1e-5, (what, k, norms[k], s_norms[k])  # the global norm
+        assert update_ratio(params, s_params, init) <= 1e-4, what
+        assert update_ratio(params, p_params, init) <= 1e-4, what
+        if zero >= 1:  # rank 0's optimizer state is its 1/(tp*dp) share
+            assert abs(nbytes - total_state / (tp * dp)) <= 0.01 * total_state / (tp * dp), (what, nbytes, total_state)
+
+
+def _other_opts(sizes):
+    mesh = harness.mesh(**sizes)
+    return {opt: train(mesh, 1, 2, opt)[:3] for opt in ("sgd", "lion")}
+
+
+def test_sgd_and_lion_match_single_process_and_peers():
+    res = harness.run(4, _other_opts, {"tp": 2, "dp": 2})[0]
+    init = llama.init(config(), seed=0)
+    # SGD: element-wise agreement with the single-process run and with torch.optim.SGD
+    s_losses, _, s_params = single("sgd")
+    p_losses, _, p_params = peer("sgd")
+    losses, _, params = res["sgd"]
+    for a, b, c in zip(losses, s_losses, p_losses):
+        assert rel(a, b) <= 1e-5 and rel(a, c) <= 1e-5
+    for (name, x), (_, y), (_, z) in zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(s_params), fp.tree.leaves_with_path(p_params)):
+        assert (x - y).abs().max() <= 1e-5 and (x - z).abs().max() <= 1e-5, name
+    # Lion against the single-process run and against Lion written out by hand on transformers' gradients
+    s_losses, _, s_params = single("lion")
+    losses, _, params = res["lion"]
+    for a, b, c in zip(losses, s_losses, lion_by_hand()):
+        assert rel(a, b) <= 1e-5 and rel(a, c) <= 1e-5
+    assert update_ratio(params, s_params, init) <= 1e-4
+
+
+def lion_by_hand():
+    import transformers as tf
+
+    cfg = config()
+    with tempfile.TemporaryDirectory() as d:
+        fp.hf.save(d, llama.init(cfg, seed=0), llama, cfg)
+        model = tf.AutoModelForCausalLM.from_pretrained(d)
+    ps = list(model.parameters())
+    mom = [torch.zeros_like(p) for p in ps]
+    losses = []
+    for b in batches():
+        model.zero_grad()
+        out = model(**b)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(ps, CLIP)
+        with torch.no_grad():
+            for p, m in zip(ps, mom):
+                c = 0.9 * m + 0.1 * p.grad
+                p.add_(torch.sign(c) + WD * p, alpha=-1e-3)
+                m.mul_(0.99).add_(p.grad, alpha=0.01)
+        losses.append(out.loss.item())
+    return losses
+
+
+def _count_collectives(layers):
+    import torch.distributed as dist
+
+    from funcpar import collectives as C
+
+    mesh = harness.mesh(dp=4)
+    cfg = config(layers)
+    specs = llama.specs(cfg, mesh)
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh,
+                           optimizer=fp.optim.adamw(LR), zero=1, accum_steps=2, clip_norm=CLIP)
+    state = step.init(fp.shard(llama.init(cfg), specs, mesh))
+    b = {k: v.chunk(4)[mesh.coord("dp")] for k, v in batches()[0].items()}
+    state, _ = step(state, b)
+    calls = []
+    saved = (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv)
+
+    def spy(name, f):
+        return lambda *a, **k: (calls.append(name), f(*a, **k))[1]
+
+    dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv = (
+        spy("all_reduce", saved[0]), spy("all_gather", saved[1]), spy("reduce_scatter", saved[2]),
+        spy("broadcast", saved[3]), spy("p2p", saved[4]))
+    try:
+        step(state, b)
+    finally:
+        dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv = saved
+    return len(fp.tree.leaves_with_path(state.params)), sorted(calls)
+
+
+def test_collectives_per_step_do_not_grow_with_leaves():
+    n2, calls2 = harness.run(4, _count_collectives, 2)[0]
+    n6, calls6 = harness.run(4, _count_collectives, 6)[0]
+    assert n6 > 2 * n2
+    assert calls2 == calls6  # the same collectives for 3x the leaves
+    # token count, one reduce-scatter and one all-gather per bucket, one for loss and norm
+    assert calls2 == ["all_gather", "all_reduce", "all_reduce", "reduce_scatter"], calls2
+
+
+# --------------------------------------------------------------------------------------------- errors, check
+
+
+def _errors():
+    mesh = harness.mesh(dp=2)
+    cfg = config()
+    specs = llama.specs(cfg, mesh)
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh,
+                           optimizer=fp.optim.adamw(LR), accum_steps=4)
+    state = step.init(fp.shard(llama.init(cfg), specs, mesh))
+    try:
+        step(state, {k: v[:3] for k, v in batches()[0].items()})
+    except fp.StepError as e:
+        return str(e)
+
+
+def test_batch_not_divisible_by_dp_times_accum():
+    for msg in harness.run(2, _errors):
+        assert msg == ("the global batch of 6 rows (3 on this dp rank x dp=2) is not divisible by dp x accum_steps = 8: "
+                       "make it a multiple of 8")
+
+
+def test_specs_params_mismatch_and_non_scalar_loss():
+    cfg = config()
+    mesh = fp.Mesh()
+    specs = llama.specs(cfg)
+    params = llama.init(cfg)
+    bad_specs = dict(specs)
+    del bad_specs["norm"]
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), bad_specs, mesh=mesh, optimizer=fp.optim.sgd(0.1))
+    with pytest.raises(fp.SpecError, match=r"specs do not match params at '<root>': missing in specs: norm"):
+        step.init(params)
+    step = fp.compile_step(lambda p, b: llama.forward(p, b["input_ids"], cfg, mesh).mean(-1), specs, mesh=mesh, optimizer=fp.optim.sgd(0.1))
+    state = step.init(params)
+    with pytest.raises(fp.StepError, match=r"loss_fn must return a scalar tensor \(use .mean\(\) or .sum\(\)\); it returned \(8, 16\)"):
+        step(state, batches()[0])
+    step = fp.compile_step(lambda p, b: 0.0, {"w": fp.P("dp")}, mesh=mesh, optimizer=fp.optim.sgd(0.1))
+    with pytest.raises(fp.SpecError, match=r"leaf 'w': spec P\('dp'\) shards over 'dp'"):
+        step.init({"w": torch.zeros(4)})
+
+
+def _inconsistent(what):
+    mesh = harness.mesh(tp=2)
+    cfg = config()
+    specs = llama.specs(cfg, mesh)
+    params = fp.shard(llama.init(cfg), specs, mesh)
+    b = batches()[0]
+    if mesh.coord("tp") == 1:
+        if what == "batch":
+            b = {**b, "input_ids": b["input_ids"].flip(0)}
+        else:
+            params = {**params, "norm": params["norm"] + 1e-3}
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh,
+                           optimizer=fp.optim.adamw(LR), check=True)
+    try:
+        step(step.init(params), b)
+    except fp.StepError as e:
+        return str(e)
+
+
+def test_check_names_inconsistent_batch_and_replicated_leaf():
+    for msg in harness.run(2, _inconsistent, "batch"):
+        assert msg.startswith("Data inconsistency within the TP group: batch['input_ids'] differs across mesh axis 'tp' (group ranks [0, 1])")
+    for msg in harness.run(2, _inconsistent, "leaf"):
+        assert msg.startswith("Data inconsistency within the TP group: leaf 'norm' differs across mesh axis 'tp'")
+
+
+def test_schedules_match_their_formulas():
+    f = fp.optim.warmup_cosine(1.0, warmup=10, total=110, end=0.1)
+    assert f(0) == 0.0 and f(5) == 0.5 and f(10) == 1.0
+    assert abs(f(60) - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))) < 1e-12 and abs(f(110) - 0.1) < 1e-12
+    assert abs(f(500) - 0.1) < 1e-12
+    g = fp.optim.warmup_linear_decay(2.0, warmup=10, total=110)  # DeepSpeed WarmupDecayLR, log warm-up
+    assert g(0) == 0.0 and abs(g(4) - 2.0 * math.log(5) / math.log(10)) < 1e-12
+    assert g(10) == 2.0 and abs(g(60) - 1.0) < 1e-12 and g(110) == 0.0 and g(200) == 0.0
+    h = fp.optim.warmup_linear_decay(1.0, warmup=4, total=8, min_lr=0.5, warmup_type="linear")
+    assert [h(s) for s in range(9)] == [0.5, 0.625, 0.75, 0.875, 1.0, 0.875, 0.75, 0.625, 0.5]
+    assert fp.optim.constant(3e-4)(10**6) == 3e-4
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_step_is_functional(zero):
+    cfg = config()
+    mesh = fp.Mesh()
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
+                           optimizer=fp.optim.adamw(LR, weight_decay=WD), zero=zero, accum_steps=2, clip_norm=CLIP)
+    state = step.init(llama.init(cfg))
+    state, _ = step(state, batches()[0])
+    snapshot = [x.clone() for _, x in fp.tree.leaves_with_path(state)]
+    new, m = step(state, batches()[1])
+    assert all(torch.equal(a, b) for a, (_, b) in zip(snapshot, fp.tree.leaves_with_path(state)))  # old state intact
+    assert new.step == state.step + 1 == 2 and m["step"] == 2 and m["lr"] == LR and m["tokens"] == B * T
+    assert not torch.equal(new.params["norm"], state.params["norm"])
