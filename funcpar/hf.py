@@ -19,7 +19,6 @@ the checkpoint) and ``HF_SPLITS`` (a leaf that is part ``k`` of ``n`` of a fused
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -34,6 +33,7 @@ import torch
 from . import collectives as C
 from .mesh import Mesh
 from .sharding import gather_leaf
+from ._safetensors import _Tensor, read_block, read_header
 from .spec import P, broadcast_specs, local_slice
 
 __all__ = ["load", "save", "auto_specs", "HFError", "known_models"]
@@ -41,66 +41,6 @@ __all__ = ["load", "save", "auto_specs", "HFError", "known_models"]
 
 class HFError(ValueError):
     """A checkpoint folder that cannot be loaded as asked (named file, tensors and shapes in the message)."""
-
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_MAX_HEADER = 100 * 2**20
-
-
-# ------------------------------------------------------------------------------------------------ reading
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset of the data in the file
-    nbytes: int
-
-
-def _read_header(file: Path) -> dict[str, _Tensor]:
-    def corrupt(why: str) -> HFError:
-        return HFError(f"corrupt safetensors file {file}: {why}")
-
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise corrupt(f"the file has {size} bytes, fewer than the 8-byte header length")
-            n = int.from_bytes(raw, "little")
-            if n > min(size - 8, _MAX_HEADER):
-                raise corrupt(f"header length {n} exceeds the file's {size} bytes")
-            header = json.loads(fh.read(n))
-    except FileNotFoundError:
-        raise HFError(f"safetensors file {file} does not exist") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise corrupt(f"its header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise corrupt("its header is not a JSON object")
-    base = 8 + n
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[meta["dtype"]]
-            shape = tuple(int(s) for s in meta["shape"])
-            a, b = (int(o) for o in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise corrupt(f"tensor '{name}' has a malformed entry {meta!r}") from None
-        want = math.prod(shape) * dtype.itemsize
-        if b - a != want or a < 0:
-            raise corrupt(f"tensor '{name}' of {meta['dtype']}{list(shape)} spans bytes {a}..{b}, not {want} bytes")
-        if base + b > size:
-            raise corrupt(f"tensor '{name}' ends at byte {base + b} but the file has {size} bytes (truncated?)")
-        out[name] = _Tensor(file, dtype, shape, base + a, want)
-    return out
 
 
 class _Reader:
@@ -118,7 +58,7 @@ class _Reader:
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise HFError(f"corrupt index {index}: {e!r}") from None
             files = sorted(set(weight_map.values()))
-            headers = {f: _read_header(folder / f) for f in files}
+            headers = {f: read_header(folder / f, HFError) for f in files}
             for name, f in weight_map.items():
                 if name not in headers[f]:
                     raise HFError(f"index {index} puts tensor '{name}' in {f}, but that file has no such tensor")
@@ -127,48 +67,15 @@ class _Reader:
                 for name in h:
                     self.tensors.setdefault(name, h[name])
         elif single.exists():
-            self.tensors = _read_header(single)
+            self.tensors = read_header(single, HFError)
         else:
             raise HFError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
 
     def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
-        """The block ``region`` (one slice per dimension) of tensor ``name``, read from disk run by run."""
-        t = self.tensors[name]
-        shape = t.shape
-        region = tuple(region) + tuple(slice(0, s) for s in shape[len(region):])
-        bounds = [(sl.start or 0, shape[i] if sl.stop is None else sl.stop) for i, sl in enumerate(region)]
-        out_shape = tuple(b - a for a, b in bounds)
-        item = t.dtype.itemsize
-        out = torch.empty(math.prod(out_shape) * item, dtype=torch.uint8)
-        if out.numel():
-            strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-            # k: the outermost dimension below which the block covers whole dimensions -> contiguous runs
-            k = len(shape)
-            while k > 0 and bounds[k - 1] == (0, shape[k - 1]):
-                k -= 1
-            k = max(k - 1, 0)
-            run = (bounds[k][1] - bounds[k][0]) * strides[k] * item if shape else item
-            buf = memoryview(out.numpy())
-            pos = 0
-            with open(t.file, "rb") as fh:
-                fd = fh.fileno()
-                for idx in _product([range(a, b) for a, b in bounds[:k]]):
-                    elem = sum(i * s for i, s in zip(idx, strides)) + (bounds[k][0] * strides[k] if shape else 0)
-                    got = os.preadv(fd, [buf[pos : pos + run]], t.start + elem * item)
-                    if got != run:
-                        raise HFError(f"corrupt safetensors file {t.file}: short read in tensor '{name}'")
-                    pos += run
-            self.bytes_read += pos
-        return out.view(t.dtype).reshape(out_shape)
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i, *rest)
+        """The block ``region`` of tensor ``name``; only its bytes are read, and counted."""
+        out = read_block(self.tensors[name], region, HFError)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
 
 
 # ------------------------------------------------------------------------------------------- model tables

@@ -18,7 +18,6 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import socket
-import sys
 import time
 import traceback
 

@@ -265,7 +265,7 @@ def test_export_is_atomic_when_writing_fails(ckpts, tmp_path, monkeypatch):
 
 
 def test_auto_specs_match_the_hand_written_plans(ckpts):
-    from funcpar.models import gpt2, llama
+    from funcpar.models import llama
 
     for kind, model in (("llama", llama), ("qwen2", llama), ("llama_tied", llama)):
         path = ckpts[kind][0]
