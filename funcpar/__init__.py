@@ -3,6 +3,7 @@
 The public API is what this module re-exports; everything else is private.
 """
 
+from . import checkpoint as checkpoint
 from . import collectives as collectives
 from . import hf as hf
 from . import layers as layers

@@ -58,6 +58,7 @@ class _Bucket:
     lo: int = 0  # this rank's part of the flat bucket: [lo, hi)
     hi: int = 0
     counted: bool = True  # whether this rank's part counts toward the global norm (zero=0 dedup)
+    repl_only: tuple[str, ...] = ()  # replicated axes the optimizer state is not partitioned over (zero=0)
 
 
 def _weight_default(mb: Any) -> float:
@@ -175,8 +176,10 @@ class Step:
                     part = part * mesh.axis_size(a) + mesh.coord(a)
                 n = padded // parts
                 counted = self.zero >= 1 or all(mesh.coord(a) == 0 for a in repl)
+                repl_only = tuple(a for a in repl if a not in zero_axes)
                 buckets.append(
-                    _Bucket(dtype, zero_axes, chunk, offsets, sizes, length, padded, part * n, (part + 1) * n, counted)
+                    _Bucket(dtype, zero_axes, chunk, offsets, sizes, length, padded, part * n, (part + 1) * n, counted,
+                            repl_only)
                 )
         treedef = optree.tree_structure(params)
         shapes = [tuple(x.shape) for x in leaves]
@@ -190,6 +193,17 @@ class Step:
             for i, o, n in zip(b.leaves, b.offsets, b.sizes):
                 a, z = max(b.lo, o), min(b.hi, o + n)
                 out[i] = s[a - b.lo : z - b.lo] if a < z else s[:0]
+        return out
+
+    def _leaf_parts(self) -> list[tuple[int, int, tuple[str, ...]]]:
+        """Per leaf: this rank's ZeRO part as a flat range ``[a, z)`` of the local leaf, and the axes the part is
+        *not* split over although the leaf is replicated along them (copies of the same part live there)."""
+        _, shapes, buckets, _ = self._layout
+        out: list = [None] * len(shapes)
+        for b in buckets:
+            for i, o, n in zip(b.leaves, b.offsets, b.sizes):
+                a, z = max(b.lo, o), min(b.hi, o + n)
+                out[i] = (a - o, z - o, b.repl_only) if a < z else (0, 0, b.repl_only)
         return out
 
     def _param_slices(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -232,6 +246,18 @@ class Step:
         return part
 
     # ----------------------------------------------------------------------------------------------- API
+    def save(self, path, state: TrainState, extra: Any = None, keep: int | None = None) -> None:
+        """:func:`funcpar.checkpoint.save` for a state of this step."""
+        from . import checkpoint
+
+        checkpoint.save(path, state, self.mesh, extra, step=self, keep=keep)
+
+    def load(self, path) -> tuple[TrainState, Any]:
+        """:func:`funcpar.checkpoint.load` onto this step's mesh and layout; returns ``(state, extra)``."""
+        from . import checkpoint
+
+        return checkpoint.load(path, self)
+
     def init(self, params: Any) -> TrainState:
         """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts."""
         self._layout = self._build_layout(params)
