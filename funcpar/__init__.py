@@ -5,6 +5,7 @@ The public API is what this module re-exports; everything else is private.
 
 from . import checkpoint as checkpoint
 from . import collectives as collectives
+from . import data as data
 from . import hf as hf
 from . import layers as layers
 from . import optim as optim

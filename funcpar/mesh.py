@@ -98,6 +98,18 @@ class Mesh:
         self._coords = self.coords_of(self.rank)
         self._build_groups()
 
+    @classmethod
+    def abstract(cls, pp: int = 1, dp: int = 1, tp: int = 1) -> "Mesh":
+        """A mesh's sizes without processes (coordinates of rank 0): for planning, e.g. ``funcpar plan``.
+        Collectives over it are not possible."""
+        m = cls()
+        for name, s in {"pp": pp, "dp": dp, "tp": tp}.items():
+            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise MeshError(f"Mesh axis '{name}' must be a positive int, got {s!r}")
+        m._sizes = {"pp": pp, "dp": dp, "tp": tp}
+        m.size = pp * dp * tp
+        return m
+
     # ------------------------------------------------------------------ set-up
     def _join_world(self) -> None:
         if dist.is_initialized():

@@ -30,6 +30,11 @@ CONFIGS = {
         num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=64,
     ),
     "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32),
+    # room for funcpar's byte tokenizer (ids up to 258)
+    "llama_bytes": lambda: tf.LlamaConfig(
+        vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    ),
 }
 MAX_TP = {"llama": 4, "mistral": 4, "qwen2": 4, "llama_tied": 4, "gpt2": 4}
 

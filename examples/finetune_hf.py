@@ -1,0 +1,51 @@
+"""Supervised fine-tuning of a Hugging Face checkpoint on the JSON formats, then an export transformers loads.
+
+    torchrun --nproc-per-node 2 examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl --tokenizer path/to/hf-llama
+    python examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl      # one process, byte tokenizer
+
+``sft.jsonl`` holds lines such as {"type": "instruct", "instruct": ..., "output": ...} or
+{"type": "conversation", "rounds": [["ask", ...], ["ans", ...]]}; the loss counts answer tokens only.
+"""
+
+import argparse
+import functools
+import os
+
+import funcpar as fp
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", required=True, help="a transformers folder (config.json + safetensors)")
+ap.add_argument("--data", required=True, help="a .jsonl file or folder of the supervised formats")
+ap.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer folder")
+ap.add_argument("--out", default="out/finetuned")
+ap.add_argument("--steps", type=int, default=100)
+ap.add_argument("--seq-len", type=int, default=128)
+ap.add_argument("--global-batch", type=int, default=8)
+args = ap.parse_args()
+
+world = int(os.environ.get("WORLD_SIZE", "1"))
+mesh = fp.Mesh(tp=world) if world > 1 else fp.Mesh()
+params, cfg = fp.hf.load(args.model, mesh=mesh)                    # each rank reads only its slices
+model = fp.hf.known_models()[cfg.model_type]
+specs = model.specs(cfg, mesh)
+tok = fp.data.ByteTokenizer() if args.tokenizer == "byte" else fp.data.HFTokenizer(args.tokenizer)
+data = fp.data.Dataset.from_samples(fp.data.load_samples(args.data), tok, args.seq_len, pack=False)
+if int(data.ids.max()) >= cfg.vocab_size:
+    raise SystemExit(f"the tokenizer produced id {int(data.ids.max())}, beyond the model's vocab_size {cfg.vocab_size}")
+if mesh.rank == 0 and data.truncated:
+    print(f"{data.truncated} of {data.samples} samples were longer than {args.seq_len} tokens and were truncated")
+
+opt = fp.optim.adamw(fp.optim.warmup_linear_decay(1e-4, min(10, args.steps // 10), args.steps, warmup_type="linear"),
+                     weight_decay=0.0)
+step = fp.compile_step(functools.partial(model.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh, optimizer=opt,
+                       zero=1, clip_norm=1.0)
+state = step.init(params)
+for batch in fp.data.batches(data, mesh, global_batch=args.global_batch):
+    state, metrics = step(state, batch)
+    if mesh.rank == 0 and (state.step % 10 == 0 or state.step == 1):
+        print(f"step {state.step}: loss {metrics['loss']:.4f}", flush=True)
+    if state.step == args.steps:
+        break
+fp.hf.save(args.out, state.params, model, cfg, mesh, specs=specs)
+if mesh.rank == 0:
+    print(f"exported {args.out}")

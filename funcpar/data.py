@@ -1,0 +1,264 @@
+"""Data: local datasets (plain text, JSONL pretraining, and the supervised formats of DeepSpeed pipeline
+fine-tuning repos), tokenizers, packing/padding to a sequence length, and dp-sharded, resumable batches.
+
+Sample formats, one JSON object per line (``.jsonl``/``.json``), or plain text (``.txt``, documents separated
+by blank lines):
+
+- ``{"type": "pretrain", "text": ...}`` (also a bare ``{"text": ...}``): loss on every token;
+- ``{"type": "instruct", "instruct": ..., "input": ... (optional), "output": ...}``: loss on the output only;
+- ``{"type": "conversation", "rounds": [["ask", ...], ["ans", ...], ...]}``: loss on the ``ans`` turns only;
+- ``{"type": "ref_qa", "reference": ..., "rounds": [...]}``: a reference text, then a conversation.
+
+A sample becomes token ids and a loss mask; ids end with EOS. Batches are ``{"input_ids", "labels"}`` with
+``labels = -100`` where the mask is 0. Every rank computes the same global batch from the same seed and takes its
+dp block, so tp and pp peers receive identical batches by construction and dp ranks disjoint ones. The loader's
+position is a small dict that goes into the checkpoint, so a resumed run sees exactly the batches it would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .mesh import Mesh
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_samples", "encode", "Dataset", "Loader", "batches", "DataError",
+           "render"]
+
+
+class DataError(ValueError):
+    """A malformed sample or data file (the message names the file and line)."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus PAD=256, BOS=257, EOS=258. Needs no files."""
+
+    pad_id, bos_id, eos_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer folder (``tokenizer.json`` etc.), loaded with ``transformers``."""
+
+    def __init__(self, path: str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(path))
+        self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else 0
+        self.bos_id = self.tok.bos_token_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+
+# --------------------------------------------------------------------------------------------------- samples
+
+
+def _need(sample: dict, key: str, where: str, kind: type = str):
+    if key not in sample:
+        raise DataError(f"{where}: a '{sample.get('type', 'pretrain')}' sample needs field '{key}'")
+    if not isinstance(sample[key], kind):
+        raise DataError(f"{where}: field '{key}' must be a {kind.__name__}, got {type(sample[key]).__name__}")
+    return sample[key]
+
+
+def _rounds(sample: dict, where: str) -> list[tuple[str, bool]]:
+    rounds = _need(sample, "rounds", where, list)
+    out = []
+    for k, r in enumerate(rounds):
+        if not (isinstance(r, (list, tuple)) and len(r) == 2 and r[0] in ("ask", "ans") and isinstance(r[1], str)):
+            raise DataError(f"{where}: round {k} must be [\"ask\"|\"ans\", text], got {r!r}")
+        role, text = r
+        if role == "ask":
+            out.append((f"User: {text}\n", False))
+        else:
+            out += [("Assistant: ", False), (text, True), (None, True)]  # None = EOS, trained on
+    return out
+
+
+def render(sample: dict, where: str = "sample") -> list[tuple[str | None, bool]]:
+    """A sample as ``[(text or None for EOS, trained_on), ...]``: the prompt template of each format."""
+    if not isinstance(sample, dict):
+        raise DataError(f"{where}: a sample must be a JSON object, got {type(sample).__name__}")
+    kind = sample.get("type", "pretrain")
+    if kind == "pretrain":
+        return [(_need(sample, "text", where), True), (None, True)]
+    if kind == "instruct":
+        instruct = _need(sample, "instruct", where)
+        inp = sample.get("input")
+        if inp is not None and not isinstance(inp, str):
+            raise DataError(f"{where}: field 'input' must be a str, got {type(inp).__name__}")
+        prompt = f"{instruct}\n{inp}\n" if inp else f"{instruct}\n"
+        return [(prompt, False), (_need(sample, "output", where), True), (None, True)]
+    if kind == "conversation":
+        return _rounds(sample, where)
+    if kind == "ref_qa":
+        return [(f"Reference: {_need(sample, 'reference', where)}\n", False)] + _rounds(sample, where)
+    raise DataError(f"{where}: unknown sample type '{kind}' (known: pretrain, instruct, conversation, ref_qa)")
+
+
+def encode(sample: dict, tok, where: str = "sample") -> tuple[list[int], list[int]]:
+    """``(ids, loss_mask)`` of one sample."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, train in render(sample, where):
+        piece = [tok.eos_id] if text is None else tok.encode(text)
+        ids += piece
+        mask += [int(train)] * len(piece)
+    return ids, mask
+
+
+def load_samples(path: str | os.PathLike) -> list[tuple[dict, str]]:
+    """``[(sample, "file:line"), ...]`` from a ``.jsonl``/``.json`` file, a ``.txt`` file, or a folder of them."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".txt"))
+        if not files:
+            raise DataError(f"{path}: no .jsonl, .json or .txt files")
+        return [s for f in files for s in load_samples(f)]
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    out = []
+    if path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8")
+        line = 1
+        for doc in text.split("\n\n"):
+            if doc.strip():
+                out.append(({"type": "pretrain", "text": doc.strip("\n")}, f"{path}:{line}"))
+            line += doc.count("\n") + 2
+        return out
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append((json.loads(line), f"{path}:{n}"))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- dataset
+
+
+@dataclass
+class Dataset:
+    """Tokenized rows of ``seq_len`` tokens: ``ids`` (N, T) and ``mask`` (N, T) tensors, and statistics."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    samples: int
+    truncated: int
+    tokens: int
+    stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[dict, str]], tok, seq_len: int, pack: bool = True) -> "Dataset":
+        rows_ids: list[list[int]] = []
+        rows_mask: list[list[int]] = []
+        truncated = tokens = 0
+        if pack:  # one stream, cut into rows; a sample longer than a row continues into the next row
+            stream_ids: list[int] = []
+            stream_mask: list[int] = []
+            for sample, where in samples:
+                ids, mask = encode(sample, tok, where)
+                stream_ids += ids
+                stream_mask += mask
+                tokens += len(ids)
+            for k in range(0, len(stream_ids) - seq_len + 1, seq_len):
+                rows_ids.append(stream_ids[k : k + seq_len])
+                rows_mask.append(stream_mask[k : k + seq_len])
+        else:  # one sample per row: truncated to seq_len (counted) or padded (pad positions not trained on)
+            for sample, where in samples:
+                ids, mask = encode(sample, tok, where)
+                tokens += len(ids)
+                if len(ids) > seq_len:
+                    truncated += 1
+                    ids, mask = ids[:seq_len], mask[:seq_len]
+                pad = seq_len - len(ids)
+                rows_ids.append(ids + [tok.pad_id] * pad)
+                rows_mask.append(mask + [0] * pad)
+        if not rows_ids:
+            raise DataError(f"the data holds {tokens} tokens, not enough for one row of seq_len={seq_len}")
+        return cls(torch.tensor(rows_ids), torch.tensor(rows_mask, dtype=torch.bool), len(samples), truncated, tokens)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def split(self, eval_fraction: float, seed: int = 0) -> tuple["Dataset", "Dataset"]:
+        """A deterministic (train, held-out) split of the rows."""
+        n_eval = max(1, int(len(self) * eval_fraction)) if eval_fraction > 0 else 0
+        perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
+        ev, tr = perm[:n_eval], perm[n_eval:]
+        return (Dataset(self.ids[tr], self.mask[tr], self.samples, self.truncated, self.tokens),
+                Dataset(self.ids[ev], self.mask[ev], self.samples, self.truncated, self.tokens))
+
+
+class Loader:
+    """Endless, reshuffled-per-epoch global batches; each rank yields its dp block.
+
+    ``state_dict()`` / ``load_state_dict()`` carry the position (batches served), so a resumed run continues the
+    exact order. The order depends only on ``seed`` and the global batch size, not on the mesh.
+    """
+
+    def __init__(self, data: Dataset, mesh: Mesh, global_batch: int, seed: int = 0, shuffle: bool = True):
+        dp = mesh.axis_size("dp")
+        if global_batch % dp:
+            raise DataError(f"global_batch={global_batch} is not divisible by dp={dp}")
+        if len(data) < global_batch:
+            raise DataError(f"the data has {len(data)} rows, fewer than one global batch of {global_batch}")
+        self.data, self.mesh, self.global_batch, self.seed, self.shuffle = data, mesh, global_batch, seed, shuffle
+        self.position = 0
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.data))
+        return torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+
+    def global_batch_at(self, position: int) -> dict[str, torch.Tensor]:
+        per_epoch = len(self.data) // self.global_batch
+        epoch, k = divmod(position, per_epoch)
+        rows = self._order(epoch)[k * self.global_batch : (k + 1) * self.global_batch]
+        ids, mask = self.data.ids[rows], self.data.mask[rows]
+        return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        b = self.global_batch_at(self.position)
+        self.position += 1
+        dp, c = self.mesh.axis_size("dp"), self.mesh.coord("dp")
+        return {k: v.chunk(dp)[c].to(self.mesh.device) for k, v in b.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("global_batch", self.global_batch) != self.global_batch or state.get("seed", self.seed) != self.seed:
+            raise DataError(
+                f"cannot resume data order: saved with global_batch={state.get('global_batch')} seed={state.get('seed')}, "
+                f"now global_batch={self.global_batch} seed={self.seed}"
+            )
+        self.position = int(state["position"])
+
+
+def batches(dataset: Dataset, mesh: Mesh, global_batch: int, seed: int = 0) -> Loader:
+    """This rank's batches of ``dataset`` (see :class:`Loader`)."""
+    return Loader(dataset, mesh, global_batch, seed)

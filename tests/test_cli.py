@@ -1,0 +1,123 @@
+"""`funcpar train` as a user runs it (bare, and under torchrun: the same losses), --resume, plan, convert,
+config files, and the examples."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import funcpar as fp
+from funcpar import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model", "llama-micro", "--global-batch", "8", "--seq-len", "32", "--schedule", "constant", "--lr", "3e-3",
+        "--eval-every", "3", "--save-every", "3", "--log-every", "1"]
+
+
+def run(args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def bare_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("bare"))
+    stdout = run(["-m", "funcpar", "train", *TINY, "--steps", "6", "--out", out])
+    return out, stdout
+
+
+def test_bare_train_writes_everything_and_the_loss_falls(bare_run):
+    import transformers as tf
+
+    out, stdout = bare_run
+    assert "funcpar train: llama on Mesh(pp=1, dp=2, tp=2) (4 process(es), cpu)" in stdout
+    assert "layers.*.wq (x2)" in stdout and "P('tp', None)" in stdout  # the sharding table
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["loss"] < rows[0]["loss"] and "eval_loss" in rows[2] and "eval_ppl" in rows[5]
+    assert open(os.path.join(out, "loss.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step-6"
+    model = tf.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
+    ids = torch.tensor([list(b"3+4=\n")])
+    gen = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=256)
+    assert gen.shape[1] > ids.shape[1]
+    assert "transformers loads" in stdout and "greedy answers of the exported model" in stdout
+
+
+def test_torchrun_and_bare_give_the_same_losses(bare_run, tmp_path):
+    out, _ = bare_run
+    out2 = str(tmp_path / "torchrun")
+    run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "funcpar", "train", *TINY,
+         "--steps", "6", "--out", out2])
+    assert losses(out2) == losses(out)
+
+
+def test_resume_continues_exactly(bare_run, tmp_path):
+    out, _ = bare_run
+    out2 = str(tmp_path / "resumed")
+    run(["-m", "funcpar", "train", *TINY, "--steps", "3", "--out", out2])
+    stdout = run(["-m", "funcpar", "train", *TINY, "--steps", "6", "--out", out2, "--resume"])
+    assert "resumed from" in stdout and "at step 3" in stdout
+    assert losses(out2) == losses(out)  # the same batches, the same state: the same losses, bit for bit
+
+
+def test_plan_prints_table_and_memory(capsys):
+    cli.main(["plan", "--mesh", "tp=4,dp=2", "--model", "llama-tiny"])
+    text = capsys.readouterr().out
+    assert "llama on Mesh(pp=1, dp=2, tp=4): 855,168 parameters" in text
+    assert "layers.*.wk (x4)" in text and "P()" in text  # 2 kv heads < tp=4: k/v replicated
+    like = fp.hf.known_models()["llama"].init(fp.hf.known_models()["llama"].Config.from_hf(cli.BUILTIN_MODELS["llama-tiny"]), device="meta")
+    n = sum(x.numel() for _, x in fp.tree.leaves_with_path(like))
+    opt_mib = float(text.split("optimizer state ")[1].split(" MiB")[0])
+    assert abs(opt_mib - 2 * 4 * n / 8 / 2**20) < 0.05 * (2 * 4 * n / 8 / 2**20)  # AdamW state / (tp*dp)
+
+
+def test_config_file_and_flags(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('steps = 7\nmesh = "dp=2"\nlr = 0.5\n')
+    opts = cli._options(["--config", str(f), "--lr", "0.25"], "train")
+    assert (opts["steps"], opts["mesh"], opts["lr"], opts["seq_len"]) == (7, "dp=2", 0.25, cli.DEFAULTS["seq_len"])
+    f.write_text('stepz = 7\n')
+    with pytest.raises(SystemExit, match="unknown option"):
+        cli._options(["--config", str(f)], "train")
+    with pytest.raises(SystemExit, match="bad --mesh 'tp2'"):
+        cli.parse_mesh("tp2")
+
+
+def test_convert_round_trip(tmp_path):
+    from hf_fixtures import make_checkpoint
+    from test_models_hf import _assert_identical, _tensors
+
+    make_checkpoint("qwen2", str(tmp_path / "hf"))
+    cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
+    cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "back")])
+    _assert_identical(_tensors(tmp_path / "hf"), _tensors(tmp_path / "back"))
+
+
+def test_examples_run_as_written(tmp_path):
+    import transformers as tf
+
+    from hf_fixtures import make_checkpoint
+
+    out = str(tmp_path / "tiny")
+    stdout = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                  "examples/train_tiny_llama.py", "--steps", "4", "--out", out])
+    assert "final loss" in stdout
+    tf.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
+    make_checkpoint("llama_bytes", str(tmp_path / "base"))
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("\n".join(json.dumps({"type": "instruct", "instruct": f"say {w}", "output": w}) for w in ["hi", "yo", "ok", "no"] * 4))
+    stdout = run(["examples/finetune_hf.py", "--model", str(tmp_path / "base"), "--data", str(sft), "--steps", "3",
+                  "--global-batch", "4", "--seq-len", "16", "--out", str(tmp_path / "ft")])
+    assert "exported" in stdout
+    tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ft")
