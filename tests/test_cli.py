@@ -121,3 +121,31 @@ def test_examples_run_as_written(tmp_path):
                   "--global-batch", "4", "--seq-len", "16", "--out", str(tmp_path / "ft")])
     assert "exported" in stdout
     tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ft")
+
+
+def test_progress_bar_on_a_terminal(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a size
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "funcpar", "train", *TINY, "--mesh", "1", "--steps", "3",
+                          "--out", str(tmp_path / "o")], cwd=ROOT, env=env, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert p.wait(timeout=300) == 0
+    text = b"".join(chunks).decode(errors="replace")
+    assert "train: 100%" in text and "3/3" in text and "loss=" in text and "tok_s=" in text  # tqdm, on rank 0
+    assert "step     3/3" not in text  # the plain log lines are for non-terminals
