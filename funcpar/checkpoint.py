@@ -55,15 +55,17 @@ def _dtype_name(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
-def _opt_param_index(opt_state: Any, p_treedef, n: int) -> list[int | None]:
-    """For each optimizer-state leaf: the index of the parameter it shadows (it sits in a params-shaped subtree)."""
+def _opt_param_index(opt_state: Any, params: Any) -> list[int | None]:
+    """For each optimizer-state leaf: the index of the parameter it shadows, i.e. its position in a subtree shaped
+    like the params (``None`` where a masked optimizer keeps no state for a frozen leaf); ``None`` otherwise."""
+    p_treedef = optree.tree_structure(params, none_is_leaf=True)
     out: list[int | None] = []
 
     def walk(node):
-        td = optree.tree_structure(node)
-        if td == p_treedef:
-            out.extend(range(n))
-        elif optree.treespec_is_leaf(td):
+        if optree.tree_structure(node, none_is_leaf=True) == p_treedef:
+            vals = optree.tree_leaves(node, none_is_leaf=True)
+            out.extend(i for i, v in enumerate(vals) if v is not None)
+        elif optree.treespec_is_leaf(optree.tree_structure(node)):
             out.append(None)
         else:
             for child in optree.tree_flatten_one_level(node)[0]:
@@ -164,7 +166,7 @@ def save(path, state, mesh: Mesh, extra: Any = None, *, step, keep: int | None =
                                "flat": [0, x.numel()], "crc": _crc(tensors[key])})
         o_leaves = optree.tree_leaves(state.opt_state)
         o_paths = _paths(state.opt_state)
-        index = _opt_param_index(state.opt_state, treedef, len(paths))
+        index = _opt_param_index(state.opt_state, state.params)
         for x, op, i in zip(o_leaves, o_paths, index):
             key = f"opt/{op}"
             if i is None:  # e.g. a step count: the same on every rank
@@ -390,7 +392,7 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     fresh = step.init(params)
     o_leaves = optree.tree_leaves(fresh.opt_state)
     o_paths = _paths(fresh.opt_state)
-    index = _opt_param_index(fresh.opt_state, treedef, len(paths))
+    index = _opt_param_index(fresh.opt_state, params)
     saved_opt = [o["path"] for o in src.meta["opt"]]
     if saved_opt != o_paths:
         first = next((i for i, (x, y) in enumerate(zip(saved_opt, o_paths)) if x != y), min(len(saved_opt), len(o_paths)))

@@ -237,3 +237,21 @@ def test_bad_checkpoints_are_refused_by_name(saved, tmp_path):
         fp.checkpoint.load(tmp_path, step)
     assert _digest(folder) == before  # nothing was written to the checkpoint
     assert torch.equal(state0.params["embed"], snapshot)  # nor to the state in hand
+
+
+def _masked_round_trip(folder):
+    mesh = harness.mesh(dp=2)
+    cfg = config()
+    params = llama.init(cfg)
+    frozen = fp.tree.map_with_path(lambda p, x: not p.startswith("layers.0."), params)
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg, mesh), mesh=mesh,
+                           optimizer=fp.optim.masked(fp.optim.sgd(0.1, momentum=0.9), frozen), zero=1)
+    state, _ = run_steps(step, step.init(params), mesh, batches()[:2])
+    step.save(os.path.join(folder, "m"), state)
+    again, _ = step.load(os.path.join(folder, "m"))
+    return [torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(again.opt_state), fp.tree.leaves_with_path(state.opt_state))]
+
+
+def test_masked_optimizer_state_round_trips_on_zero_parts(tmp_path):
+    for same in harness.run(2, _masked_round_trip, str(tmp_path)):
+        assert same and all(same)

@@ -327,3 +327,52 @@ def test_step_is_functional(zero):
     assert all(torch.equal(a, b) for a, b in zip(snapshot, tensors(state)))  # the old state is intact
     assert new.step == state.step + 1 == 2 and m["step"] == 2 and m["lr"] == LR and m["tokens"] == B * T
     assert not torch.equal(new.params["norm"], state.params["norm"])
+
+
+def test_masked_freezes_leaves_and_decay_mask_matches_torch_param_groups(tmp_path):
+    import transformers as tf
+
+    cfg = config()
+    mesh = fp.Mesh()
+    params = llama.init(cfg, seed=0)
+    # frozen embedding: no update, no state
+    frozen = fp.tree.map_with_path(lambda p, x: p != "embed", params)
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
+                           optimizer=fp.optim.masked(fp.optim.sgd(0.1, momentum=0.9), frozen))
+    state = step.init(params)
+    assert state.opt_state.momentum["embed"] is None and state.opt_state.momentum["norm"] is not None
+    for b in batches()[:3]:
+        state, _ = step(state, b)
+    assert torch.equal(state.params["embed"], params["embed"]) and not torch.equal(state.params["norm"], params["norm"])
+    # ... and it survives a checkpoint round trip bit for bit
+    step.save(tmp_path / "c", state)
+    again, _ = step.load(tmp_path / "c")
+    for (n, a), (_, b) in zip(fp.tree.leaves_with_path(again.opt_state), fp.tree.leaves_with_path(state.opt_state)):
+        assert torch.equal(a, b), n
+    # decay only on matrices, as torch.optim.AdamW with two parameter groups does it
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
+                           optimizer=fp.optim.adamw(LR, weight_decay=0.5, mask=fp.optim.decay_mask(params)))
+    state = step.init(params)
+    with tempfile.TemporaryDirectory() as d:
+        fp.hf.save(d, params, llama, cfg)
+        model = tf.AutoModelForCausalLM.from_pretrained(d)
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.5},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    o = torch.optim.AdamW(groups, lr=LR)
+    for b in batches()[:3]:
+        state, m = step(state, b)
+        o.zero_grad()
+        out = model(**b)
+        out.loss.backward()
+        o.step()
+        assert rel(m["loss"], out.loss.item()) <= 1e-5
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        ref, _ = fp.hf.load(d, llama)
+    assert update_ratio(state.params, ref, params) <= 1e-4
+    no_mask = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
+                              optimizer=fp.optim.adamw(LR, weight_decay=0.5))
+    s2 = no_mask.init(params)
+    for b in batches()[:3]:
+        s2, _ = no_mask(s2, b)
+    assert update_ratio(s2.params, ref, params) > 1e-3  # the mask matters here
