@@ -108,6 +108,7 @@ class Step:
         check: bool = False,
         weight_fn: Callable[[Any], float] | None = _weight_default,
         bucket_mb: float = 1024,
+        compile: bool = False,
     ):
         if zero not in (0, 1, 2):
             raise StepError(f"zero must be 0, 1 or 2, got {zero!r}")
@@ -122,6 +123,8 @@ class Step:
         self.optimizer = chain(clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
         self.schedule = optimizer.schedule
         self._grad = torch.func.grad_and_value(self._scaled_loss, has_aux=True)
+        if compile:  # one graph for forward + backward of a micro-batch; collectives stay custom Functions
+            self._grad = torch.compile(self._grad)
         self._layout: tuple | None = None
         self._checked = False
 
@@ -325,7 +328,8 @@ class Step:
         loss_sum = torch.zeros((), dtype=torch.float64)
         auxes = []
         for mb, wm in zip(micro, w.tolist()):
-            grads, (_, out) = self._grad(state.params, mb, wm / total)
+            # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
+            grads, (_, out) = self._grad(state.params, mb, torch.tensor(wm / total, dtype=torch.float32))
             loss, aux = out if self.has_aux else (out, None)
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
@@ -385,6 +389,6 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh, optimizer: Gradie
     (clip by the global gradient norm), ``has_aux`` (``loss_fn`` returns ``(loss, aux)``), ``check`` (verify on the
     first step that batch and replicated leaves agree across ranks), ``weight_fn`` (a micro-batch's weight in the
     global mean; default: its number of causal-LM targets for ``{"input_ids", ...}`` batches, else its rows),
-    ``bucket_mb`` (largest gradient bucket).
+    ``bucket_mb`` (largest gradient bucket), ``compile`` (``torch.compile`` the per-micro-batch gradient function).
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, **kwargs)

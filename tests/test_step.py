@@ -376,3 +376,18 @@ def test_masked_freezes_leaves_and_decay_mask_matches_torch_param_groups(tmp_pat
     for b in batches()[:3]:
         s2, _ = no_mask(s2, b)
     assert update_ratio(s2.params, ref, params) > 1e-3  # the mask matters here
+
+
+def test_compiled_step_matches_eager():
+    cfg = config(layers=1)
+    mesh = fp.Mesh()
+    losses = {}
+    for compiled in (False, True):
+        step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
+                               optimizer=fp.optim.adamw(LR), accum_steps=2, clip_norm=CLIP, compile=compiled)
+        state = step.init(llama.init(cfg))
+        losses[compiled] = []
+        for b in batches()[:3]:
+            state, m = step(state, b)
+            losses[compiled].append(m["loss"])
+    assert all(rel(a, b) <= 1e-5 for a, b in zip(losses[True], losses[False])), losses
