@@ -432,6 +432,8 @@ def export_hf(path, out, model, cfg, mesh: Mesh | None = None, **kwargs) -> None
     from . import hf
 
     mesh = mesh or Mesh()
+    if hasattr(cfg, "with_mesh"):
+        cfg = cfg.with_mesh(mesh)
     specs = model.specs(cfg, mesh)
     params = load_params(path, model.init(cfg, device="meta"), specs, mesh)
     hf.save(out, params, model, cfg, mesh, specs=specs, **kwargs)

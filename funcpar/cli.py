@@ -121,7 +121,7 @@ def _model(opts, mesh):
 
     name = opts["model"]
     if name in BUILTIN_MODELS:
-        cfg = llama.Config.from_hf(BUILTIN_MODELS[name])
+        cfg = llama.Config.from_hf(BUILTIN_MODELS[name]).with_mesh(mesh)
         specs = llama.specs(cfg, mesh)
         torch.manual_seed(opts["seed"])
         return llama, cfg, fp.shard(llama.init(cfg, seed=opts["seed"]), specs, mesh), specs
@@ -401,11 +401,11 @@ def plan(argv: list[str]) -> None:
     opts = _options(argv, "plan")
     mesh = fp.Mesh.abstract(**parse_mesh(opts["mesh"]))
     if opts["model"] in BUILTIN_MODELS:
-        model, cfg = llama, llama.Config.from_hf(BUILTIN_MODELS[opts["model"]])
+        model, cfg = llama, llama.Config.from_hf(BUILTIN_MODELS[opts["model"]]).with_mesh(mesh)
     else:
         raw = json.loads((Path(opts["model"]) / "config.json").read_text())
         model = fp.hf.known_models()[raw.get("model_type")]
-        cfg = model.Config.from_hf(raw)
+        cfg = model.Config.from_hf(raw).with_mesh(mesh)
     like = params_like(model, cfg)
     specs = model.specs(cfg, mesh)
     print(f"{cfg.model_type} on {mesh!r}: {sum(x.numel() for _, x in fp.tree.leaves_with_path(like)):,} parameters")

@@ -119,9 +119,12 @@ class _Map:
     hf: str
     transposed: bool
     split: tuple[int, int, int] | None
+    vocab: int | None = None  # a vocab table padded beyond its real rows: the checkpoint holds this many
 
     def hf_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         s = list(leaf_shape)
+        if self.vocab is not None:
+            s[0] = self.vocab
         if self.transposed:
             s.reverse()
         if self.split:
@@ -139,7 +142,7 @@ class _Map:
         return tuple(r)
 
 
-def _plan(model: ModuleType, paths: list[str]) -> list[_Map]:
+def _plan(model: ModuleType, paths: list[str], cfg: Any = None) -> list[_Map]:
     """The HF tensor (and transform) of every leaf path, from the model's literal tables."""
     rules = []
     for pat, hf in model.HF_NAMES:
@@ -147,13 +150,16 @@ def _plan(model: ModuleType, paths: list[str]) -> list[_Map]:
         rules.append((rx, pat, hf))
     transposed = set(getattr(model, "HF_TRANSPOSED", ()))
     splits = dict(getattr(model, "HF_SPLITS", {}))
+    padded = getattr(cfg, "rows", 0) > getattr(cfg, "vocab_size", 0)
+    vocab_leaves = set(getattr(model, "HF_VOCAB_PADDED", ())) if padded else set()
     out = []
     for p in paths:
         for rx, pat, hf in rules:
             m = rx.match(p)
             if m:
                 i = m.groupdict().get("i")
-                out.append(_Map(hf.format(i=i) if i is not None else hf, pat in transposed, splits.get(pat)))
+                out.append(_Map(hf.format(i=i) if i is not None else hf, pat in transposed, splits.get(pat),
+                                 cfg.vocab_size if pat in vocab_leaves else None))
                 break
         else:
             raise HFError(f"{model.__name__}.HF_NAMES has no Hugging Face name for leaf '{p}'")
@@ -211,15 +217,22 @@ def load(
     except (KeyError, ValueError) as e:
         raise HFError(f"{folder / 'config.json'}: {e}") from None
     mesh = mesh or Mesh()
+    if hasattr(cfg, "with_mesh"):
+        cfg = cfg.with_mesh(mesh)  # pads a vocabulary that tp does not divide
     shapes = model.init(cfg, device="meta")
     leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, shapes)
-    plan = _plan(model, [p for p, _, _ in leaves])
+    plan = _plan(model, [p for p, _, _ in leaves], cfg)
     reader = _Reader(folder)
     _check(reader, folder, model, cfg, leaves, plan)
     out = []
     for (p, spec, meta), mp in zip(leaves, plan):
         region = local_slice(spec, tuple(meta.shape), mesh, path=p)
+        want = region[0].stop - region[0].start if region else 0
+        if mp.vocab is not None:  # padding rows are not in the file: read the real ones, zeros after
+            region = (slice(min(region[0].start, mp.vocab), min(region[0].stop, mp.vocab)), *region[1:])
         t = reader.read(mp.hf, mp.file_region(region, reader.tensors[mp.hf].shape))
+        if mp.vocab is not None and t.shape[0] < want:
+            t = torch.cat([t, t.new_zeros((want - t.shape[0], *t.shape[1:]))])
         if mp.transposed:
             t = t.t().contiguous()
         if dtype is not None:
@@ -296,10 +309,12 @@ def save(
     is fully written).
     """
     mesh = mesh or Mesh()
+    if hasattr(cfg, "with_mesh"):
+        cfg = cfg.with_mesh(mesh)
     limit = _parse_size(max_shard_size)
     folder = Path(path)
     leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, params)
-    plan = _plan(model, [p for p, _, _ in leaves])
+    plan = _plan(model, [p for p, _, _ in leaves], cfg)
     writer = tmp = None
     error: BaseException | None = None
     if mesh.rank == 0:
@@ -314,6 +329,8 @@ def save(
             continue
         try:
             g = g.detach().cpu()
+            if mp.vocab is not None:
+                g = g[: mp.vocab]  # drop vocabulary padding
             if mp.transposed:
                 g = g.t()
             if mp.split:

@@ -6,6 +6,7 @@ materialise full-vocabulary tensors. At ``Mesh()`` they are the plain ``F.embedd
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,9 +17,39 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX"]
+__all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
+           "padded_vocab", "unpad_logits"]
 
 IGNORE_INDEX = -100
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Rows of a vocab-parallel table for ``vocab_size`` tokens on ``tp`` ranks.
+
+    A vocabulary divisible by lcm(8, tp) is kept as it is; any other is padded up to a multiple of lcm(128, tp)
+    (GPT-2's 50257 becomes 50304). For every power-of-two tp up to 8 the answer does not depend on tp, and for
+    larger ones it stays a multiple of 128, so checkpoints keep their shapes when the mesh changes. Padding rows
+    are zeros that no token uses; the losses exclude them and exports drop them."""
+    if vocab_size % math.lcm(8, tp) == 0:
+        return vocab_size
+    m = math.lcm(128, tp)
+    return -(-vocab_size // m) * m
+
+
+def _mask_padding(logits: torch.Tensor, mesh: "Mesh", axis: str, vocab_size: int | None) -> torch.Tensor:
+    n = logits.shape[-1]
+    start = mesh.coord(axis) * n
+    if vocab_size is None or start + n <= vocab_size:
+        return logits
+    cols = torch.arange(start, start + n, device=logits.device)
+    return logits.masked_fill(cols >= vocab_size, float("-inf"))
+
+
+def unpad_logits(logits: torch.Tensor, mesh: "Mesh", axis: str, vocab_size: int) -> torch.Tensor:
+    """Local logits with padded vocabulary columns dropped (at tp=1: exactly ``vocab_size`` columns)."""
+    n = logits.shape[-1]
+    keep = min(n, max(0, vocab_size - mesh.coord(axis) * n))
+    return logits if keep == n else logits[..., :keep]
 
 
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
@@ -33,13 +64,16 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: "Mesh", axis:
     return C.reduce_from_region(rows, mesh, axis)
 
 
-def vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+def vocab_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, mesh: "Mesh", axis: str, vocab_size: int | None = None
+) -> torch.Tensor:
     """Per-position ``-log softmax(logits)[label]`` from vocab-sharded logits (``(..., V/tp)``), in float32.
 
     Positions whose label is ``-100`` (or any id outside the vocabulary) give an unspecified finite value: mask
     them out. The softmax max is a statistic (no gradient), which is exact since log-sum-exp does not depend on it.
+    Columns at or beyond ``vocab_size`` (padding of a vocabulary tp does not divide) are excluded.
     """
-    logits = logits.float()
+    logits = _mask_padding(logits.float(), mesh, axis, vocab_size)
     n = logits.shape[-1]
     m = C.all_reduce(logits.amax(-1), mesh, axis, "max")  # (...,)
     z = logits - m[..., None]
@@ -58,6 +92,7 @@ def causal_lm_loss(
     axis: str,
     loss_mask: torch.Tensor | None = None,
     reduction: str = "mean",
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """transformers' causal-LM loss: position t predicts label t+1; ``-100`` labels (and ``loss_mask == 0``) ignored.
 
@@ -67,7 +102,7 @@ def causal_lm_loss(
         labels = labels.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
     shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): the target of position t
     valid = shifted != IGNORE_INDEX
-    tok = vocab_cross_entropy(logits, shifted, mesh, axis)  # (B, T)
+    tok = vocab_cross_entropy(logits, shifted, mesh, axis, vocab_size)  # (B, T)
     total = torch.where(valid, tok, torch.zeros((), dtype=tok.dtype, device=tok.device)).sum()
     if reduction == "sum":
         return total

@@ -33,7 +33,17 @@ class Config:
     activation_function: str = "gelu_new"
     tie_word_embeddings: bool = True
     model_type: str = "gpt2"
+    vocab_rows: int | None = None  # rows of wte when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return self.vocab_rows or self.vocab_size
+
+    def with_mesh(self, mesh) -> "Config":
+        """This config with its vocabulary padded for ``mesh``'s tp where tp does not divide it (GPT-2's 50257)."""
+        rows = L.padded_vocab(self.vocab_size, mesh.axis_size("tp"))
+        return dataclasses.replace(self, vocab_rows=None if rows == self.vocab_size else rows)
 
     @property
     def inner(self) -> int:
@@ -100,11 +110,19 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         }
         for _ in range(cfg.n_layer)
     ]
-    return {"wte": w(cfg.vocab_size, d), "wpe": w(cfg.n_positions, d), "layers": layers,
+    wte = w(cfg.rows, d)
+    if cfg.rows > cfg.vocab_size and g is not None:
+        wte[cfg.vocab_size :] = 0  # padding rows: no token uses them
+    return {"wte": wte, "wpe": w(cfg.n_positions, d), "layers": layers,
             "ln_f_w": const(d, 1), "ln_f_b": const(d, 0)}
 
 
 def specs(cfg: Config, mesh=None):
+    if mesh is not None and cfg.rows % mesh.axis_size("tp"):
+        raise ValueError(
+            f"vocab_size {cfg.vocab_size} ({cfg.rows} rows) is not divisible by tp={mesh.axis_size('tp')}: "
+            f"use cfg.with_mesh(mesh), which pads the vocabulary (fp.hf.load does it for you)"
+        )
     layer = {
         "ln1_w": P(), "ln1_b": P(), "ln2_w": P(), "ln2_b": P(),
         "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None),
@@ -138,6 +156,8 @@ HF_NAMES = [
     ("layers.{i}.w_proj", "transformer.h.{i}.mlp.c_proj.weight"),
     ("layers.{i}.b_proj", "transformer.h.{i}.mlp.c_proj.bias"),
 ]
+# leaves whose rows beyond the real vocabulary are padding (absent from checkpoints)
+HF_VOCAB_PADDED = ["wte"]
 # Conv1D stores (in, out); these leaves are (out, in)
 HF_TRANSPOSED = ["layers.{i}.wq", "layers.{i}.wk", "layers.{i}.wv", "layers.{i}.wo", "layers.{i}.w_fc", "layers.{i}.w_proj"]
 # leaf = part k of n of the fused HF tensor along HF dimension `dim`: (dim, k, n)
@@ -173,7 +193,11 @@ def _block(p, x, cfg: Config, mesh):
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    """This rank's logits (B, T, V/tp), vocab-sharded over tp."""
+    """This rank's logits (B, T, V/tp), vocab-sharded over tp, padded vocabulary columns dropped."""
+    return L.unpad_logits(_logits(params, tokens, cfg, mesh), mesh, "tp", cfg.vocab_size)
+
+
+def _logits(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     T = tokens.shape[1]
     if T > cfg.n_positions:
         raise ValueError(f"sequence length {T} exceeds GPT-2's n_positions={cfg.n_positions}")
@@ -186,5 +210,6 @@ def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
 
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
     tokens = batch["input_ids"]
-    logits = forward(params, tokens, cfg, mesh)
-    return L.causal_lm_loss(logits, batch.get("labels", tokens), mesh, "tp", batch.get("loss_mask"), reduction)
+    logits = _logits(params, tokens, cfg, mesh)
+    return L.causal_lm_loss(logits, batch.get("labels", tokens), mesh, "tp", batch.get("loss_mask"), reduction,
+                            cfg.vocab_size)

@@ -44,7 +44,17 @@ class Config:
     mlp_bias: bool = False
     sliding_windows: tuple = ()  # per layer: a window size or None
     model_type: str = "llama"
+    vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return self.vocab_rows or self.vocab_size
+
+    def with_mesh(self, mesh) -> "Config":
+        """This config with its vocabulary padded for ``mesh``'s tp where tp does not divide it."""
+        rows = L.padded_vocab(self.vocab_size, mesh.axis_size("tp"))
+        return dataclasses.replace(self, vocab_rows=None if rows == self.vocab_size else rows)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
@@ -164,10 +174,16 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         if cfg.mlp_bias:
             lp |= {"b_gate": zeros(inter), "b_up": zeros(inter), "b_down": zeros(d)}
         layers.append(lp)
-    params = {"embed": w(cfg.vocab_size, d), "layers": layers, "norm": ones(d)}
+    params = {"embed": _vocab_table(w(cfg.rows, d), cfg), "layers": layers, "norm": ones(d)}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = w(cfg.vocab_size, d)
+        params["lm_head"] = _vocab_table(w(cfg.rows, d), cfg)
     return params
+
+
+def _vocab_table(t: torch.Tensor, cfg: Config) -> torch.Tensor:
+    if cfg.rows > cfg.vocab_size and t.device.type != "meta":
+        t[cfg.vocab_size :] = 0  # padding rows: no token uses them
+    return t
 
 
 _LAYER_SPECS = {
@@ -186,6 +202,11 @@ def specs(cfg: Config, mesh=None):
     cutting heads apart; each rank then uses the kv heads its query heads need (see ``_attention``).
     """
     shapes = init(cfg, device="meta")
+    if mesh is not None and cfg.rows % mesh.axis_size("tp"):
+        raise ValueError(
+            f"vocab_size {cfg.vocab_size} ({cfg.rows} rows) is not divisible by tp={mesh.axis_size('tp')}: "
+            f"use cfg.with_mesh(mesh), which pads the vocabulary (fp.hf.load does it for you)"
+        )
     layer = dict(_LAYER_SPECS)
     if mesh is not None and cfg.num_key_value_heads % mesh.axis_size("tp"):
         layer |= {"wk": P(), "wv": P(), "bk": P(), "bv": P()}
@@ -224,6 +245,8 @@ HF_NAMES = [
 ]
 HF_TRANSPOSED: list[str] = []
 HF_SPLITS: dict[str, tuple[int, int, int]] = {}
+# leaves whose rows beyond the real vocabulary are padding (absent from checkpoints)
+HF_VOCAB_PADDED = ["embed", "lm_head"]
 # tensors some checkpoints carry that hold nothing to load (regular expressions)
 HF_IGNORED = [r".*\.rotary_emb\.inv_freq$"]
 
@@ -334,11 +357,16 @@ def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tens
     return _rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 
-def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    """This rank's logits, (B, T, V/tp): vocab-sharded over tp (the full logits at ``Mesh()``)."""
+def _logits(params, tokens, cfg: Config, mesh) -> torch.Tensor:
     x = C.copy_to_region(hidden_states(params, tokens, cfg, mesh), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+
+
+def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """This rank's logits, (B, T, V/tp): vocab-sharded over tp (the full logits at ``Mesh()``). Columns of a padded
+    vocabulary are dropped, so concatenating the ranks' blocks gives exactly ``vocab_size`` columns."""
+    return L.unpad_logits(_logits(params, tokens, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
@@ -346,5 +374,5 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> tor
     ``batch["loss_mask"]`` optional), computed vocab-parallel. ``labels`` defaults to ``input_ids``."""
     tokens = batch["input_ids"]
     labels = batch.get("labels", tokens)
-    logits = forward(params, tokens, cfg, mesh)
-    return L.causal_lm_loss(logits, labels, mesh, "tp", batch.get("loss_mask"), reduction)
+    logits = _logits(params, tokens, cfg, mesh)
+    return L.causal_lm_loss(logits, labels, mesh, "tp", batch.get("loss_mask"), reduction, cfg.vocab_size)
