@@ -280,7 +280,6 @@ class Step:
             return torch.stack([x.sum(), (x * w).sum()])
 
         items = [(name, x, ("tp",)) for name, x in _batch_items(batch)]
-        _, _, _, paths = self._layout
         matched = broadcast_specs(self.specs, optree.tree_unflatten(self._layout[0], params_leaves))
         items += [(f"leaf '{p}'", x, tuple(a for a in ("tp", "dp") if a not in s.axes)) for p, s, x in matched]
         for axis in ("tp", "dp"):
