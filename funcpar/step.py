@@ -33,11 +33,22 @@ from .optim import GradientTransformation, chain, clip_by_global_norm
 from .spec import SpecError, broadcast_specs
 from .tree import path_str
 
-__all__ = ["compile_step", "Step", "TrainState", "StepError"]
+__all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError"]
 
 
 class StepError(ValueError):
     """A train step that cannot run as asked: batch sizes, loss shape, specs, inconsistent data."""
+
+
+class MixedState(NamedTuple):
+    """Optimizer state of a mixed-precision step: fp32 master weights (this rank's ZeRO parts, a params-shaped
+    tree of 1-D tensors), the loss scale and the count of overflow-free steps since it last changed, and the
+    optimizer's own state over the masters."""
+
+    master: Any
+    scale: torch.Tensor  # float32 scalar; 1 without loss scaling
+    good_steps: torch.Tensor  # int64 scalar
+    inner: Any
 
 
 class TrainState(NamedTuple):
@@ -109,6 +120,9 @@ class Step:
         weight_fn: Callable[[Any], float] | None = _weight_default,
         bucket_mb: float = 1024,
         compile: bool = False,
+        param_dtype: torch.dtype | None = None,
+        loss_scale: str | float | None = None,
+        growth_interval: int = 2000,
     ):
         if zero not in (0, 1, 2):
             raise StepError(f"zero must be 0, 1 or 2, got {zero!r}")
@@ -127,6 +141,17 @@ class Step:
             self._grad = torch.compile(self._grad)
         self._layout: tuple | None = None
         self._checked = False
+        # mixed precision: compute in param_dtype, update fp32 masters; fp16 defaults to dynamic loss scaling
+        if param_dtype is not None and not param_dtype.is_floating_point:
+            raise StepError(f"param_dtype must be a floating dtype, got {param_dtype}")
+        self.param_dtype = param_dtype
+        if loss_scale is None and param_dtype == torch.float16:
+            loss_scale = "dynamic"
+        if loss_scale is not None and param_dtype is None:
+            raise StepError("loss_scale needs mixed precision: pass param_dtype=torch.float16 (or bfloat16)")
+        if isinstance(loss_scale, str) and loss_scale != "dynamic":
+            raise StepError(f"loss_scale must be 'dynamic', a number or None, got {loss_scale!r}")
+        self.loss_scale, self.growth_interval = loss_scale, growth_interval
 
     # ------------------------------------------------------------------------------------------- layout
     def _scaled_loss(self, params, batch, scale):
@@ -153,7 +178,8 @@ class Step:
             if "pp" in spec.axes:
                 raise SpecError(f"leaf '{path}': spec {spec} names 'pp', which compile_step does not use")
             repl = tuple(a for a in ("dp", "tp") if a not in spec.axes and mesh.axis_size(a) > 1)
-            groups.setdefault((x.dtype, x.device, repl), []).append(i)
+            dtype = torch.float32 if self.param_dtype is not None else x.dtype  # masters are fp32
+            groups.setdefault((dtype, x.device, repl), []).append(i)
         buckets = []
         for (dtype, _, repl), idx in groups.items():
             zero_axes = repl if self.zero >= 1 else ()
@@ -217,7 +243,7 @@ class Step:
             for i, o, n in zip(b.leaves, b.offsets, b.sizes):
                 a, z = max(b.lo, o), min(b.hi, o + n)
                 if a < z:
-                    pieces.append(leaves[i].detach().reshape(-1)[a - o : z - o])
+                    pieces.append(leaves[i].detach().reshape(-1)[a - o : z - o].to(b.dtype))
             pad = (b.hi - b.lo) - sum(p.numel() for p in pieces)
             if pad:
                 pieces.append(torch.zeros(pad, dtype=b.dtype, device=leaves[b.leaves[0]].device))
@@ -225,7 +251,7 @@ class Step:
         return out
 
     def _flat(self, b: _Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
-        pieces = [leaves[i].reshape(-1) for i in b.leaves]
+        pieces = [leaves[i].reshape(-1).to(b.dtype) for i in b.leaves]
         if b.padded > b.length:
             pieces.append(pieces[0].new_zeros(b.padded - b.length))
         return torch.cat(pieces)
@@ -241,6 +267,18 @@ class Step:
             k = flat.numel() // mesh.axis_size("tp")
             flat = flat[mesh.coord("tp") * k : (mesh.coord("tp") + 1) * k]
         return flat
+
+    def _slices_of(self, view_leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of ``_views``: each bucket's part rebuilt from its leaves' parts (plus zero padding)."""
+        _, _, buckets, _ = self._layout
+        out = []
+        for b in buckets:
+            pieces = [view_leaves[i].reshape(-1) for i in b.leaves if view_leaves[i].numel()]
+            pad = (b.hi - b.lo) - sum(p.numel() for p in pieces)
+            if pad:
+                pieces.append(torch.zeros(pad, dtype=b.dtype, device=view_leaves[b.leaves[0]].device))
+            out.append(torch.cat(pieces).to(b.dtype))
+        return out
 
     def _gather_whole(self, b: _Bucket, part: torch.Tensor) -> torch.Tensor:
         mesh = self.mesh
@@ -268,7 +306,13 @@ class Step:
         views = self._views(self._param_slices(leaves))
         treedef = self._layout[0]
         opt_state = self.optimizer.init(optree.tree_unflatten(treedef, views))
-        return TrainState(params, opt_state, 0)
+        if self.param_dtype is None:
+            return TrainState(params, opt_state, 0)
+        scale = float(2.0**16 if self.loss_scale == "dynamic" else (self.loss_scale or 1.0))
+        mixed = MixedState(optree.tree_unflatten(treedef, views), torch.tensor(scale, dtype=torch.float32),
+                           torch.zeros((), dtype=torch.int64), opt_state)
+        compute = optree.tree_map(lambda x: x.detach().to(self.param_dtype), params)
+        return TrainState(compute, mixed, 0)
 
     def _check_consistency(self, params_leaves: list[torch.Tensor], batch: Any) -> None:
         """check=True: the batch agrees across tp, replicated leaves agree along their replicated axes."""
@@ -323,12 +367,14 @@ class Step:
         total = C.all_reduce(w.sum(), mesh, "dp").item() if mesh.axis_size("dp") > 1 else w.sum().item()
         if total <= 0:
             raise StepError("the global batch has no targets to train on (every label is -100 or masked)")
+        mixed = self.param_dtype is not None
+        scale = state.opt_state.scale if mixed else torch.ones((), dtype=torch.float32)
         acc: list[torch.Tensor | None] = [None] * len(buckets)
         loss_sum = torch.zeros((), dtype=torch.float64)
         auxes = []
         for mb, wm in zip(micro, w.tolist()):
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
-            grads, (_, out) = self._grad(state.params, mb, torch.tensor(wm / total, dtype=torch.float32))
+            grads, (_, out) = self._grad(state.params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale)
             loss, aux = out if self.has_aux else (out, None)
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
@@ -339,19 +385,33 @@ class Step:
                     flat = self._reduce_part(b, flat)
                 acc[k] = flat if acc[k] is None else acc[k].add_(flat)
         parts = acc if self.zero == 2 else [self._reduce_part(b, f) for b, f in zip(buckets, acc)]
+        if mixed and self.loss_scale is not None:
+            parts = [p / scale.to(p.device) for p in parts]
         # global norm: every element once (ZeRO parts are disjoint; at zero=0 only one replica counts)
         sq = torch.stack([p.float().pow(2).sum() if b.counted else p.new_zeros((), dtype=torch.float32)
                           for b, p in zip(buckets, parts)]).sum()
         first_tp = mesh.coord("tp") == 0
-        stats = torch.stack([sq.double().cpu(), loss_sum if first_tp else torch.zeros((), dtype=torch.float64)])
+        overflow = torch.stack([(~torch.isfinite(p)).any() for p in parts]).any().double().cpu()
+        stats = torch.stack([sq.double().cpu(), loss_sum if first_tp else torch.zeros((), dtype=torch.float64), overflow])
         stats = C.all_reduce(stats.to(mesh.device), mesh, ("dp", "tp"))
         grad_norm = stats[0].sqrt().float()
         loss_value = stats[1].item()
+        if mixed and self.loss_scale is not None and stats[2].item() > 0:
+            # an overflow anywhere: skip the update everywhere, halve a dynamic scale
+            new_scale = scale * 0.5 if self.loss_scale == "dynamic" else scale
+            skipped = state.opt_state._replace(scale=new_scale, good_steps=torch.zeros((), dtype=torch.int64))
+            metrics = {"loss": loss_value, "grad_norm": float("inf"), "lr": float("nan"), "tokens": 0,
+                       "tokens_per_s": 0.0, "step": state.step, "skipped": True, "loss_scale": new_scale.item()}
+            return TrainState(state.params, skipped, state.step), metrics
         # optimizer on this rank's parts
         g_views = optree.tree_unflatten(treedef, self._views(parts))
-        p_slices = self._param_slices(p_leaves)
+        if mixed:  # the fp32 masters, not the low-precision copies, are what the optimizer updates
+            p_slices = self._slices_of(treedef.flatten_up_to(state.opt_state.master))
+        else:
+            p_slices = self._param_slices(p_leaves)
         p_views = optree.tree_unflatten(treedef, self._views(p_slices))
-        updates, opt_state = self.optimizer.update(g_views, state.opt_state, p_views, global_norm=grad_norm.to(parts[0].device))
+        inner = state.opt_state.inner if mixed else state.opt_state
+        updates, opt_state = self.optimizer.update(g_views, inner, p_views, global_norm=grad_norm.to(parts[0].device))
         new_slices = [s.clone() for s in p_slices]
         new_views = self._views(new_slices)
         u_leaves = treedef.flatten_up_to(updates)
@@ -360,10 +420,16 @@ class Step:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
         new_leaves: list[torch.Tensor | None] = [None] * len(shapes)
         for b, s in zip(buckets, new_slices):
-            whole = self._gather_whole(b, s)
+            whole = self._gather_whole(b, s.to(self.param_dtype) if mixed else s)
             for i, o, n in zip(b.leaves, b.offsets, b.sizes):
                 new_leaves[i] = whole[o : o + n].view(shapes[i])
         new_params = optree.tree_unflatten(treedef, new_leaves)
+        if mixed:
+            good = state.opt_state.good_steps + 1
+            new_scale = scale
+            if self.loss_scale == "dynamic" and int(good) >= self.growth_interval:
+                new_scale, good = scale * 2.0, torch.zeros((), dtype=torch.int64)
+            opt_state = MixedState(optree.tree_unflatten(treedef, new_views), new_scale, good, opt_state)
         elapsed = time.perf_counter() - t0
         tokens = rows * mesh.axis_size("dp")
         if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim > 1:
@@ -376,6 +442,8 @@ class Step:
             "tokens_per_s": tokens / elapsed if elapsed > 0 else float("inf"),
             "step": state.step + 1,
         }
+        if mixed:
+            metrics["loss_scale"] = float(opt_state.scale)
         if self.has_aux:
             metrics["aux"] = auxes
         return TrainState(new_params, opt_state, state.step + 1), metrics
@@ -388,6 +456,9 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh, optimizer: Gradie
     (clip by the global gradient norm), ``has_aux`` (``loss_fn`` returns ``(loss, aux)``), ``check`` (verify on the
     first step that batch and replicated leaves agree across ranks), ``weight_fn`` (a micro-batch's weight in the
     global mean; default: its number of causal-LM targets for ``{"input_ids", ...}`` batches, else its rows),
-    ``bucket_mb`` (largest gradient bucket), ``compile`` (``torch.compile`` the per-micro-batch gradient function).
+    ``bucket_mb`` (largest gradient bucket), ``compile`` (``torch.compile`` the per-micro-batch gradient function),
+    ``param_dtype`` (mixed precision: compute with copies in this dtype, keep fp32 masters as ZeRO parts in the
+    optimizer state), ``loss_scale`` (``"dynamic"`` (the default for float16): scale the loss, skip the update and
+    halve the scale on an overflow on any rank, double it after ``growth_interval`` clean steps; or a constant).
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, **kwargs)
