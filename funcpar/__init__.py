@@ -12,6 +12,7 @@ from . import optim as optim
 from . import tree as tree
 from .collectives import CollectiveError as CollectiveError
 from .mesh import Mesh as Mesh
+from .remat import remat as remat
 from .mesh import MeshError as MeshError
 from .sharding import ShardingError as ShardingError
 from .sharding import gather as gather

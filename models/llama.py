@@ -10,6 +10,7 @@ vocab-parallel cross-entropy, so full-vocabulary logits never exist during train
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from funcpar import P
 from funcpar import collectives as C
+from funcpar import remat as fp_remat
 from funcpar import layers as L
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -347,18 +349,24 @@ def _mlp(p, x, mesh):
     return y + p["b_down"] if "b_down" in p else y
 
 
-def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    """The final normed hidden states (B, T, d), replicated over tp."""
+def _layer(lp, x, cos, sin, window, cfg: Config, mesh):
+    x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, window, cfg, mesh)
+    return x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
+
+
+def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
+    """The final normed hidden states (B, T, d), replicated over tp. ``remat``: keep only each layer's input and
+    recompute the layer in the backward pass (activation checkpointing)."""
     x = L.vocab_embedding(params["embed"], tokens, mesh, "tp")  # (B, T) -> (B, T, d)
     cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
     for lp, window in zip(params["layers"], cfg.sliding_windows):
-        x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, window, cfg, mesh)
-        x = x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
+        layer = functools.partial(_layer, window=window, cfg=cfg, mesh=mesh)
+        x = fp_remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
     return _rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 
-def _logits(params, tokens, cfg: Config, mesh) -> torch.Tensor:
-    x = C.copy_to_region(hidden_states(params, tokens, cfg, mesh), mesh, "tp")
+def _logits(params, tokens, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
+    x = C.copy_to_region(hidden_states(params, tokens, cfg, mesh, remat), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 
@@ -369,10 +377,11 @@ def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     return L.unpad_logits(_logits(params, tokens, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
-def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
+def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat: bool = False) -> torch.Tensor:
     """transformers' ``labels=`` loss: mean over counted tokens of the shifted cross-entropy (``-100`` ignored,
-    ``batch["loss_mask"]`` optional), computed vocab-parallel. ``labels`` defaults to ``input_ids``."""
+    ``batch["loss_mask"]`` optional), computed vocab-parallel. ``labels`` defaults to ``input_ids``. ``remat``
+    recomputes each layer in the backward pass instead of keeping its activations."""
     tokens = batch["input_ids"]
     labels = batch.get("labels", tokens)
-    logits = _logits(params, tokens, cfg, mesh)
+    logits = _logits(params, tokens, cfg, mesh, remat)
     return L.causal_lm_loss(logits, labels, mesh, "tp", batch.get("loss_mask"), reduction, cfg.vocab_size)

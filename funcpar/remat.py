@@ -1,0 +1,66 @@
+"""Activation checkpointing that works under ``torch.func.grad``: ``remat(fn)`` keeps only ``fn``'s inputs and
+recomputes ``fn`` in the backward pass.
+
+``torch.utils.checkpoint`` relies on saved-tensor hooks, which ``torch.func`` transforms do not support. Here the
+recomputation is a custom ``autograd.Function`` whose backward re-runs ``fn`` under ``torch.func.vjp``: the same
+operations on the same inputs, so the gradients are those of the plain function. Collectives inside ``fn`` run again
+during the recomputation, on every rank in the same order, as SPMD code requires.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import optree
+import torch
+
+__all__ = ["remat"]
+
+
+class _Remat(torch.autograd.Function):
+    @staticmethod
+    def forward(fn, rebuild, *tensors):
+        with torch.no_grad():
+            return fn(*rebuild(tensors))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.fn, ctx.rebuild = inputs[0], inputs[1]
+        ctx.save_for_backward(*inputs[2:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        diff = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+
+        def f(*ds):
+            ts = list(tensors)
+            for i, d in zip(diff, ds):
+                ts[i] = d
+            return ctx.fn(*ctx.rebuild(ts))
+
+        _, vjp = torch.func.vjp(f, *[tensors[i] for i in diff])
+        grads = vjp(grad)
+        out: list[Any] = [None] * len(tensors)
+        for i, g in zip(diff, grads):
+            out[i] = g
+        return (None, None, *out)
+
+
+def remat(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` (pytrees of tensors in, one tensor out) with its activations recomputed in the backward pass."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        leaves, treedef = optree.tree_flatten(args)
+        is_t = [isinstance(x, torch.Tensor) for x in leaves]
+        others = [x for x, t in zip(leaves, is_t) if not t]
+
+        def rebuild(tensors):
+            it_t, it_o = iter(tensors), iter(others)
+            return optree.tree_unflatten(treedef, [next(it_t) if t else next(it_o) for t in is_t])
+
+        return _Remat.apply(fn, rebuild, *[x for x, t in zip(leaves, is_t) if t])
+
+    return wrapped
