@@ -35,6 +35,8 @@ DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.01,
     "zero": 1,
     "clip": 1.0,
+    "precision": "fp32",
+    "remat": False,
     "steps": 300,
     "eval_every": 100,
     "eval_fraction": 0.05,
@@ -277,9 +279,15 @@ def train(argv: list[str]) -> None:
     vocab = getattr(cfg, "vocab_size")
     if int(data.ids.max()) >= vocab:
         raise SystemExit(f"funcpar: the tokenizer produced id {int(data.ids.max())}, beyond the model's vocab_size {vocab}")
-    step = fp.compile_step(functools.partial(model.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh,
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if opts["precision"] not in dtypes:
+        raise SystemExit(f"funcpar: unknown --precision '{opts['precision']}' (fp32, bf16, fp16)")
+    loss_kw = {"remat": True} if opts["remat"] else {}
+    if loss_kw and "remat" not in model.loss.__code__.co_varnames:
+        raise SystemExit(f"funcpar: --remat is not supported by {model.__name__}")
+    step = fp.compile_step(functools.partial(model.loss, cfg=cfg, mesh=mesh, **loss_kw), specs, mesh=mesh,
                            optimizer=_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
-                           clip_norm=opts["clip"] or None)
+                           clip_norm=opts["clip"] or None, param_dtype=dtypes[opts["precision"]])
     state = step.init(params)
     loader = Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
     extra_base = {"model": cfg.model_type, "config": cfg.to_hf(), "tokenizer": opts["tokenizer"]}
@@ -307,7 +315,7 @@ def train(argv: list[str]) -> None:
     while state.step < opts["steps"]:
         state, m = step(state, next(loader))
         first_loss = m["loss"] if first_loss is None else first_loss
-        row = {k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_per_s")}
+        row = {k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "skipped") if k in m}
         row["truncated"] = data.truncated
         if opts["eval_every"] and (state.step % opts["eval_every"] == 0 or state.step == opts["steps"]):
             ev = _evaluate(model, cfg, state.params, eval_data, mesh, opts["global_batch"])

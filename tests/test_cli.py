@@ -149,3 +149,14 @@ def test_progress_bar_on_a_terminal(tmp_path):
     text = b"".join(chunks).decode(errors="replace")
     assert "train: 100%" in text and "3/3" in text and "loss=" in text and "tok_s=" in text  # tqdm, on rank 0
     assert "step     3/3" not in text  # the plain log lines are for non-terminals
+
+
+def test_precision_and_remat_flags(tmp_path):
+    out = str(tmp_path / "bf16")
+    run(["-m", "funcpar", "train", *TINY, "--mesh", "dp=2", "--steps", "4", "--precision", "bf16", "--remat",
+         "--out", out])
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(rows) == 4 and all("loss_scale" in r for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    import transformers as tf
+
+    tf.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))  # the export holds the bf16 weights
