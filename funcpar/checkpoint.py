@@ -367,7 +367,8 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     """``(state, extra)`` for ``template``, a :class:`funcpar.Step` whose ``init`` has been called (its mesh may
     differ from the one the checkpoint was saved on: pieces are resharded). Parameters and optimizer state are
     read for this rank's new blocks and ZeRO parts only. ``restore_rng`` restores the torch RNG state this rank
-    (or, on a larger mesh, rank 0) had at save time. Pass a dict as ``stats`` to get ``bytes_read``.
+    (or, on a larger mesh, rank 0) had at save time. Pass a dict as ``stats`` to get ``bytes_read``. A checkpoint
+    of parameters only (``funcpar convert``) loads with a fresh optimizer state.
     """
     from .step import Step, TrainState
 
@@ -394,6 +395,10 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     o_paths = _paths(fresh.opt_state)
     index = _opt_param_index(fresh.opt_state, params)
     saved_opt = [o["path"] for o in src.meta["opt"]]
+    if not saved_opt:  # parameters only (e.g. from `funcpar convert`): a fresh optimizer
+        if restore_rng:
+            _restore_rng(src, mesh)
+        return TrainState(params, fresh.opt_state, int(src.meta["step"])), src.meta.get("extra")
     if saved_opt != o_paths:
         first = next((i for i, (x, y) in enumerate(zip(saved_opt, o_paths)) if x != y), min(len(saved_opt), len(o_paths)))
         have = saved_opt[first] if first < len(saved_opt) else "(absent)"

@@ -102,6 +102,17 @@ def test_convert_round_trip(tmp_path):
     cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
     cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "back")])
     _assert_identical(_tensors(tmp_path / "hf"), _tensors(tmp_path / "back"))
+    # a parameters-only checkpoint starts training with a fresh optimizer
+    params, cfg = fp.hf.load(tmp_path / "hf")
+    model = fp.hf.known_models()[cfg.model_type]
+    step = fp.compile_step(lambda p, b: model.loss(p, b, cfg=cfg, mesh=fp.Mesh()), model.specs(cfg), mesh=fp.Mesh(),
+                           optimizer=fp.optim.adamw(1e-3))
+    step.init(model.init(cfg, seed=5))
+    state, extra = step.load(tmp_path / "ckpt")
+    assert state.step == 0 and extra["model"] == "qwen2" and int(state.opt_state.count) == 0
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(state.params), fp.tree.leaves_with_path(params)))
+    state, m = step(state, {"input_ids": torch.randint(0, 128, (2, 8))})
+    assert m["step"] == 1
 
 
 def test_examples_run_as_written(tmp_path):
