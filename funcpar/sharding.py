@@ -24,9 +24,13 @@ class ShardingError(ValueError):
 
 
 def shard_leaf(x: torch.Tensor, spec: P, mesh: "Mesh", path: str = "") -> torch.Tensor:
-    """This rank's block of the global tensor ``x`` (a fresh contiguous tensor, so ``x`` can be freed)."""
+    """This rank's block of the global tensor ``x``, on the mesh's device (a fresh contiguous tensor, so ``x``,
+    e.g. a CPU initialisation, can be freed)."""
     idx = local_slice(spec, tuple(x.shape), mesh, path=path)
-    return x[idx].clone(memory_format=torch.contiguous_format)
+    block = x[idx]
+    if block.device != mesh.device:
+        return block.to(mesh.device, memory_format=torch.contiguous_format)
+    return block.clone(memory_format=torch.contiguous_format)
 
 
 def _global_shape(x: torch.Tensor, spec: P, mesh: "Mesh") -> tuple[int, ...]:
@@ -70,7 +74,7 @@ def gather_leaf(
 
 
 def shard(tree: Any, specs: Any, mesh: "Mesh") -> Any:
-    """Global tree -> this rank's local tree. Every rank passes the same global values."""
+    """Global tree -> this rank's local tree, on ``mesh.device``. Every rank passes the same global values."""
     matched = broadcast_specs(specs, tree)
     _, treedef = optree.tree_flatten(tree)
     return optree.tree_unflatten(treedef, [shard_leaf(x, s, mesh, p) for p, s, x in matched])

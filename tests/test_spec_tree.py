@@ -129,3 +129,13 @@ def test_mesh_errors_in_a_plain_process():
         fp.Mesh(tp=0)
     with pytest.raises(fp.MeshError, match="unknown mesh axis 'sp'"):
         fp.Mesh().axis_size("sp")
+
+
+def test_shard_places_blocks_on_the_mesh_device():
+    # a CPU initialisation sharded for an accelerator mesh lands on the accelerator (here: the meta device)
+    m = fp.Mesh(device="meta")
+    x = torch.randn(4, 6)
+    out = fp.shard({"w": x}, {"w": P()}, m)["w"]
+    assert out.device.type == "meta" and out.shape == (4, 6)
+    same = fp.shard({"w": x}, {"w": P()}, fp.Mesh())["w"]
+    assert same.device.type == "cpu" and torch.equal(same, x) and same.data_ptr() != x.data_ptr()
