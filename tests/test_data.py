@@ -119,3 +119,22 @@ def test_resume_continues_the_exact_order():
     assert all(torch.equal(next(c)["input_ids"], first[k]["input_ids"]) for k in range(7, 20))
     with pytest.raises(DataError, match="cannot resume data order: saved with global_batch=8 seed=1, now global_batch=4"):
         Loader(ds, fp.Mesh(), global_batch=4, seed=1).load_state_dict(state)
+
+
+def test_local_hf_tokenizer_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from funcpar.data import HFTokenizer
+
+    vocab = {"[PAD]": 0, "</s>": 1, "[UNK]": 2, "Add": 3, "2": 4, "3": 5, "5": 6, "\n": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="[PAD]", unk_token="[UNK]")
+    fast.save_pretrained(tmp_path / "tok")
+    hf = HFTokenizer(tmp_path / "tok")
+    assert (hf.eos_id, hf.pad_id, hf.vocab_size) == (1, 0, 8)
+    ids, mask = encode({"type": "instruct", "instruct": "Add", "output": "5"}, hf)
+    assert ids == [3, 7, 6, 1] and mask == [0, 0, 1, 1]  # "Add\n" prompt, "5" + EOS trained
+    ds = Dataset.from_samples([({"type": "instruct", "instruct": "Add", "output": "5"}, "x")], hf, seq_len=6, pack=False)
+    assert ds.ids[0].tolist() == [3, 7, 6, 1, 0, 0]
