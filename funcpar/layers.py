@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
 __all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
-           "padded_vocab", "unpad_logits"]
+           "padded_vocab", "unpad_logits", "VocabPadding"]
 
 IGNORE_INDEX = -100
 
@@ -34,6 +34,22 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
         return vocab_size
     m = math.lcm(128, tp)
     return -(-vocab_size // m) * m
+
+
+class VocabPadding:
+    """For a model config (a dataclass) with ``vocab_size`` and ``vocab_rows`` fields: the rows of its vocab
+    tables, and the config padded for a mesh (``vocab_rows`` set only where tp calls for padding)."""
+
+    @property
+    def rows(self) -> int:
+        return self.vocab_rows or self.vocab_size
+
+    def with_mesh(self, mesh):
+        """This config with its vocabulary padded for ``mesh``'s tp where tp does not divide it."""
+        import dataclasses
+
+        rows = padded_vocab(self.vocab_size, mesh.axis_size("tp"))
+        return dataclasses.replace(self, vocab_rows=None if rows == self.vocab_size else rows)
 
 
 def _mask_padding(logits: torch.Tensor, mesh: "Mesh", axis: str, vocab_size: int | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ MODEL_TYPES = ("gpt2",)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(L.VocabPadding):
     vocab_size: int
     n_embd: int
     n_layer: int
@@ -35,15 +35,6 @@ class Config:
     model_type: str = "gpt2"
     vocab_rows: int | None = None  # rows of wte when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
-
-    @property
-    def rows(self) -> int:
-        return self.vocab_rows or self.vocab_size
-
-    def with_mesh(self, mesh) -> "Config":
-        """This config with its vocabulary padded for ``mesh``'s tp where tp does not divide it (GPT-2's 50257)."""
-        rows = L.padded_vocab(self.vocab_size, mesh.axis_size("tp"))
-        return dataclasses.replace(self, vocab_rows=None if rows == self.vocab_size else rows)
 
     @property
     def inner(self) -> int:

@@ -28,7 +28,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(L.VocabPadding):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -48,15 +48,6 @@ class Config:
     model_type: str = "llama"
     vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
-
-    @property
-    def rows(self) -> int:
-        return self.vocab_rows or self.vocab_size
-
-    def with_mesh(self, mesh) -> "Config":
-        """This config with its vocabulary padded for ``mesh``'s tp where tp does not divide it."""
-        rows = L.padded_vocab(self.vocab_size, mesh.axis_size("tp"))
-        return dataclasses.replace(self, vocab_rows=None if rows == self.vocab_size else rows)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
