@@ -388,15 +388,18 @@ class Step:
         if mixed and self.loss_scale is not None:
             parts = [p / scale.to(p.device) for p in parts]
         # global norm: every element once (ZeRO parts are disjoint; at zero=0 only one replica counts)
-        sq = torch.stack([p.float().pow(2).sum() if b.counted else p.new_zeros((), dtype=torch.float32)
-                          for b, p in zip(buckets, parts)]).sum()
+        sq = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) ** 2 if b.counted
+                          else p.new_zeros((), dtype=torch.float32) for b, p in zip(buckets, parts)]).sum()
         first_tp = mesh.coord("tp") == 0
-        overflow = torch.stack([(~torch.isfinite(p)).any() for p in parts]).any().double().cpu()
+        scaling = mixed and self.loss_scale is not None
+        # overflow check only under loss scaling (it costs a pass over the gradients)
+        overflow = (torch.stack([(~torch.isfinite(p)).any() for p in parts]).any().double().cpu() if scaling
+                    else torch.zeros((), dtype=torch.float64))
         stats = torch.stack([sq.double().cpu(), loss_sum if first_tp else torch.zeros((), dtype=torch.float64), overflow])
         stats = C.all_reduce(stats.to(mesh.device), mesh, ("dp", "tp"))
         grad_norm = stats[0].sqrt().float()
         loss_value = stats[1].item()
-        if mixed and self.loss_scale is not None and stats[2].item() > 0:
+        if scaling and stats[2].item() > 0:
             # an overflow anywhere: skip the update everywhere, halve a dynamic scale
             new_scale = scale * 0.5 if self.loss_scale == "dynamic" else scale
             skipped = state.opt_state._replace(scale=new_scale, good_steps=torch.zeros((), dtype=torch.int64))
