@@ -3,7 +3,7 @@
 The format is an 8-byte little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}`` and
 raw little-endian tensor bytes. Reading a block of a tensor with ``pread``, run by run, touches only that block's
 bytes, and counting them makes "each rank reads only its slices" measurable. Only JSON and raw bytes are read;
-nothing is unpickled or executed.
+nothing is unpickled or executed. Also the one way funcpar puts a finished folder in place.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,3 +117,15 @@ def _product(ranges):
             yield (i, *rest)
 
 
+
+
+def swap_into_place(tmp: Path, dest: Path) -> None:
+    """Put the completed folder ``tmp`` at ``dest``; an existing ``dest`` is replaced only now, and then deleted."""
+    if not dest.exists():
+        os.rename(tmp, dest)
+        return
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old)

@@ -34,9 +34,9 @@ import optree
 import torch
 
 from . import collectives as C
-from ._safetensors import read_block, read_header
+from ._safetensors import read_block, read_header, swap_into_place
 from .mesh import Mesh
-from .spec import P, broadcast_specs, local_slice
+from .spec import P, broadcast_specs, global_shape, local_slice
 
 __all__ = ["save", "load", "load_params", "export_hf", "CheckpointError", "resolve"]
 
@@ -96,10 +96,6 @@ def _paths(tree: Any) -> list[str]:
     return [p for p, _ in leaves_with_path(tree)]
 
 
-def _global_shape(local: tuple[int, ...], spec: P, mesh: Mesh) -> list[int]:
-    return [n * math.prod(mesh.axis_size(a) for a in spec.axes_of(i)) for i, n in enumerate(local)]
-
-
 def _block(spec: P, gshape: list[int], mesh: Mesh) -> list[list[int]]:
     if not gshape:
         return []
@@ -157,7 +153,7 @@ def save(path, state, mesh: Mesh, extra: Any = None, *, step, keep: int | None =
     params_meta, opt_meta = [], []
     try:
         for i, (p, x, spec) in enumerate(zip(paths, p_leaves, specs)):
-            gshape = _global_shape(tuple(x.shape), spec, mesh)
+            gshape = list(global_shape(spec, tuple(x.shape), mesh))
             params_meta.append({"path": p, "shape": gshape, "dtype": _dtype_name(x.dtype), "spec": list(spec.dims)})
             if _owner(mesh, tuple(a for a in ("pp", "dp", "tp") if a not in spec.axes)):
                 key = f"param/{p}"
@@ -207,7 +203,7 @@ def save(path, state, mesh: Mesh, extra: Any = None, *, step, keep: int | None =
                 "optimizer": _state_types(state.opt_state), "pieces": all_pieces, "extra": extra,
             }
             (tmp / "meta.json").write_text(json.dumps(meta))
-            _swap_into_place(tmp, path)
+            swap_into_place(tmp, path)
             latest_tmp = path.parent / ".latest.tmp"
             latest_tmp.write_text(path.name + "\n")
             os.replace(latest_tmp, path.parent / "latest")
@@ -222,17 +218,6 @@ def save(path, state, mesh: Mesh, extra: Any = None, *, step, keep: int | None =
         if error is not None:
             raise error
         raise CheckpointError(f"saving {path} failed on another rank; nothing was written, 'latest' is unchanged")
-
-
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    if path.exists():
-        old = path.parent / f".{path.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, path)
 
 
 def _apply_keep(current: Path, keep: int) -> None:
@@ -382,7 +367,7 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     treedef, shapes, _, paths = step._layout
     like = optree.tree_unflatten(treedef, [torch.empty(s, device="meta") for s in shapes])
     specs = [s for _, s, _ in broadcast_specs(step.specs, like)]
-    gshapes = [_global_shape(s, spec, mesh) for s, spec in zip(shapes, specs)]
+    gshapes = [list(global_shape(spec, s, mesh)) for s, spec in zip(shapes, specs)]
     saved = _check_params(src, paths, gshapes)
     leaves = []
     for p, spec, g, s in zip(paths, specs, gshapes, shapes):

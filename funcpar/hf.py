@@ -33,7 +33,7 @@ import torch
 from . import collectives as C
 from .mesh import Mesh
 from .sharding import gather_leaf
-from ._safetensors import _Tensor, read_block, read_header
+from ._safetensors import _Tensor, read_block, read_header, swap_into_place
 from .spec import P, broadcast_specs, local_slice
 
 __all__ = ["load", "save", "auto_specs", "HFError", "known_models"]
@@ -348,7 +348,7 @@ def save(
         try:
             writer.finish()
             (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
-            _swap_into_place(tmp, folder)
+            swap_into_place(tmp, folder)
         except BaseException as e:  # noqa: BLE001
             error = e
     failed = C.all_reduce(torch.tensor([1.0 if error is not None else 0.0]), mesh, ("pp", "dp", "tp"), "max")
@@ -358,16 +358,6 @@ def save(
         raise error
     if failed.item():
         raise HFError(f"export to {folder} failed on rank 0; nothing was written")
-
-
-def _swap_into_place(tmp: Path, folder: Path) -> None:
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-        os.rename(folder, old)
-        os.rename(tmp, folder)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, folder)
 
 
 # ------------------------------------------------------------------------------------------- auto_specs

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
 __all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
-           "padded_vocab", "unpad_logits", "VocabPadding"]
+           "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
 
 IGNORE_INDEX = -100
 
@@ -50,6 +50,14 @@ class VocabPadding:
 
         rows = padded_vocab(self.vocab_size, mesh.axis_size("tp"))
         return dataclasses.replace(self, vocab_rows=None if rows == self.vocab_size else rows)
+
+    def check_mesh(self, mesh) -> None:
+        """Raise unless ``mesh``'s tp divides the vocab tables' rows (it always does after ``with_mesh``)."""
+        if mesh is not None and self.rows % mesh.axis_size("tp"):
+            raise ValueError(
+                f"vocab_size {self.vocab_size} ({self.rows} rows) is not divisible by tp={mesh.axis_size('tp')}: "
+                f"use cfg.with_mesh(mesh), which pads the vocabulary (fp.hf.load does it for you)"
+            )
 
 
 def _mask_padding(logits: torch.Tensor, mesh: "Mesh", axis: str, vocab_size: int | None) -> torch.Tensor:
@@ -114,9 +122,7 @@ def causal_lm_loss(
 
     ``reduction="mean"`` divides by the number of counted tokens (as transformers does); ``"sum"`` does not.
     """
-    if loss_mask is not None:
-        labels = labels.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
-    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): the target of position t
+    shifted = shifted_targets(labels, loss_mask)  # (B, T): the target of position t
     valid = shifted != IGNORE_INDEX
     tok = vocab_cross_entropy(logits, shifted, mesh, axis, vocab_size)  # (B, T)
     total = torch.where(valid, tok, torch.zeros((), dtype=tok.dtype, device=tok.device)).sum()
@@ -125,9 +131,14 @@ def causal_lm_loss(
     return total / valid.sum().clamp(min=1)
 
 
+def shifted_targets(labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The label each position predicts: ``labels`` shifted left by one, ``-100`` where masked or past the end."""
+    if loss_mask is not None:
+        labels = labels.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
 def count_targets(batch: dict) -> int:
-    """How many tokens :func:`causal_lm_loss` averages over in ``batch`` (shifted labels not ``-100``, masked)."""
-    labels = batch.get("labels", batch["input_ids"])
-    if batch.get("loss_mask") is not None:
-        labels = labels.masked_fill(~batch["loss_mask"].bool(), IGNORE_INDEX)
-    return int((labels[..., 1:] != IGNORE_INDEX).sum().item())
+    """How many tokens :func:`causal_lm_loss` averages over in ``batch``."""
+    targets = shifted_targets(batch.get("labels", batch["input_ids"]), batch.get("loss_mask"))
+    return int((targets != IGNORE_INDEX).sum().item())

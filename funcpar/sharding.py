@@ -11,7 +11,7 @@ import optree
 import torch
 
 from . import collectives as C
-from .spec import P, broadcast_specs, local_slice, validate
+from .spec import P, broadcast_specs, global_shape, local_slice, validate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
@@ -33,24 +33,13 @@ def shard_leaf(x: torch.Tensor, spec: P, mesh: "Mesh", path: str = "") -> torch.
     return block.clone(memory_format=torch.contiguous_format)
 
 
-def _global_shape(x: torch.Tensor, spec: P, mesh: "Mesh") -> tuple[int, ...]:
-    return tuple(n * _parts(spec, i, mesh) for i, n in enumerate(x.shape))
-
-
-def _parts(spec: P, i: int, mesh: "Mesh") -> int:
-    n = 1
-    for a in spec.axes_of(i):
-        n *= mesh.axis_size(a)
-    return n
-
-
 def gather_leaf(
     x: torch.Tensor, spec: P, mesh: "Mesh", dst: int | None = None, path: str = ""
 ) -> torch.Tensor | None:
     """The global tensor from this rank's block ``x``: on every rank, or only on global rank ``dst``."""
     if len(spec) > x.ndim:
         validate(spec, tuple(x.shape), mesh, path)  # raises: spec longer than the tensor
-    gshape = _global_shape(x, spec, mesh)
+    gshape = global_shape(spec, tuple(x.shape), mesh)
     validate(spec, gshape, mesh, path)
     if dst is None:
         y = x

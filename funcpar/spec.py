@@ -21,7 +21,7 @@ from .tree import leaves_with_path, path_str
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["P", "SpecError", "validate", "local_shape", "local_slice", "broadcast_specs"]
+__all__ = ["P", "SpecError", "validate", "local_shape", "global_shape", "local_slice", "broadcast_specs"]
 
 
 class SpecError(ValueError):
@@ -130,6 +130,11 @@ def _parts(axes: Iterable[str], mesh: "Mesh") -> int:
     for a in axes:
         n *= mesh.axis_size(a)
     return n
+
+
+def global_shape(spec: P, local: Sequence[int], mesh: "Mesh") -> tuple[int, ...]:
+    """The shape of the global tensor whose blocks have shape ``local`` (the inverse of :func:`local_shape`)."""
+    return tuple(int(n) * _parts(spec.axes_of(i), mesh) for i, n in enumerate(local))
 
 
 def local_shape(spec: P, shape: Sequence[int], mesh: "Mesh", path: str = "") -> tuple[int, ...]:

@@ -70,6 +70,7 @@ class _Bucket:
     hi: int = 0
     counted: bool = True  # whether this rank's part counts toward the global norm (zero=0 dedup)
     repl_only: tuple[str, ...] = ()  # replicated axes the optimizer state is not partitioned over (zero=0)
+    ranges: list[tuple[int, int]] | None = None  # per leaf: this rank's part as a flat range of the local leaf
 
 
 def _weight_default(mb: Any) -> float:
@@ -206,9 +207,10 @@ class Step:
                 n = padded // parts
                 counted = self.zero >= 1 or all(mesh.coord(a) == 0 for a in repl)
                 repl_only = tuple(a for a in repl if a not in zero_axes)
+                lo, hi = part * n, (part + 1) * n
+                ranges = [(min(max(lo - o, 0), k), min(max(hi - o, 0), k)) for o, k in zip(offsets, sizes)]
                 buckets.append(
-                    _Bucket(dtype, zero_axes, chunk, offsets, sizes, length, padded, part * n, (part + 1) * n, counted,
-                            repl_only)
+                    _Bucket(dtype, zero_axes, chunk, offsets, sizes, length, padded, lo, hi, counted, repl_only, ranges)
                 )
         treedef = optree.tree_structure(params)
         shapes = [tuple(x.shape) for x in leaves]
@@ -216,12 +218,11 @@ class Step:
 
     def _views(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per leaf, this rank's part of it (1-D), as views into the bucket slices, in leaf order."""
-        treedef, shapes, buckets, _ = self._layout
+        _, shapes, buckets, _ = self._layout
         out: list[torch.Tensor | None] = [None] * len(shapes)
         for b, s in zip(buckets, slices):
-            for i, o, n in zip(b.leaves, b.offsets, b.sizes):
-                a, z = max(b.lo, o), min(b.hi, o + n)
-                out[i] = s[a - b.lo : z - b.lo] if a < z else s[:0]
+            for i, o, (a, z) in zip(b.leaves, b.offsets, b.ranges):
+                out[i] = s[o + a - b.lo : o + z - b.lo] if a < z else s[:0]
         return out
 
     def _leaf_parts(self) -> list[tuple[int, int, tuple[str, ...]]]:
@@ -230,25 +231,14 @@ class Step:
         _, shapes, buckets, _ = self._layout
         out: list = [None] * len(shapes)
         for b in buckets:
-            for i, o, n in zip(b.leaves, b.offsets, b.sizes):
-                a, z = max(b.lo, o), min(b.hi, o + n)
-                out[i] = (a - o, z - o, b.repl_only) if a < z else (0, 0, b.repl_only)
+            for i, (a, z) in zip(b.leaves, b.ranges):
+                out[i] = (a, z, b.repl_only)
         return out
 
     def _param_slices(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        _, _, buckets, _ = self._layout
-        out = []
-        for b in buckets:
-            pieces = []
-            for i, o, n in zip(b.leaves, b.offsets, b.sizes):
-                a, z = max(b.lo, o), min(b.hi, o + n)
-                if a < z:
-                    pieces.append(leaves[i].detach().reshape(-1)[a - o : z - o].to(b.dtype))
-            pad = (b.hi - b.lo) - sum(p.numel() for p in pieces)
-            if pad:
-                pieces.append(torch.zeros(pad, dtype=b.dtype, device=leaves[b.leaves[0]].device))
-            out.append(torch.cat(pieces))
-        return out
+        """Each bucket's part (in the bucket's dtype) cut out of whole local leaves."""
+        parts = [leaves[i].detach().reshape(-1)[a:z] for i, (a, z, _) in enumerate(self._leaf_parts())]
+        return self._slices_of(parts)
 
     def _flat(self, b: _Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
         pieces = [leaves[i].reshape(-1).to(b.dtype) for i in b.leaves]
@@ -273,11 +263,11 @@ class Step:
         _, _, buckets, _ = self._layout
         out = []
         for b in buckets:
-            pieces = [view_leaves[i].reshape(-1) for i in b.leaves if view_leaves[i].numel()]
+            pieces = [view_leaves[i].reshape(-1).to(b.dtype) for i in b.leaves if view_leaves[i].numel()]
             pad = (b.hi - b.lo) - sum(p.numel() for p in pieces)
             if pad:
                 pieces.append(torch.zeros(pad, dtype=b.dtype, device=view_leaves[b.leaves[0]].device))
-            out.append(torch.cat(pieces).to(b.dtype))
+            out.append(torch.cat(pieces))
         return out
 
     def _gather_whole(self, b: _Bucket, part: torch.Tensor) -> torch.Tensor:

@@ -109,11 +109,7 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
 
 
 def specs(cfg: Config, mesh=None):
-    if mesh is not None and cfg.rows % mesh.axis_size("tp"):
-        raise ValueError(
-            f"vocab_size {cfg.vocab_size} ({cfg.rows} rows) is not divisible by tp={mesh.axis_size('tp')}: "
-            f"use cfg.with_mesh(mesh), which pads the vocabulary (fp.hf.load does it for you)"
-        )
+    cfg.check_mesh(mesh)
     layer = {
         "ln1_w": P(), "ln1_b": P(), "ln2_w": P(), "ln2_b": P(),
         "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None),

@@ -195,11 +195,7 @@ def specs(cfg: Config, mesh=None):
     cutting heads apart; each rank then uses the kv heads its query heads need (see ``_attention``).
     """
     shapes = init(cfg, device="meta")
-    if mesh is not None and cfg.rows % mesh.axis_size("tp"):
-        raise ValueError(
-            f"vocab_size {cfg.vocab_size} ({cfg.rows} rows) is not divisible by tp={mesh.axis_size('tp')}: "
-            f"use cfg.with_mesh(mesh), which pads the vocabulary (fp.hf.load does it for you)"
-        )
+    cfg.check_mesh(mesh)
     layer = dict(_LAYER_SPECS)
     if mesh is not None and cfg.num_key_value_heads % mesh.axis_size("tp"):
         layer |= {"wk": P(), "wv": P(), "bk": P(), "bv": P()}

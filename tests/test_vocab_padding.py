@@ -21,6 +21,20 @@ def test_padding_rule():
     assert padded_vocab(50257, 2) == 50304 and padded_vocab(264, 16) == 384
 
 
+def test_an_unpadded_odd_vocabulary_is_refused_by_name():
+    from funcpar.models import gpt2, llama
+
+    mesh = fp.Mesh.abstract(tp=2)
+    cfg = llama.Config.from_hf(dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, model_type="llama"))
+    with pytest.raises(ValueError, match=r"vocab_size 101 \(101 rows\) is not divisible by tp=2: use cfg.with_mesh"):
+        llama.specs(cfg, mesh)
+    llama.specs(cfg.with_mesh(mesh), mesh)  # padded: fine
+    g = gpt2.Config.from_hf(dict(vocab_size=V, n_embd=32, n_layer=1, n_head=4))
+    with pytest.raises(ValueError, match=r"vocab_size 101 \(101 rows\) is not divisible by tp=2"):
+        gpt2.specs(g, mesh)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("odd")
