@@ -115,17 +115,3 @@ def _product(ranges):
     for i in ranges[0]:
         for rest in _product(ranges[1:]):
             yield (i, *rest)
-
-
-
-
-def swap_into_place(tmp: Path, dest: Path) -> None:
-    """Put the completed folder ``tmp`` at ``dest``; an existing ``dest`` is replaced only now, and then deleted."""
-    if not dest.exists():
-        os.rename(tmp, dest)
-        return
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(dest, old)
-    os.rename(tmp, dest)
-    shutil.rmtree(old)

@@ -42,6 +42,8 @@ __all__ = [
     "scatter_to_region",
     "gather_from_region",
     "all_reduce",
+    "all_gather_nograd",
+    "reduce_scatter_nograd",
     "broadcast",
     "barrier",
     "send",
@@ -139,116 +141,48 @@ def _own_block(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tens
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _Elementwise(torch.autograd.Function):
-    """Shared ``setup_context``/``vmap`` for collectives that act element by element (f and g)."""
+def _function(name: str, op, conjugate: str) -> type:
+    """An autograd Function whose forward is ``op(x, mesh, axis[, dim])`` and whose backward is the Function named
+    ``conjugate``, with a separate ``setup_context`` and a ``vmap`` rule (a batch dimension moves to the front and a
+    ``dim`` argument shifts by one), so it works under ``torch.func`` transforms as well as ``.backward()``."""
 
-    @staticmethod
+    def forward(x, *args):
+        return op(x, *args)
+
     def setup_context(ctx, inputs, output):
-        _, ctx.mesh, ctx.axis = inputs
+        ctx.args = inputs[1:]
 
-    @classmethod
-    def _vmap(cls, info, in_dims, x, mesh, axis):
-        return cls.apply(x, mesh, axis), in_dims[0]
-
-
-class _CopyToRegion(_Elementwise):
-    @staticmethod
-    def forward(x, mesh, axis):
-        return x.view_as(x)
-
-    @staticmethod
     def backward(ctx, g):
-        return _ReduceFromRegion.apply(g, ctx.mesh, ctx.axis), None, None
+        return (_FUNCTIONS[conjugate].apply(g, *ctx.args), *([None] * len(ctx.args)))
 
-    @staticmethod
-    def vmap(info, in_dims, x, mesh, axis):
-        return _CopyToRegion._vmap(info, in_dims, x, mesh, axis)
-
-
-class _ReduceFromRegion(_Elementwise):
-    @staticmethod
-    def forward(x, mesh, axis):
-        return _raw_all_reduce(x, mesh, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _CopyToRegion.apply(g, ctx.mesh, ctx.axis), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, mesh, axis):
-        return _ReduceFromRegion._vmap(info, in_dims, x, mesh, axis)
-
-
-class _AlongDim(torch.autograd.Function):
-    """Shared ``setup_context``/``vmap`` for collectives along a tensor dimension."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.mesh, ctx.axis, ctx.dim = inputs
-
-    @classmethod
-    def _vmap(cls, info, in_dims, x, mesh, axis, dim):
-        bdim = in_dims[0]
+    def vmap(info, in_dims, x, *args):
+        fn, bdim = _FUNCTIONS[name], in_dims[0]
         if bdim is None:
-            return cls.apply(x, mesh, axis, dim), None
+            return fn.apply(x, *args), None
+        if len(args) == 2:  # element-wise: the batch dimension stays where it is
+            return fn.apply(x, *args), bdim
+        mesh, axis, dim = args
         x = x.movedim(bdim, 0)
-        return cls.apply(x, mesh, axis, _norm_dim(dim, x.ndim - 1) + 1), 0
+        return fn.apply(x, mesh, axis, _norm_dim(dim, x.ndim - 1) + 1), 0
+
+    members = {k: staticmethod(v) for k, v in
+               dict(forward=forward, setup_context=setup_context, backward=backward, vmap=vmap).items()}
+    _FUNCTIONS[name] = cls = type(name, (torch.autograd.Function,), members)
+    return cls
 
 
-class _AllGather(_AlongDim):
-    @staticmethod
-    def forward(x, mesh, axis, dim):
-        return _raw_all_gather(x, mesh, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _ReduceScatter.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, mesh, axis, dim):
-        return _AllGather._vmap(info, in_dims, x, mesh, axis, dim)
-
-
-class _ReduceScatter(_AlongDim):
-    @staticmethod
-    def forward(x, mesh, axis, dim):
-        return _raw_reduce_scatter(x, mesh, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _AllGather.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, mesh, axis, dim):
-        return _ReduceScatter._vmap(info, in_dims, x, mesh, axis, dim)
-
-
-class _ScatterToRegion(_AlongDim):
-    @staticmethod
-    def forward(x, mesh, axis, dim):
-        return _own_block(x, mesh, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _GatherFromRegion.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, mesh, axis, dim):
-        return _ScatterToRegion._vmap(info, in_dims, x, mesh, axis, dim)
-
-
-class _GatherFromRegion(_AlongDim):
-    @staticmethod
-    def forward(x, mesh, axis, dim):
-        return _raw_all_gather(x, mesh, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _ScatterToRegion.apply(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, mesh, axis, dim):
-        return _GatherFromRegion._vmap(info, in_dims, x, mesh, axis, dim)
+_FUNCTIONS: dict[str, type] = {}
+# (name, forward, conjugate): each collective's backward is its conjugate collective (itself a Function, so
+# higher-order derivatives stay correct)
+_CopyToRegion = _function("_CopyToRegion", lambda x, mesh, axis: x.view_as(x), "_ReduceFromRegion")
+_ReduceFromRegion = _function("_ReduceFromRegion", lambda x, mesh, axis: _raw_all_reduce(x, mesh, axis), "_CopyToRegion")
+_AllGather = _function("_AllGather", lambda x, mesh, axis, dim: _raw_all_gather(x, mesh, axis, dim), "_ReduceScatter")
+_ReduceScatter = _function("_ReduceScatter", lambda x, mesh, axis, dim: _raw_reduce_scatter(x, mesh, axis, dim),
+                           "_AllGather")
+_ScatterToRegion = _function("_ScatterToRegion", lambda x, mesh, axis, dim: _own_block(x, mesh, axis, dim),
+                             "_GatherFromRegion")
+_GatherFromRegion = _function("_GatherFromRegion", lambda x, mesh, axis, dim: _raw_all_gather(x, mesh, axis, dim),
+                              "_ScatterToRegion")
 
 
 def _trivial(mesh: "Mesh", axis: str) -> bool:
@@ -311,13 +245,12 @@ class _AllReduceStat(torch.autograd.Function):
 
     @staticmethod
     def forward(x, mesh, axes, op):
-        y = x.detach().clone()
-        n = 1
+        y, n = x.detach(), 1
         for a in axes:
             if not _trivial(mesh, a):
-                y = _raw_all_reduce(y, mesh, a, "sum" if op == "avg" else op)
+                y = _raw_all_reduce(y, mesh, a, "sum" if op == "avg" else op)  # a new tensor
                 n *= mesh.axis_size(a)
-        return y / n if op == "avg" and n > 1 else y
+        return y.clone() if n == 1 else (y / n if op == "avg" else y)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -344,6 +277,16 @@ def all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str | Sequence[str], op: str
     for a in axes:
         mesh.axis_size(a)  # unknown axis -> a clear MeshError
     return _AllReduceStat.apply(x.detach(), mesh, axes, op)
+
+
+def all_gather_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:
+    """The ranks' blocks of ``x`` concatenated along ``dim`` (no autograd; for the train step's own plumbing)."""
+    return x if _trivial(mesh, axis) else _raw_all_gather(x, mesh, axis, _norm_dim(dim, x.ndim))
+
+
+def reduce_scatter_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:
+    """This rank's block along ``dim`` of the sum of the ranks' ``x`` (no autograd; the train step's plumbing)."""
+    return x if _trivial(mesh, axis) else _raw_reduce_scatter(x, mesh, axis, _norm_dim(dim, x.ndim))
 
 
 def barrier(mesh: "Mesh") -> None:

@@ -11,9 +11,10 @@ unpickled.
 of at most ``max_shard_size`` bytes, the index and ``config.json`` into a temporary folder that is renamed into
 place when complete, so a reader never sees a half-written export.
 
-The mapping between HF names and pytree paths is data kept by each model module (DESIGN rule 6):
-``HF_NAMES`` (pairs of patterns with ``{i}`` for the layer index), ``HF_TRANSPOSED`` (leaves stored transposed in
-the checkpoint) and ``HF_SPLITS`` (a leaf that is part ``k`` of ``n`` of a fused HF tensor along a dimension).
+The mapping between HF names and pytree paths is data each model provides in its contract
+(:class:`funcpar.model.HFNames`: name patterns with ``{i}`` for the layer index, leaves stored transposed, leaves
+that are part ``k`` of ``n`` of a fused HF tensor, padded vocab tables, ignorable tensors). The model is found in
+the registry by the folder's ``model_type`` (:func:`funcpar.model.get_model`).
 """
 
 from __future__ import annotations
@@ -21,22 +22,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Mapping
 
 import optree
 import torch
 
-from . import collectives as C
+from ._safetensors import _Tensor, read_block, read_header
+from .atomic import write_folder
 from .mesh import Mesh
+from .model import ModelError, ModelSpec, get_model, known_models
 from .sharding import gather_leaf
-from ._safetensors import _Tensor, read_block, read_header, swap_into_place
 from .spec import P, broadcast_specs, local_slice
 
-__all__ = ["load", "save", "auto_specs", "HFError", "known_models"]
+__all__ = ["load", "save", "auto_specs", "HFError"]
 
 
 class HFError(ValueError):
@@ -81,13 +81,6 @@ class _Reader:
 # ------------------------------------------------------------------------------------------- model tables
 
 
-def known_models() -> dict[str, ModuleType]:
-    """``{model_type: module}`` for every architecture funcpar implements."""
-    from .models import gpt2, llama  # models import funcpar's public API; imported here lazily, never at top
-
-    return {mt: m for m in (llama, gpt2) for mt in m.MODEL_TYPES}
-
-
 def _read_config(folder: Path) -> dict[str, Any]:
     f = folder / "config.json"
     try:
@@ -98,20 +91,24 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise HFError(f"{f} is not valid JSON: {e}") from None
 
 
-def _resolve_model(model: ModuleType | None, cfg: dict, folder: Path) -> ModuleType:
-    known = known_models()
+def _resolve_model(model: Any, cfg: dict, folder: Path) -> ModelSpec:
     mt = cfg.get("model_type")
-    names = ", ".join(sorted(known))
     if model is None:
-        if mt not in known:
-            raise HFError(f"{folder / 'config.json'} has model_type '{mt}', which funcpar does not know; it knows: {names}")
-        return known[mt]
-    if mt is not None and mt not in model.MODEL_TYPES:
+        try:
+            if not isinstance(mt, str):
+                raise ModelError(mt)
+            return get_model(mt)
+        except ModelError:
+            names = ", ".join(sorted(known_models()))
+            raise HFError(f"{folder / 'config.json'} has model_type '{mt}', which funcpar does not know; it knows: "
+                          f"{names} (register a model with funcpar.register_model)") from None
+    spec = get_model(model)
+    if mt is not None and mt not in spec.model_types:
         raise HFError(
-            f"{folder / 'config.json'} has model_type '{mt}', which {model.__name__} does not implement "
-            f"({', '.join(model.MODEL_TYPES)}); funcpar knows: {names}"
+            f"{folder / 'config.json'} has model_type '{mt}', which model '{spec.name}' does not implement "
+            f"({', '.join(spec.model_types)}); funcpar knows: {', '.join(sorted(known_models()))}"
         )
-    return model
+    return spec
 
 
 @dataclass(frozen=True)
@@ -142,16 +139,16 @@ class _Map:
         return tuple(r)
 
 
-def _plan(model: ModuleType, paths: list[str], cfg: Any = None) -> list[_Map]:
-    """The HF tensor (and transform) of every leaf path, from the model's literal tables."""
+def _plan(model: ModelSpec, paths: list[str], cfg: Any = None) -> list[_Map]:
+    """The HF tensor (and transform) of every leaf path, from the model's literal table."""
+    names = model.hf
     rules = []
-    for pat, hf in model.HF_NAMES:
+    for pat, hf in names.table:
         rx = re.compile("^" + re.escape(pat).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
         rules.append((rx, pat, hf))
-    transposed = set(getattr(model, "HF_TRANSPOSED", ()))
-    splits = dict(getattr(model, "HF_SPLITS", {}))
+    transposed, splits = set(names.transposed), dict(names.splits)
     padded = getattr(cfg, "rows", 0) > getattr(cfg, "vocab_size", 0)
-    vocab_leaves = set(getattr(model, "HF_VOCAB_PADDED", ())) if padded else set()
+    vocab_leaves = set(names.vocab_padded) if padded else set()
     out = []
     for p in paths:
         for rx, pat, hf in rules:
@@ -162,22 +159,22 @@ def _plan(model: ModuleType, paths: list[str], cfg: Any = None) -> list[_Map]:
                                  cfg.vocab_size if pat in vocab_leaves else None))
                 break
         else:
-            raise HFError(f"{model.__name__}.HF_NAMES has no Hugging Face name for leaf '{p}'")
+            raise HFError(f"model '{model.name}' has no Hugging Face name for leaf '{p}' in its HFNames table")
     return out
 
 
-def _check(reader: _Reader, folder: Path, model: ModuleType, cfg, leaves, plan: list[_Map]) -> None:
+def _check(reader: _Reader, folder: Path, model: ModelSpec, cfg, leaves, plan: list[_Map]) -> None:
     expected: dict[str, tuple[int, ...]] = {}
     for (_, _, meta), mp in zip(leaves, plan):
         expected.setdefault(mp.hf, mp.hf_shape(tuple(meta.shape)))
     present = set(reader.tensors)
-    ignored = [re.compile(p) for p in model.hf_ignored(cfg)]
+    ignored = [re.compile(p) for p in model.hf.ignored_for(cfg)]
     missing = sorted(set(expected) - present)
     unexpected = sorted(n for n in present - set(expected) if not any(r.match(n) for r in ignored))
     wrong = sorted(n for n in set(expected) & present if reader.tensors[n].shape != expected[n])
     if not (missing or unexpected or wrong):
         return
-    lines = [f"checkpoint {folder} does not match {model.__name__} built from its config.json:"]
+    lines = [f"checkpoint {folder} does not match model '{model.name}' built from its config.json:"]
     if missing:
         lines.append(f"  missing ({len(missing)}): " + ", ".join(f"{n} {list(expected[n])}" for n in missing))
     if unexpected:
@@ -198,7 +195,7 @@ def _check(reader: _Reader, folder: Path, model: ModuleType, cfg, leaves, plan: 
 
 def load(
     path: str | os.PathLike,
-    model: ModuleType | None = None,
+    model: Any = None,
     mesh: Mesh | None = None,
     specs: Any = None,
     dtype: torch.dtype | None = None,
@@ -206,41 +203,42 @@ def load(
 ):
     """``(params, cfg)``: this rank's shards of the checkpoint in ``path``, as ``model`` lays them out.
 
-    ``model`` defaults to the module implementing the folder's ``model_type``; ``specs`` to ``model.specs(cfg, mesh)``;
-    ``dtype`` to the checkpoint's. Pass a dict as ``stats`` to get ``bytes_read`` (tensor bytes this rank read).
+    ``model`` (a :class:`funcpar.ModelSpec`, a model module or a registered name) defaults to the registered model
+    of the folder's ``model_type``; ``specs`` to ``model.specs(cfg, mesh)``; ``dtype`` to the checkpoint's. Pass a
+    dict as ``stats`` to get ``bytes_read`` (tensor bytes this rank read).
     """
     folder = Path(path)
     raw = _read_config(folder)
     model = _resolve_model(model, raw, folder)
+    mesh = mesh or Mesh()
     try:
-        cfg = model.Config.from_hf(raw)
+        cfg = model.config(raw, mesh)  # pads a vocabulary that tp does not divide
     except (KeyError, ValueError) as e:
         raise HFError(f"{folder / 'config.json'}: {e}") from None
-    mesh = mesh or Mesh()
-    if hasattr(cfg, "with_mesh"):
-        cfg = cfg.with_mesh(mesh)  # pads a vocabulary that tp does not divide
     shapes = model.init(cfg, device="meta")
     leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, shapes)
     plan = _plan(model, [p for p, _, _ in leaves], cfg)
     reader = _Reader(folder)
     _check(reader, folder, model, cfg, leaves, plan)
-    out = []
-    for (p, spec, meta), mp in zip(leaves, plan):
-        region = local_slice(spec, tuple(meta.shape), mesh, path=p)
-        want = region[0].stop - region[0].start if region else 0
-        if mp.vocab is not None:  # padding rows are not in the file: read the real ones, zeros after
-            region = (slice(min(region[0].start, mp.vocab), min(region[0].stop, mp.vocab)), *region[1:])
-        t = reader.read(mp.hf, mp.file_region(region, reader.tensors[mp.hf].shape))
-        if mp.vocab is not None and t.shape[0] < want:
-            t = torch.cat([t, t.new_zeros((want - t.shape[0], *t.shape[1:]))])
-        if mp.transposed:
-            t = t.t().contiguous()
-        if dtype is not None:
-            t = t.to(dtype)
-        out.append(t.to(mesh.device))
+    out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) for (p, spec, meta), mp in zip(leaves, plan)]
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
     return optree.tree_unflatten(optree.tree_structure(shapes), out), cfg
+
+
+def _read_leaf(reader: _Reader, path: str, spec: P, meta, mp: _Map, mesh: Mesh, dtype) -> torch.Tensor:
+    region = local_slice(spec, tuple(meta.shape), mesh, path=path)
+    want = region[0].stop - region[0].start if region else 0
+    if mp.vocab is not None:  # padding rows are not in the file: read the real ones, zeros after
+        region = (slice(min(region[0].start, mp.vocab), min(region[0].stop, mp.vocab)), *region[1:])
+    t = reader.read(mp.hf, mp.file_region(region, reader.tensors[mp.hf].shape))
+    if mp.vocab is not None and t.shape[0] < want:
+        t = torch.cat([t, t.new_zeros((want - t.shape[0], *t.shape[1:]))])
+    if mp.transposed:
+        t = t.t().contiguous()
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.to(mesh.device)
 
 
 def _parse_size(s: int | str) -> int:
@@ -297,7 +295,7 @@ class _ShardWriter:
 def save(
     path: str | os.PathLike,
     params: Any,
-    model: ModuleType,
+    model: Any,
     cfg: Any,
     mesh: Mesh | None = None,
     specs: Any = None,
@@ -305,59 +303,52 @@ def save(
 ) -> None:
     """Write ``params`` (this rank's shards) as a transformers checkpoint folder; collective over the mesh.
 
-    Rank 0 writes; the folder appears complete or not at all (an existing one is replaced only once the new one
-    is fully written).
+    Rank 0 writes; the folder appears complete or not at all (:func:`funcpar.atomic.write_folder`: an existing one is
+    replaced only once the new one is fully written).
     """
+    model = get_model(model)
     mesh = mesh or Mesh()
-    if hasattr(cfg, "with_mesh"):
-        cfg = cfg.with_mesh(mesh)
+    cfg = cfg.with_mesh(mesh)
     limit = _parse_size(max_shard_size)
-    folder = Path(path)
     leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, params)
     plan = _plan(model, [p for p, _, _ in leaves], cfg)
-    writer = tmp = None
-    error: BaseException | None = None
-    if mesh.rank == 0:
-        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        writer = _ShardWriter(tmp, limit)
-    pending: dict[str, dict[int, torch.Tensor]] = {}
-    for (p, spec, x), mp in zip(leaves, plan):
-        g = gather_leaf(x, spec, mesh, dst=0, path=p)  # collective: every rank takes part
-        if writer is None or error is not None:
-            continue
-        try:
-            g = g.detach().cpu()
-            if mp.vocab is not None:
-                g = g[: mp.vocab]  # drop vocabulary padding
-            if mp.transposed:
-                g = g.t()
-            if mp.split:
-                dim, k, n = mp.split
-                parts = pending.setdefault(mp.hf, {})
-                parts[k] = g
-                if len(parts) < n:
-                    continue
-                g = torch.cat([parts.pop(i) for i in range(n)], dim)
-                del pending[mp.hf]
-            writer.add(mp.hf, g.contiguous())
-        except BaseException as e:  # noqa: BLE001 - reported to every rank below
-            error = e
-    if writer is not None and error is None:
-        try:
+
+    def write(tmp: Path) -> None:
+        writer = _ShardWriter(tmp, limit) if mesh.rank == 0 else None
+        error: BaseException | None = None
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        for (p, spec, x), mp in zip(leaves, plan):
+            g = gather_leaf(x, spec, mesh, dst=0, path=p)  # collective: every rank takes part, even after an error
+            if writer is not None and error is None:
+                try:
+                    _add_leaf(writer, pending, g, mp)
+                except BaseException as e:  # noqa: BLE001 - raised once every rank has finished gathering
+                    error = e
+        if error is not None:
+            raise error
+        if writer is not None:
             writer.finish()
             (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
-            swap_into_place(tmp, folder)
-        except BaseException as e:  # noqa: BLE001
-            error = e
-    failed = C.all_reduce(torch.tensor([1.0 if error is not None else 0.0]), mesh, ("pp", "dp", "tp"), "max")
-    if error is not None:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise error
-    if failed.item():
-        raise HFError(f"export to {folder} failed on rank 0; nothing was written")
+
+    write_folder(path, mesh, write, error=HFError)
+
+
+def _add_leaf(writer: _ShardWriter, pending: dict, g: torch.Tensor, mp: _Map) -> None:
+    """Add one gathered leaf in the checkpoint's layout (pieces of a fused tensor wait for their siblings)."""
+    g = g.detach().cpu()
+    if mp.vocab is not None:
+        g = g[: mp.vocab]  # drop vocabulary padding
+    if mp.transposed:
+        g = g.t()
+    if mp.split:
+        dim, k, n = mp.split
+        parts = pending.setdefault(mp.hf, {})
+        parts[k] = g
+        if len(parts) < n:
+            return
+        g = torch.cat([parts.pop(i) for i in range(n)], dim)
+        del pending[mp.hf]
+    writer.add(mp.hf, g.contiguous())
 
 
 # ------------------------------------------------------------------------------------------- auto_specs

@@ -1,27 +1,36 @@
-"""The named device mesh: ``Mesh(pp, dp, tp)`` over the ranks of a torch.distributed job.
+"""The named device mesh: ``Mesh(tp=4, dp=2)``, any axis names, over the ranks of a torch.distributed job.
 
-Axis order is pp, dp, tp with tp innermost, so a tp group is a run of consecutive ranks (one node's GPUs, where the
-traffic is heaviest): the rank at coordinates ``(p, d, t)`` is ``(p*dp + d)*tp + t``. For ``Mesh(tp=4, dp=2)`` the
-tp groups are {0,1,2,3} {4,5,6,7} and the dp groups {0,4} {1,5} {2,6} {3,7}.
+Every mesh has the axes ``pp``, ``dp`` and ``tp`` (size 1 unless given) and any others a caller names
+(``Mesh(dp=2, ep=2, tp=2)``). Axis order, outermost first: ``pp``, ``dp``, the other named axes in the order given,
+``tp`` innermost, so a tp group is a run of consecutive ranks (one node's GPUs, where the traffic is heaviest). For
+``Mesh(tp=4, dp=2)`` the tp groups are {0,1,2,3} {4,5,6,7} and the dp groups {0,4} {1,5} {2,6} {3,7}.
 
 A mesh of size 1 (``Mesh()``) needs no torch.distributed at all: every collective over it is the identity, so the
 same model code is the single-device program. A larger mesh joins the job it runs in (torchrun sets the
-environment; gloo on CPUs, NCCL on CUDA) and must cover the whole world. It is passed explicitly everywhere;
-funcpar keeps no global mesh.
+environment; gloo on CPUs, NCCL on CUDA) and must cover the whole world.
+
+The mesh in scope: ``with mesh:`` makes ``mesh`` the one :meth:`Mesh.current` returns (as JAX's ``with mesh:``);
+outside any ``with``, it is the only multi-process mesh this process built, or ``Mesh()`` in a one-process program.
+APIs that take ``mesh=None`` use it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import datetime
+import math
 import os
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Mesh", "MeshError", "AXES", "default_timeout"]
+__all__ = ["Mesh", "MeshError", "STANDARD_AXES", "default_timeout"]
 
-AXES = ("pp", "dp", "tp")
+STANDARD_AXES = ("pp", "dp", "tp")  # present on every mesh; pp outermost, tp innermost
+_SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("funcpar_mesh_scope", default=())
+_BUILT: "weakref.WeakSet[Mesh]" = weakref.WeakSet()
 
 
 class MeshError(RuntimeError):
@@ -41,33 +50,37 @@ def _as_timedelta(t: float | datetime.timedelta | None) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(t))
 
 
+def _axis_sizes(axes: dict[str, Any]) -> dict[str, int]:
+    for name, n in axes.items():
+        if not name.isidentifier():
+            raise MeshError(f"mesh axis name {name!r} is not an identifier")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise MeshError(f"Mesh axis '{name}' must be a positive int, got {n!r}")
+    others = [a for a in axes if a not in STANDARD_AXES]
+    order = ["pp", "dp", *others, "tp"]
+    return {a: axes.get(a, 1) for a in order}
+
+
 class Mesh:
-    """A 3-axis (pp, dp, tp) named mesh over the processes of a torch.distributed job.
+    """A named mesh over the processes of a torch.distributed job.
 
     Args:
-        pp, dp, tp: axis sizes (positive ints); ``pp*dp*tp`` must equal the world size, unless it is 1.
+        **axes: axis sizes by name (positive ints), e.g. ``tp=4, dp=2``; ``pp``, ``dp`` and ``tp`` default to 1.
+            Their product must equal the world size, unless it is 1.
         timeout: seconds (or a ``timedelta``) any collective of this mesh may wait for a peer before it raises
             instead of hanging; default ``$FUNCPAR_TIMEOUT`` or 600 s.
         device: where tensors live; default ``cuda:$LOCAL_RANK`` when CUDA is available, else ``cpu``.
     """
 
-    axis_names = AXES
-
     def __init__(
         self,
-        pp: int = 1,
-        dp: int = 1,
-        tp: int = 1,
         *,
         timeout: float | datetime.timedelta | None = None,
         device: str | torch.device | None = None,
+        **axes: int,
     ):
-        sizes = {"pp": pp, "dp": dp, "tp": tp}
-        for name, s in sizes.items():
-            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-                raise MeshError(f"Mesh axis '{name}' must be a positive int, got {s!r}")
-        self._sizes = sizes
-        self.size = pp * dp * tp
+        self._sizes = _axis_sizes(axes)
+        self.size = math.prod(self._sizes.values())
         self.timeout = _as_timedelta(timeout)
         if device is None:
             device = (
@@ -83,8 +96,8 @@ class Mesh:
         if self.size == 1:
             # A process-local mesh: valid with or without a distributed world around it.
             self.rank = 0
-            self._coords = {a: 0 for a in AXES}
-            self._group_ranks = {a: [0] for a in AXES}
+            self._coords = {a: 0 for a in self._sizes}
+            self._group_ranks = {a: [0] for a in self._sizes}
             return
 
         self._join_world()
@@ -92,23 +105,52 @@ class Mesh:
         if world != self.size:
             raise MeshError(
                 f"{self!r} has {self.size} ranks but the torch.distributed world has {world} processes: "
-                f"choose pp*dp*tp = {world} or launch with torchrun --nproc-per-node {self.size}"
+                f"choose {'*'.join(self._sizes)} = {world} or launch with torchrun --nproc-per-node {self.size}"
             )
         self.rank = dist.get_rank()
         self._coords = self.coords_of(self.rank)
         self._build_groups()
+        _BUILT.add(self)
 
     @classmethod
-    def abstract(cls, pp: int = 1, dp: int = 1, tp: int = 1) -> "Mesh":
+    def abstract(cls, **axes: int) -> "Mesh":
         """A mesh's sizes without processes (coordinates of rank 0): for planning, e.g. ``funcpar plan``.
         Collectives over it are not possible."""
         m = cls()
-        for name, s in {"pp": pp, "dp": dp, "tp": tp}.items():
-            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-                raise MeshError(f"Mesh axis '{name}' must be a positive int, got {s!r}")
-        m._sizes = {"pp": pp, "dp": dp, "tp": tp}
-        m.size = pp * dp * tp
+        m._sizes = _axis_sizes(axes)
+        m.size = math.prod(m._sizes.values())
+        m._coords = {a: 0 for a in m._sizes}
         return m
+
+    # ------------------------------------------------------------------ scope
+    def __enter__(self) -> "Mesh":
+        self._tokens = getattr(self, "_tokens", []) + [_SCOPE.set(_SCOPE.get() + (self,))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _SCOPE.reset(self._tokens.pop())
+
+    @staticmethod
+    def current() -> "Mesh":
+        """The mesh in scope: the innermost ``with mesh:``, else the only multi-process mesh built in this process,
+        else ``Mesh()`` when this process is not part of a larger torch.distributed world."""
+        scope = _SCOPE.get()
+        if scope:
+            return scope[-1]
+        built = list(_BUILT)
+        if len(built) == 1:
+            return built[0]
+        if len(built) > 1:
+            raise MeshError(
+                f"several meshes exist in this process ({', '.join(map(repr, built))}): say which one with "
+                f"`with mesh:` or pass mesh="
+            )
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise MeshError(
+                f"no mesh in scope in a {dist.get_world_size()}-process job: build one (e.g. Mesh(tp=2, dp=2)) "
+                f"and use `with mesh:` or pass mesh="
+            )
+        return Mesh()
 
     # ------------------------------------------------------------------ set-up
     def _join_world(self) -> None:
@@ -128,9 +170,10 @@ class Mesh:
         dist.init_process_group(backend=backend, timeout=self.timeout)
 
     def _build_groups(self) -> None:
-        ranks = torch.arange(self.size).reshape(self._sizes["pp"], self._sizes["dp"], self._sizes["tp"])
+        names = self.axis_names
+        ranks = torch.arange(self.size).reshape(*self._sizes.values())
         groups = []
-        for i, axis in enumerate(AXES):
+        for i, axis in enumerate(names):
             # every rank takes part in creating every group of this axis, in the same order
             lines = ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist()
             mine = None
@@ -144,20 +187,25 @@ class Mesh:
             from torch.distributed.device_mesh import DeviceMesh
 
             self.device_mesh = DeviceMesh.from_group(
-                groups, self.device.type, mesh=ranks, mesh_dim_names=AXES
+                groups, self.device.type, mesh=ranks, mesh_dim_names=names
             )
         except Exception:  # pragma: no cover - DTensor interop is optional; funcpar itself never needs it
             self.device_mesh = None
 
     # ------------------------------------------------------------------ queries
     @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The axis names, outermost first (``pp``, ``dp``, others, ``tp``)."""
+        return tuple(self._sizes)
+
+    @property
     def shape(self) -> dict[str, int]:
-        """Axis sizes, ``{'pp': ..., 'dp': ..., 'tp': ...}``."""
+        """Axis sizes by name, outermost first."""
         return dict(self._sizes)
 
     def _check_axis(self, axis: str) -> None:
         if axis not in self._sizes:
-            raise MeshError(f"unknown mesh axis {axis!r}: the axes are {', '.join(AXES)}")
+            raise MeshError(f"unknown mesh axis {axis!r}: the axes are {', '.join(self._sizes)}")
 
     def axis_size(self, axis: str) -> int:
         self._check_axis(axis)
@@ -183,16 +231,24 @@ class Mesh:
         return list(self._group_ranks[axis])
 
     def coords_of(self, rank: int) -> dict[str, int]:
-        t = self._sizes["tp"]
-        d = self._sizes["dp"]
-        return {"pp": rank // (d * t), "dp": (rank // t) % d, "tp": rank % t}
+        out = {}
+        for axis in reversed(self.axis_names):
+            rank, out[axis] = divmod(rank, self._sizes[axis])
+        return {a: out[a] for a in self.axis_names}
 
-    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        return (pp * self._sizes["dp"] + dp) * self._sizes["tp"] + tp
+    def rank_of(self, **coords: int) -> int:
+        for a in coords:
+            self._check_axis(a)
+        rank = 0
+        for axis in self.axis_names:
+            rank = rank * self._sizes[axis] + coords.get(axis, 0)
+        return rank
 
     @property
     def is_distributed(self) -> bool:
         return self.size > 1
 
     def __repr__(self) -> str:
-        return f"Mesh(pp={self._sizes['pp']}, dp={self._sizes['dp']}, tp={self._sizes['tp']})"
+        extra = [a for a in self._sizes if a not in STANDARD_AXES]
+        shown = ["pp", "dp", *extra, "tp"]
+        return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + ")"

@@ -46,7 +46,7 @@ def gather_leaf(
         for i in range(len(spec)):
             # minor axis first: after gathering it, each block of the next-major axis is contiguous
             for a in reversed(spec.axes_of(i)):
-                y = C._raw_all_gather(y, mesh, a, i) if mesh.axis_size(a) > 1 else y
+                y = C.all_gather_nograd(y, mesh, a, i)
         return y if y is not x else x.detach().clone()
     if mesh.size == 1:
         return x.detach().clone()

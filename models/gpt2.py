@@ -14,6 +14,7 @@ import einops
 import torch
 import torch.nn.functional as F
 
+import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
 from funcpar import layers as L
@@ -143,21 +144,20 @@ HF_NAMES = [
     ("layers.{i}.w_proj", "transformer.h.{i}.mlp.c_proj.weight"),
     ("layers.{i}.b_proj", "transformer.h.{i}.mlp.c_proj.bias"),
 ]
-# leaves whose rows beyond the real vocabulary are padding (absent from checkpoints)
-HF_VOCAB_PADDED = ["wte"]
-# Conv1D stores (in, out); these leaves are (out, in)
-HF_TRANSPOSED = ["layers.{i}.wq", "layers.{i}.wk", "layers.{i}.wv", "layers.{i}.wo", "layers.{i}.w_fc", "layers.{i}.w_proj"]
-# leaf = part k of n of the fused HF tensor along HF dimension `dim`: (dim, k, n)
-HF_SPLITS = {
-    "layers.{i}.wq": (1, 0, 3), "layers.{i}.wk": (1, 1, 3), "layers.{i}.wv": (1, 2, 3),
-    "layers.{i}.bq": (0, 0, 3), "layers.{i}.bk": (0, 1, 3), "layers.{i}.bv": (0, 2, 3),
-}
-# causal-mask buffers older GPT-2 checkpoints carry, and a copy of the tied head
-HF_IGNORED = [r".*\.attn\.bias$", r".*\.attn\.masked_bias$", r"^lm_head\.weight$"]
-
-
-def hf_ignored(cfg: Config) -> list[str]:
-    return HF_IGNORED
+HF = fp.HFNames(
+    HF_NAMES,
+    vocab_padded=["wte"],  # rows beyond the real vocabulary are padding (absent from checkpoints)
+    # Conv1D stores (in, out); these leaves are (out, in)
+    transposed=["layers.{i}.wq", "layers.{i}.wk", "layers.{i}.wv", "layers.{i}.wo", "layers.{i}.w_fc",
+                "layers.{i}.w_proj"],
+    # leaf = part k of n of the fused HF tensor along HF dimension `dim`: (dim, k, n)
+    splits={
+        "layers.{i}.wq": (1, 0, 3), "layers.{i}.wk": (1, 1, 3), "layers.{i}.wv": (1, 2, 3),
+        "layers.{i}.bq": (0, 0, 3), "layers.{i}.bk": (0, 1, 3), "layers.{i}.bv": (0, 2, 3),
+    },
+    # causal-mask buffers older GPT-2 checkpoints carry, and a copy of the tied head
+    ignored=[r".*\.attn\.bias$", r".*\.attn\.masked_bias$", r"^lm_head\.weight$"],
+)
 
 
 def _gelu(x, cfg: Config):
@@ -179,24 +179,48 @@ def _block(p, x, cfg: Config, mesh):
     return x + C.reduce_from_region(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, I/tp) -> (B, T, d)
 
 
-def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    """This rank's logits (B, T, V/tp), vocab-sharded over tp, padded vocabulary columns dropped."""
-    return L.unpad_logits(_logits(params, tokens, cfg, mesh), mesh, "tp", cfg.vocab_size)
-
-
-def _logits(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    T = tokens.shape[1]
+def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
+    T = batch["input_ids"].shape[1]
     if T > cfg.n_positions:
         raise ValueError(f"sequence length {T} exceeds GPT-2's n_positions={cfg.n_positions}")
-    x = L.vocab_embedding(params["wte"], tokens, mesh, "tp") + params["wpe"][:T]  # (B, T, d)
-    for lp in params["layers"]:
-        x = _block(lp, x, cfg, mesh)
+    return L.vocab_embedding(params["wte"], batch["input_ids"], mesh, "tp") + params["wpe"][:T]  # (B, T, d)
+
+
+def _stage_block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
+    return _block(lp, x, cfg, mesh)
+
+
+def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     x = F.layer_norm(x, (cfg.n_embd,), params["ln_f_w"], params["ln_f_b"], cfg.layer_norm_epsilon)
     return F.linear(C.copy_to_region(x, mesh, "tp"), params["wte"])  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 
 
+def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
+    logits = _head_logits(params, x, cfg, mesh)
+    return L.causal_lm_loss(logits, batch.get("labels", batch["input_ids"]), mesh, "tp", batch.get("loss_mask"),
+                            reduction, cfg.vocab_size)
+
+
+def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    x = _embed(params, {"input_ids": tokens}, cfg, mesh)
+    for lp in params["layers"]:
+        x = _block(lp, x, cfg, mesh)
+    return x
+
+
+def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """This rank's logits (B, T, V/tp), vocab-sharded over tp, padded vocabulary columns dropped."""
+    logits = _head_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh)
+    return L.unpad_logits(logits, mesh, "tp", cfg.vocab_size)
+
+
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    tokens = batch["input_ids"]
-    logits = _logits(params, tokens, cfg, mesh)
-    return L.causal_lm_loss(logits, batch.get("labels", tokens), mesh, "tp", batch.get("loss_mask"), reduction,
-                            cfg.vocab_size)
+    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh), batch, cfg, mesh, reduction)
+
+
+MODEL = fp.register_model(fp.ModelSpec(
+    name="gpt2", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
+    hf=HF, batch_weight=L.count_targets, remat=False,
+    stages=fp.Stages(_embed, _stage_block, _head, embed_leaves=lambda cfg: ["wte", "wpe"],
+                     head_leaves=lambda cfg: ["ln_f_w", "ln_f_b", "wte"]),
+))

@@ -18,9 +18,9 @@ import einops
 import torch
 import torch.nn.functional as F
 
+import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
-from funcpar import remat as fp_remat
 from funcpar import layers as L
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -232,17 +232,12 @@ HF_NAMES = [
     ("layers.{i}.b_up", "model.layers.{i}.mlp.up_proj.bias"),
     ("layers.{i}.b_down", "model.layers.{i}.mlp.down_proj.bias"),
 ]
-HF_TRANSPOSED: list[str] = []
-HF_SPLITS: dict[str, tuple[int, int, int]] = {}
-# leaves whose rows beyond the real vocabulary are padding (absent from checkpoints)
-HF_VOCAB_PADDED = ["embed", "lm_head"]
-# tensors some checkpoints carry that hold nothing to load (regular expressions)
-HF_IGNORED = [r".*\.rotary_emb\.inv_freq$"]
-
-
-def hf_ignored(cfg: Config) -> list[str]:
-    # a tied checkpoint may still carry a copy of the head; it is the embedding
-    return HF_IGNORED + ([r"^lm_head\.weight$"] if cfg.tie_word_embeddings else [])
+HF = fp.HFNames(
+    HF_NAMES,
+    vocab_padded=["embed", "lm_head"],  # rows beyond the real vocabulary are padding (absent from checkpoints)
+    ignored=[r".*\.rotary_emb\.inv_freq$"],  # tensors some checkpoints carry that hold nothing to load
+    ignored_if_tied=[r"^lm_head\.weight$"],  # a tied checkpoint may still carry a copy of the head
+)
 
 
 # ------------------------------------------------------------------------------------------------- the model
@@ -341,34 +336,60 @@ def _layer(lp, x, cos, sin, window, cfg: Config, mesh):
     return x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
 
 
-def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
-    """The final normed hidden states (B, T, d), replicated over tp. ``remat``: keep only each layer's input and
+def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
+    return L.vocab_embedding(params["embed"], batch["input_ids"], mesh, "tp")  # (B, T) -> (B, T, d)
+
+
+def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
+    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
+    return _layer(lp, x, cos, sin, cfg.sliding_windows[i], cfg, mesh)
+
+
+def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
+    """The last block's output (B, T, d), replicated over tp. ``remat``: keep only each layer's input and
     recompute the layer in the backward pass (activation checkpointing)."""
-    x = L.vocab_embedding(params["embed"], tokens, mesh, "tp")  # (B, T) -> (B, T, d)
+    x = _embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
     cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
     for lp, window in zip(params["layers"], cfg.sliding_windows):
         layer = functools.partial(_layer, window=window, cfg=cfg, mesh=mesh)
-        x = fp_remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
-    return _rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        x = fp.remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
+    return x
 
 
-def _logits(params, tokens, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
-    x = C.copy_to_region(hidden_states(params, tokens, cfg, mesh, remat), mesh, "tp")
+def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
+    """The final normed hidden states (B, T, d), replicated over tp."""
+    return _rms_norm(_trunk(params, tokens, cfg, mesh, remat), params["norm"], cfg.rms_norm_eps)
+
+
+def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    x = C.copy_to_region(_rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+
+
+def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
+    labels = batch.get("labels", batch["input_ids"])
+    logits = _head_logits(params, x, cfg, mesh)
+    return L.causal_lm_loss(logits, labels, mesh, "tp", batch.get("loss_mask"), reduction, cfg.vocab_size)
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """This rank's logits, (B, T, V/tp): vocab-sharded over tp (the full logits at ``Mesh()``). Columns of a padded
     vocabulary are dropped, so concatenating the ranks' blocks gives exactly ``vocab_size`` columns."""
-    return L.unpad_logits(_logits(params, tokens, cfg, mesh), mesh, "tp", cfg.vocab_size)
+    return L.unpad_logits(_head_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh), mesh, "tp",
+                          cfg.vocab_size)
 
 
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat: bool = False) -> torch.Tensor:
     """transformers' ``labels=`` loss: mean over counted tokens of the shifted cross-entropy (``-100`` ignored,
     ``batch["loss_mask"]`` optional), computed vocab-parallel. ``labels`` defaults to ``input_ids``. ``remat``
     recomputes each layer in the backward pass instead of keeping its activations."""
-    tokens = batch["input_ids"]
-    labels = batch.get("labels", tokens)
-    logits = _logits(params, tokens, cfg, mesh, remat)
-    return L.causal_lm_loss(logits, labels, mesh, "tp", batch.get("loss_mask"), reduction, cfg.vocab_size)
+    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh, remat), batch, cfg, mesh, reduction)
+
+
+MODEL = fp.register_model(fp.ModelSpec(
+    name="llama", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
+    hf=HF, batch_weight=L.count_targets, remat=True,
+    stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
+                     head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"]),
+))

@@ -56,7 +56,8 @@ def _fp16_overflow(sizes):
     mesh = harness.mesh(**sizes)
     step, specs, params = make(mesh, torch.float16, growth_interval=2)
     state = step.init(params)
-    state = state._replace(opt_state=state.opt_state._replace(scale=torch.tensor(2.0**24)))  # overflows in fp16
+    scaled = state.opt_state.inner._replace(scale=torch.tensor(2.0**24))  # the apply_if_finite state: overflows in fp16
+    state = state._replace(opt_state=state.opt_state._replace(inner=scaled))
     dp, c = mesh.axis_size("dp"), mesh.coord("dp")
     log = []
     for b in batches() * 2:

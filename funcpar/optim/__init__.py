@@ -1,25 +1,45 @@
-"""Optimizers as optax-style pure pairs ``GradientTransformation(init, update)`` over pytrees.
+"""Optimizers as optax-style pure pairs ``GradientTransformation(init, update, schedule)`` over pytrees.
 
 ``update(grads, state, params=None, **extra) -> (updates, new_state)``; ``apply_updates(params, updates)`` adds
-them. Leaves may be any shape (funcpar's ZeRO hands them 1-D slices), so everything is element-wise and batched
-with ``torch._foreach_*``. Nothing here knows about meshes: a sharded caller passes ``global_norm=`` to
-:func:`clip_by_global_norm`. Masks are trees of bools matching the params (see :func:`decay_mask`), because they
-must mean the same thing whether a leaf is whole or a ZeRO slice of it.
+them. An optimizer is a :func:`chain` of small transformations, each with its own NamedTuple state, e.g.
+``adamw = chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``, ``lion = chain(scale_by_lion,
+add_decayed_weights, scale_by_learning_rate)``, ``sgd = chain(add_decayed_weights, trace, scale_by_learning_rate)``;
+the chain's state is the tuple of its stages' states, and its ``schedule`` the learning-rate stage's. Build other
+optimizers the same way (e.g. ``chain(clip_by_global_norm(1.0), scale_by_lion(), scale_by_learning_rate(1e-4))``).
+
+Leaves may be any shape (funcpar's ZeRO hands them 1-D slices, some empty), so everything is element-wise and
+batched with ``torch._foreach_*``; ``None`` leaves (frozen under :func:`masked`) are skipped. Within a chain, a
+stage may overwrite the update tensors an earlier stage created instead of allocating new ones (see
+:mod:`funcpar.optim.base`); the caller's grads and params are never written. Nothing here knows about meshes: a
+sharded caller passes ``global_norm=`` to :func:`clip_by_global_norm`. Masks are trees of bools matching the params
+(see :func:`decay_mask`), because they must mean the same thing whether a leaf is whole or a ZeRO slice of it;
+:func:`add_decayed_weights` is the one place weight decay is masked.
 """
 
 from .base import GradientTransformation as GradientTransformation
 from .base import apply_updates as apply_updates
 from .base import chain as chain
 from .base import decay_mask as decay_mask
+from .base import fresh_protocol as fresh_protocol
 from .base import masked as masked
+from .optimizers import adamw as adamw
+from .optimizers import lion as lion
+from .optimizers import sgd as sgd
 from .schedules import constant as constant
 from .schedules import warmup_cosine as warmup_cosine
 from .schedules import warmup_linear_decay as warmup_linear_decay
-from .transforms import AdamWState as AdamWState
-from .transforms import LionState as LionState
-from .transforms import SGDState as SGDState
-from .transforms import adamw as adamw
+from .transforms import AddDecayedWeightsState as AddDecayedWeightsState
+from .transforms import ClipState as ClipState
+from .transforms import ScaleByAdamState as ScaleByAdamState
+from .transforms import ScaleByLearningRateState as ScaleByLearningRateState
+from .transforms import ScaleByLionState as ScaleByLionState
+from .transforms import ScaleState as ScaleState
+from .transforms import TraceState as TraceState
+from .transforms import add_decayed_weights as add_decayed_weights
 from .transforms import clip_by_global_norm as clip_by_global_norm
 from .transforms import global_norm as global_norm
-from .transforms import lion as lion
-from .transforms import sgd as sgd
+from .transforms import scale as scale
+from .transforms import scale_by_adam as scale_by_adam
+from .transforms import scale_by_learning_rate as scale_by_learning_rate
+from .transforms import scale_by_lion as scale_by_lion
+from .transforms import trace as trace

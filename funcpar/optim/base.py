@@ -1,4 +1,13 @@
-"""The GradientTransformation pair, chain, masked, apply_updates, and tree plumbing shared by the optimizers."""
+"""The GradientTransformation pair, chain, masked, apply_updates, and tree plumbing shared by the optimizers.
+
+In-place work inside a chain: an ``update`` that knows the protocol takes a private keyword ``_fresh`` and carries
+an attribute ``_fresh_out`` (set by :func:`fresh_protocol`), a function ``fresh_in -> fresh_out``. ``_fresh=True``
+means the incoming update tensors were created by an earlier stage of the same chain and nothing else holds them,
+so the stage may overwrite them; ``_fresh_out(fresh_in)`` says whether the stage's outputs are again such private
+tensors (not the caller's grads, not params, not aliased to any state). :func:`chain` passes ``_fresh`` only to
+stages that carry ``_fresh_out``, and treats the output of any other stage as not fresh; the caller of the outermost
+update never passes it, so the caller's grads and params are never written.
+"""
 
 from __future__ import annotations
 
@@ -43,21 +52,47 @@ def decay_mask(params: Any) -> Any:
     return optree.tree_map(lambda x: x.ndim >= 2, params)
 
 
+def fresh_protocol(update: Callable, fresh_out: Callable[[bool], bool]) -> Callable:
+    """Mark ``update`` as taking ``_fresh=`` and producing fresh outputs when ``fresh_out(fresh_in)`` (see above)."""
+    update._fresh_out = fresh_out
+    return update
+
+
+def _fresh_after(t: GradientTransformation, fresh_in: bool) -> bool:
+    fresh_out = getattr(t.update, "_fresh_out", None)
+    return bool(fresh_out is not None and fresh_out(fresh_in))
+
+
+def _call(t: GradientTransformation, grads, state, params, fresh: bool, extra: dict):
+    """``t.update``, with ``_fresh`` passed only if ``t`` knows the protocol; returns (updates, state), fresh_out."""
+    if getattr(t.update, "_fresh_out", None) is None:
+        return t.update(grads, state, params, **extra), False
+    return t.update(grads, state, params, _fresh=fresh, **extra), _fresh_after(t, fresh)
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply transformations in order; each sees the previous one's updates."""
+    """Apply transformations in order; each sees the previous one's updates (and ``params`` and ``**extra``).
+
+    The state is the tuple of the transformations' states; ``schedule`` is the first one any of them reports.
+    """
 
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
-    def update(grads, state, params=None, **extra):
+    def update(grads, state, params=None, _fresh=False, **extra):
         new = []
         for t, s in zip(transforms, state):
-            grads, s = t.update(grads, s, params, **extra)
+            (grads, s), _fresh = _call(t, grads, s, params, _fresh, extra)
             new.append(s)
         return grads, tuple(new)
 
+    def fresh_out(fresh):
+        for t in transforms:
+            fresh = _fresh_after(t, fresh)
+        return fresh
+
     schedule = next((t.schedule for t in transforms if t.schedule is not None), None)
-    return GradientTransformation(init, update, schedule)
+    return GradientTransformation(init, fresh_protocol(update, fresh_out), schedule)
 
 
 def _select(tree: Any, keep: list[bool]) -> Any:
@@ -76,11 +111,12 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     def init(params):
         return inner.init(_select(params, keep_of(params)))
 
-    def update(grads, state, params=None, **extra):
+    def update(grads, state, params=None, _fresh=False, **extra):
         keep = keep_of(grads)
         sel_params = None if params is None else _select(params, keep)
-        return inner.update(_select(grads, keep), state, sel_params, **extra)
+        return _call(inner, _select(grads, keep), state, sel_params, _fresh, extra)[0]
 
+    fresh_protocol(update, lambda fresh: _fresh_after(inner, fresh))
     return GradientTransformation(init, update, inner.schedule)
 
 

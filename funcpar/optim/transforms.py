@@ -1,4 +1,10 @@
-"""adamw, lion, sgd and clip_by_global_norm, computed with ``torch._foreach_*`` over all leaves at once."""
+"""The building blocks the optimizers are chained from, computed with ``torch._foreach_*`` over all leaves at once.
+
+Every ``update`` skips ``None`` leaves (frozen under :func:`~funcpar.optim.masked`), accepts leaves of any shape
+(ZeRO's 1-D slices, some of them empty), never writes the caller's grads, params or state, and passes ``**extra`` by.
+Inside a :func:`~funcpar.optim.chain` a stage overwrites update tensors an earlier stage created (``_fresh``, see
+:mod:`funcpar.optim.base`) instead of making one more temporary.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import GradientTransformation, leaves, mask_list, unflatten_like
+from .base import GradientTransformation, fresh_protocol, leaves, mask_list, unflatten_like
 from .schedules import Schedule, constant
 
 
@@ -17,6 +23,26 @@ def _sched(lr: float | Schedule) -> Schedule:
 
 def _count(state_count: torch.Tensor) -> int:
     return int(state_count.item())
+
+
+def _zero_count() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _zeros_like(params: Any) -> Any:
+    return unflatten_like(params, [torch.zeros_like(x) for x in leaves(params)])
+
+
+def _always(fresh: bool) -> bool:
+    return True
+
+
+def _mul(xs: list, factor, fresh: bool) -> list:
+    """``xs * factor``, in place when ``xs`` are the chain's own (fresh) tensors."""
+    if fresh:
+        torch._foreach_mul_(xs, factor)
+        return xs
+    return torch._foreach_mul(xs, factor)
 
 
 def global_norm(tree: Any) -> torch.Tensor:
@@ -45,129 +71,170 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params):
         return ClipState()
 
-    def update(grads, state, params=None, global_norm=None, **extra):
+    def update(grads, state, params=None, global_norm=None, _fresh=False, **extra):
+        xs = leaves(grads)
+        if not xs:
+            return grads, state
         norm = global_norm if global_norm is not None else _tree_norm(grads)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        xs = leaves(grads)
-        return unflatten_like(grads, torch._foreach_mul(xs, coef.to(xs[0].device)) if xs else []), state
+        return unflatten_like(grads, _mul(xs, coef.to(xs[0].device), _fresh)), state
 
+    return GradientTransformation(init, fresh_protocol(update, _always))
+
+
+class ScaleState(NamedTuple):
+    pass
+
+
+def scale(factor: float) -> GradientTransformation:
+    """``u * factor``."""
+
+    def init(params):
+        return ScaleState()
+
+    def update(grads, state, params=None, _fresh=False, **extra):
+        xs = leaves(grads)
+        return (unflatten_like(grads, _mul(xs, factor, _fresh)) if xs else grads), state
+
+    return GradientTransformation(init, fresh_protocol(update, _always))
+
+
+class ScaleByLearningRateState(NamedTuple):
+    count: torch.Tensor  # int64 scalar: updates done before this one (0 at the first update)
+
+
+def scale_by_learning_rate(lr: float | Schedule) -> GradientTransformation:
+    """``u * -lr(count)``; ``lr`` is a float or a schedule (step 0 is the first update), reported as ``.schedule``."""
+    schedule = _sched(lr)
+
+    def init(params):
+        return ScaleByLearningRateState(_zero_count())
+
+    def update(grads, state, params=None, _fresh=False, **extra):
+        xs = leaves(grads)
+        new = ScaleByLearningRateState(state.count + 1)
+        if not xs:
+            return grads, new
+        return unflatten_like(grads, _mul(xs, -schedule(_count(state.count)), _fresh)), new
+
+    return GradientTransformation(init, fresh_protocol(update, _always), schedule)
+
+
+class AddDecayedWeightsState(NamedTuple):
+    pass
+
+
+def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransformation:
+    """``u + weight_decay * p`` on the leaves where ``mask`` is True (a bool tree like the params, ``None`` leaves
+    included, or a single bool; ``None`` = every leaf). The one implementation of masked weight decay; needs
+    ``params``."""
+    all_leaves = mask is None or mask is True
+
+    def init(params):
+        return AddDecayedWeightsState()
+
+    def update(grads, state, params=None, _fresh=False, **extra):
+        if params is None:
+            raise ValueError("add_decayed_weights: update needs params")
+        us, ps = leaves(grads), leaves(params)
+        idx = [i for i, d in enumerate(mask_list(mask, params)) if d]
+        if not idx or not weight_decay:
+            return grads, state
+        sub_u, sub_p = [us[i] for i in idx], [ps[i] for i in idx]
+        if _fresh:
+            torch._foreach_add_(sub_u, sub_p, alpha=weight_decay)
+            return grads, state
+        out = list(us)
+        for i, u in zip(idx, torch._foreach_add(sub_u, sub_p, alpha=weight_decay)):
+            out[i] = u
+        return unflatten_like(grads, out), state
+
+    # fresh out unless the input was not and some leaves pass through undecayed (the caller's tensors)
+    fresh_protocol(update, lambda fresh: fresh or (all_leaves and bool(weight_decay)))
     return GradientTransformation(init, update)
 
 
-class AdamWState(NamedTuple):
+class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # int64 scalar: updates done
-    mu: Any
-    nu: Any
+    mu: Any  # first moment, like the params
+    nu: Any  # second moment, like the params
 
 
-def adamw(
-    lr: float | Schedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    mask: Any = None,
-) -> GradientTransformation:
-    """AdamW as ``torch.optim.AdamW`` computes it (decoupled decay ``lr*wd*p``, bias-corrected moments).
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's direction ``m_hat / (sqrt(v) / sqrt(bc2) + eps)`` with ``m_hat = m / bc1``, ``bc = 1 - b**t``: eps
+    where ``torch.optim.Adam(W)`` puts it; no learning rate, no decay.
 
-    ``mask``: bool tree (True = decay); ``None`` decays every leaf, like torch's single param group.
+    Computed as ``m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1)``, the same quantity with one pass fewer.
     """
-    schedule = _sched(lr)
 
     def init(params):
-        xs = leaves(params)
-        return AdamWState(
-            torch.zeros((), dtype=torch.int64),
-            unflatten_like(params, [torch.zeros_like(x) for x in xs]),
-            unflatten_like(params, [torch.zeros_like(x) for x in xs]),
-        )
+        return ScaleByAdamState(_zero_count(), _zeros_like(params), _zeros_like(params))
 
-    def update(grads, state, params=None, **extra):
+    def update(grads, state, params=None, _fresh=False, **extra):
         g = leaves(grads)
-        step = _count(state.count) + 1
-        rate = schedule(step - 1)
-        m = torch._foreach_lerp(leaves(state.mu), g, 1 - b1)
-        v = torch._foreach_mul(leaves(state.nu), b2)
-        torch._foreach_addcmul_(v, g, g, 1 - b2)
-        bc1, bc2 = 1 - b1**step, 1 - b2**step
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(bc2))
-        torch._foreach_add_(denom, eps)
-        upd = torch._foreach_div(m, denom)
-        torch._foreach_mul_(upd, -rate / bc1)
-        if weight_decay:
-            p = leaves(params)
-            decay = mask_list(mask, params)
-            idx = [i for i, d in enumerate(decay) if d]
-            if idx:
-                torch._foreach_add_([upd[i] for i in idx], [p[i] for i in idx], alpha=-rate * weight_decay)
-        new = AdamWState(state.count + 1, unflatten_like(grads, m), unflatten_like(grads, v))
+        if not g:
+            return grads, state._replace(count=state.count + 1)
+        t = _count(state.count) + 1
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        mu = torch._foreach_lerp(leaves(state.mu), g, 1 - b1)
+        nu = torch._foreach_mul(leaves(state.nu), b2)
+        torch._foreach_addcmul_(nu, g, g, 1 - b2)
+        denom = torch._foreach_sqrt(nu)
+        torch._foreach_mul_(denom, bc1 / math.sqrt(bc2))
+        torch._foreach_add_(denom, eps * bc1)
+        upd = torch._foreach_div(mu, denom)
+        new = ScaleByAdamState(state.count + 1, unflatten_like(grads, mu), unflatten_like(grads, nu))
         return unflatten_like(grads, upd), new
 
-    return GradientTransformation(init, update, schedule)
+    return GradientTransformation(init, fresh_protocol(update, _always))
 
 
-class LionState(NamedTuple):
-    count: torch.Tensor
-    mu: Any
+class ScaleByLionState(NamedTuple):
+    mu: Any  # momentum, like the params
 
 
-def lion(lr: float | Schedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, mask: Any = None):
-    """Lion (Chen et al. 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, then ``m = b2*m + (1-b2)*g``."""
-    schedule = _sched(lr)
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    """Lion's direction (Chen et al. 2023): ``sign(lerp(mu, g, 1-b1))``; then ``mu = lerp(mu, g, 1-b2)``."""
 
     def init(params):
-        return LionState(torch.zeros((), dtype=torch.int64), unflatten_like(params, [torch.zeros_like(x) for x in leaves(params)]))
+        return ScaleByLionState(_zeros_like(params))
 
-    def update(grads, state, params=None, **extra):
+    def update(grads, state, params=None, _fresh=False, **extra):
         g = leaves(grads)
-        rate = schedule(_count(state.count))
+        if not g:
+            return grads, state
         mu = leaves(state.mu)
-        upd = [t.sign_() for t in torch._foreach_lerp(mu, g, 1 - b1)]
-        torch._foreach_mul_(upd, -rate)
-        if weight_decay:
-            p = leaves(params)
-            idx = [i for i, d in enumerate(mask_list(mask, params)) if d]
-            if idx:
-                torch._foreach_add_([upd[i] for i in idx], [p[i] for i in idx], alpha=-rate * weight_decay)
+        upd = torch._foreach_lerp(mu, g, 1 - b1)
+        torch._foreach_sign_(upd)
         new_mu = torch._foreach_lerp(mu, g, 1 - b2)
-        return unflatten_like(grads, upd), LionState(state.count + 1, unflatten_like(grads, new_mu))
+        return unflatten_like(grads, upd), ScaleByLionState(unflatten_like(grads, new_mu))
 
-    return GradientTransformation(init, update, schedule)
-
-
-class SGDState(NamedTuple):
-    count: torch.Tensor
-    momentum: Any  # None without momentum
+    return GradientTransformation(init, fresh_protocol(update, _always))
 
 
-def sgd(lr: float | Schedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0, mask: Any = None):
-    """SGD as ``torch.optim.SGD`` computes it (L2 ``weight_decay`` added to the gradient, dampening 0)."""
-    schedule = _sched(lr)
-    if nesterov and not momentum:
-        raise ValueError("sgd: nesterov=True needs momentum > 0")
+class TraceState(NamedTuple):
+    trace: Any  # the momentum buffer, like the params
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum as ``torch.optim.SGD`` computes it with dampening 0: ``buf = decay * buf + u``; the update is
+    ``buf``, or ``u + decay * buf`` with ``nesterov`` (the zero initial buffer makes the first ``buf`` equal ``u``)."""
 
     def init(params):
-        buf = unflatten_like(params, [torch.zeros_like(x) for x in leaves(params)]) if momentum else None
-        return SGDState(torch.zeros((), dtype=torch.int64), buf)
+        return TraceState(_zeros_like(params))
 
-    def update(grads, state, params=None, **extra):
+    def update(grads, state, params=None, _fresh=False, **extra):
         g = leaves(grads)
-        rate = schedule(_count(state.count))
-        if weight_decay:
-            p = leaves(params)
-            g = list(g)
-            for i, d in enumerate(mask_list(mask, params)):
-                if d:
-                    g[i] = g[i] + weight_decay * p[i]
-        buf = None
-        if momentum:
-            buf = torch._foreach_mul(leaves(state.momentum), momentum)
-            torch._foreach_add_(buf, g)
-            d = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
-        else:
-            d = g
-        upd = torch._foreach_mul(d, -rate)
-        return unflatten_like(grads, upd), SGDState(state.count + 1, None if buf is None else unflatten_like(grads, buf))
+        if not g:
+            return grads, state
+        buf = torch._foreach_mul(leaves(state.trace), decay)
+        torch._foreach_add_(buf, g)
+        new = TraceState(unflatten_like(grads, buf))
+        if not nesterov:
+            return new.trace, new  # the update is the new state itself: not fresh
+        if _fresh:
+            torch._foreach_add_(g, buf, alpha=decay)
+            return grads, new
+        return unflatten_like(grads, torch._foreach_add(g, buf, alpha=decay)), new
 
-    return GradientTransformation(init, update, schedule)
+    return GradientTransformation(init, fresh_protocol(update, lambda fresh: nesterov))

@@ -1,0 +1,187 @@
+"""The ZeRO bucket layout of a train step: which part of which leaf each rank keeps, and how parts move.
+
+Leaves are grouped into flat buckets by dtype and by the mesh axes along which they are *replicated* (axes absent
+from the leaf's spec). A bucket's gradient is summed over the replicated *data* axes (where ranks saw different
+examples) and, with ``zero >= 1``, partitioned over all its replicated axes, data axes major: a tp-sharded weight's
+bucket is split over dp, a tp-replicated norm's bucket over dp x tp. Each rank keeps optimizer state only for its
+part; after the update the parts are all-gathered back into whole local leaves.
+
+A :class:`ZeroLayout` is immutable and public: :mod:`funcpar.checkpoint` reads it to know which flat range of which
+leaf this rank's optimizer state covers (:meth:`ZeroLayout.leaf_parts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from . import collectives as C
+from .spec import P, SpecError, broadcast_specs
+from .state import StepError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .mesh import Mesh
+
+__all__ = ["ZeroLayout", "Bucket"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    zero_axes: tuple[str, ...]  # axes this bucket's optimizer state is partitioned over (major first)
+    sum_axes: tuple[str, ...]  # data axes the gradient is summed over (the replicated ones)
+    copies: tuple[str, ...]  # replicated axes the part is *not* split over (copies of it live there; zero=0)
+    leaves: tuple[int, ...]  # indices into the flat leaf list
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    length: int
+    padded: int
+    lo: int  # this rank's part of the flat bucket: [lo, hi)
+    hi: int
+    counted: bool  # whether this rank's part counts toward the global norm (one replica at zero=0)
+    ranges: tuple[tuple[int, int], ...]  # per leaf: this rank's part as a flat range of the local leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroLayout:
+    mesh: "Mesh"
+    zero: int
+    data_axes: tuple[str, ...]
+    treedef: Any
+    paths: tuple[str, ...]
+    specs: tuple[P, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    buckets: tuple[Bucket, ...]
+
+    @classmethod
+    def build(cls, params: Any, specs: Any, mesh: "Mesh", *, zero: int, data_axes: tuple[str, ...],
+              bucket_bytes: int, master_dtype: torch.dtype | None = None) -> "ZeroLayout":
+        """The layout for this rank's local ``params``; ``master_dtype`` overrides the leaves' dtype (fp32 masters)."""
+        matched = broadcast_specs(specs, params)
+        axes = [a for a in mesh.axis_names if a != "pp" and mesh.axis_size(a) > 1]
+        groups: dict[tuple, list[int]] = {}
+        for i, (path, spec, x) in enumerate(matched):
+            _check_leaf(path, spec, x, data_axes)
+            repl = tuple(a for a in data_axes if a in axes and a not in spec.axes)
+            repl += tuple(a for a in axes if a not in data_axes and a not in spec.axes)
+            groups.setdefault((master_dtype or x.dtype, x.device, repl), []).append(i)
+        sizes = [x.numel() for _, _, x in matched]
+        nbytes = [x.numel() * x.element_size() for _, _, x in matched]
+        buckets = []
+        for (dtype, _, repl), idx in groups.items():
+            for chunk in _chunks(idx, nbytes, bucket_bytes):
+                buckets.append(_bucket(dtype, repl, chunk, [sizes[i] for i in chunk], mesh, zero, data_axes))
+        return cls(mesh, zero, tuple(data_axes), optree.tree_structure(params), tuple(p for p, _, _ in matched),
+                   tuple(s for _, s, _ in matched), tuple(tuple(x.shape) for _, _, x in matched), tuple(buckets))
+
+    # ------------------------------------------------------------------------------------ leaf <-> bucket parts
+    def leaf_parts(self) -> list[tuple[int, int, tuple[str, ...]]]:
+        """Per leaf: this rank's ZeRO part as a flat range ``[a, z)`` of the local leaf, and the axes the part is
+        *not* split over although the leaf is replicated along them (copies of the same part live there)."""
+        out: list = [None] * len(self.shapes)
+        for b in self.buckets:
+            for i, (a, z) in zip(b.leaves, b.ranges):
+                out[i] = (a, z, b.copies)
+        return out
+
+    def views(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per leaf, this rank's part of it (1-D), as views into the bucket slices, in leaf order."""
+        out: list = [None] * len(self.shapes)
+        for b, s in zip(self.buckets, slices):
+            for i, o, (a, z) in zip(b.leaves, b.offsets, b.ranges):
+                out[i] = s[o + a - b.lo : o + z - b.lo] if a < z else s[:0]
+        return out
+
+    def slices_of(self, view_leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of :meth:`views`: each bucket's part rebuilt from its leaves' parts (plus zero padding)."""
+        out = []
+        for b in self.buckets:
+            pieces = [view_leaves[i].reshape(-1).to(b.dtype) for i in b.leaves if view_leaves[i].numel()]
+            pad = (b.hi - b.lo) - sum(p.numel() for p in pieces)
+            if pad:
+                pieces.append(torch.zeros(pad, dtype=b.dtype, device=view_leaves[b.leaves[0]].device))
+            out.append(torch.cat(pieces))
+        return out
+
+    def param_slices(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each bucket's part (in the bucket's dtype) cut out of whole local leaves."""
+        parts = [leaves[i].detach().reshape(-1)[a:z] for i, (a, z, _) in enumerate(self.leaf_parts())]
+        return self.slices_of(parts)
+
+    def flat(self, b: Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket ``b`` of whole local leaves as one padded flat tensor."""
+        pieces = [leaves[i].reshape(-1).to(b.dtype) for i in b.leaves]
+        if b.padded > b.length:
+            pieces.append(pieces[0].new_zeros(b.padded - b.length))
+        return torch.cat(pieces)
+
+    def unflatten(self, leaves: list) -> Any:
+        return optree.tree_unflatten(self.treedef, leaves)
+
+    # ------------------------------------------------------------------------------------------- movement
+    def reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """The gradient summed over the data axes, of this rank's part of bucket ``b`` (the whole bucket at zero=0)."""
+        for a in b.sum_axes:
+            if a in b.zero_axes:
+                flat = C.reduce_scatter_nograd(flat, self.mesh, a, 0)
+            else:
+                flat = C.all_reduce(flat, self.mesh, a)
+        for a in b.zero_axes:
+            if a not in b.sum_axes:  # identical along a already: keep this rank's block
+                k = flat.numel() // self.mesh.axis_size(a)
+                flat = flat[self.mesh.coord(a) * k : (self.mesh.coord(a) + 1) * k]
+        return flat
+
+    def gather(self, b: Bucket, part: torch.Tensor) -> list[torch.Tensor]:
+        """Whole local leaves of bucket ``b`` from this rank's updated part (all-gathered over its ZeRO axes)."""
+        for a in reversed(b.zero_axes):  # minor axis first, as the parts were cut
+            part = C.all_gather_nograd(part, self.mesh, a, 0)
+        return [part[o : o + n].view(self.shapes[i]) for i, o, n in zip(b.leaves, b.offsets, b.sizes)]
+
+
+def _check_leaf(path: str, spec: P, x: Any, data_axes: tuple[str, ...]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise StepError(f"leaf '{path}' is a {type(x).__name__}, not a tensor")
+    for a in data_axes:
+        if a in spec.axes:
+            raise SpecError(
+                f"leaf '{path}': spec {spec} shards over '{a}'; compile_step keeps parameters whole over the data "
+                f"axes ({', '.join(data_axes)}) and partitions their optimizer state instead (zero=1/2)"
+            )
+    if "pp" in spec.axes:
+        raise SpecError(f"leaf '{path}': spec {spec} names 'pp', which compile_step does not use")
+
+
+def _chunks(idx: list[int], nbytes: list[int], limit: int) -> list[list[int]]:
+    chunks, cur, size = [], [], 0
+    for i in idx:
+        if cur and size + nbytes[i] > limit:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += nbytes[i]
+    chunks.append(cur)
+    return chunks
+
+
+def _bucket(dtype, repl, chunk, sizes, mesh: "Mesh", zero: int, data_axes) -> Bucket:
+    zero_axes = repl if zero >= 1 else ()
+    parts = math.prod(mesh.axis_size(a) for a in zero_axes)
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    length = sum(sizes)
+    padded = -(-length // parts) * parts
+    part = 0
+    for a in zero_axes:
+        part = part * mesh.axis_size(a) + mesh.coord(a)
+    n = padded // parts
+    lo, hi = part * n, (part + 1) * n
+    ranges = tuple((min(max(lo - o, 0), k), min(max(hi - o, 0), k)) for o, k in zip(offsets, sizes))
+    return Bucket(
+        dtype, tuple(zero_axes), tuple(a for a in repl if a in data_axes), tuple(a for a in repl if a not in zero_axes),
+        tuple(chunk), tuple(offsets), tuple(sizes), length, padded, lo, hi,
+        zero >= 1 or all(mesh.coord(a) == 0 for a in repl), ranges,
+    )

@@ -1,0 +1,203 @@
+"""The model contract: what a model provides to funcpar, and the registry ``hf``, ``checkpoint`` and the CLI consult.
+
+A model is a :class:`ModelSpec`: plain functions over a parameter pytree plus data. Nothing else in funcpar looks
+inside a model module; everything it needs is named here:
+
+=================  =====================================================================================
+``name``           a short name (``"llama"``), used in messages
+``model_types``    the HF ``config.json`` ``model_type`` values it implements (``("llama", "mistral")``)
+``Config``         a class with ``from_hf(dict) -> cfg``, ``cfg.to_hf() -> dict``, ``cfg.with_mesh(mesh) -> cfg``
+                   (padding a vocabulary tp does not divide: :class:`funcpar.layers.VocabPadding` provides it)
+                   and ``cfg.model_type``
+``init``           ``init(cfg, seed=0, dtype=float32, device=None) -> params`` (global shapes; ``device="meta"``
+                   gives shapes only)
+``specs``          ``specs(cfg, mesh=None) -> tree of P`` matching ``init``'s tree
+``forward``        ``forward(params, tokens, cfg, mesh) -> logits`` (this rank's shards in and out)
+``loss``           ``loss(params, batch, cfg, mesh, reduction="mean", **capabilities) -> scalar``
+``hf``             an :class:`HFNames` table: HF tensor names <-> pytree paths, as data
+``batch_weight``   ``batch_weight(micro_batch) -> number``: a micro-batch's weight in the step's global mean
+                   (:func:`funcpar.layers.count_targets` for a token-mean loss); ``None`` weighs rows
+``remat``          capability: ``loss(..., remat=True)`` recomputes each block in the backward pass
+``stages``         capability: the staged form pipeline stages need (:class:`Stages`), or ``None``
+=================  =====================================================================================
+
+A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
+by module name and imported on first lookup, so ``funcpar`` never imports ``funcpar.models`` (which imports
+``funcpar``): the import graph has no cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import types
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["ModelSpec", "HFNames", "Stages", "ModelError", "register_model", "get_model", "known_models",
+           "carried_weight"]
+
+
+class ModelError(ValueError):
+    """A model that does not meet the contract, or a name the registry does not know."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFNames:
+    """How a model's pytree paths map to the tensors of a Hugging Face checkpoint (the mapping is data, not code).
+
+    ``table``: ``(path pattern, HF name pattern)`` pairs, ``{i}`` standing for a layer index.
+    ``transposed``: path patterns of leaves stored transposed in the checkpoint (GPT-2's Conv1D).
+    ``splits``: path pattern -> ``(dim, k, n)``: the leaf is part ``k`` of ``n`` of a fused HF tensor along ``dim``.
+    ``vocab_padded``: path patterns of vocab tables whose rows beyond ``cfg.vocab_size`` are padding.
+    ``ignored``: regular expressions of checkpoint tensors that hold nothing to load; ``ignored_if_tied`` more of
+    them when ``cfg.tie_word_embeddings`` (a tied checkpoint's copy of the head).
+    """
+
+    table: Sequence[tuple[str, str]]
+    transposed: Sequence[str] = ()
+    splits: Mapping[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    vocab_padded: Sequence[str] = ()
+    ignored: Sequence[str] = ()
+    ignored_if_tied: Sequence[str] = ()
+
+    def ignored_for(self, cfg: Any) -> list[str]:
+        return list(self.ignored) + (list(self.ignored_if_tied) if getattr(cfg, "tie_word_embeddings", False) else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """The staged form of a model, ``loss = head(blocks(embed(batch)))``, that pipeline stages split.
+
+    ``embed(params, batch, cfg, mesh) -> carry``; ``block(layer_params, carry, index, cfg, mesh) -> carry`` for
+    each entry of ``params[layers]``; ``head(params, carry, batch, cfg, mesh, reduction="mean") -> loss``. The carry
+    is a tensor (the hidden states). ``embed_leaves`` and ``head_leaves`` name the top-level leaves each end uses
+    (a tied embedding appears in both).
+    """
+
+    embed: Callable
+    block: Callable
+    head: Callable
+    embed_leaves: Callable[[Any], Sequence[str]]
+    head_leaves: Callable[[Any], Sequence[str]]
+    layers: str = "layers"
+
+    def loss(self, params, batch, cfg, mesh, reduction: str = "mean"):
+        """The staged composition on one process: equal to the model's ``loss``."""
+        x = self.embed(params, batch, cfg, mesh)
+        for i, lp in enumerate(params[self.layers]):
+            x = self.block(lp, x, i, cfg, mesh)
+        return self.head(params, x, batch, cfg, mesh, reduction)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model as funcpar sees it (see the module docstring for each field)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    Config: type
+    init: Callable
+    specs: Callable
+    forward: Callable
+    loss: Callable
+    hf: HFNames
+    batch_weight: Callable[[Any], float] | None = None
+    remat: bool = False
+    stages: Stages | None = None
+
+    def __post_init__(self):
+        for attr in ("from_hf",):
+            if not callable(getattr(self.Config, attr, None)):
+                raise ModelError(f"model '{self.name}': its Config has no {attr}() (see funcpar.model)")
+        for attr in ("to_hf", "with_mesh"):
+            if not callable(getattr(self.Config, attr, None)):
+                raise ModelError(f"model '{self.name}': its Config has no method {attr}() (see funcpar.model)")
+        if not self.model_types or isinstance(self.model_types, str):
+            raise ModelError(f"model '{self.name}': model_types must be a non-empty tuple of HF model_type names")
+
+    def config(self, hf_config: Mapping[str, Any], mesh=None) -> Any:
+        """The config from an HF ``config.json`` dict, padded for ``mesh`` when one is given."""
+        cfg = self.Config.from_hf(dict(hf_config))
+        return cfg if mesh is None else cfg.with_mesh(mesh)
+
+    def loss_fn(self, cfg: Any, mesh, *, remat: bool = False) -> Callable:
+        """``loss_fn(params, batch) -> scalar`` for :func:`funcpar.compile_step` (carrying ``batch_weight``)."""
+        if remat and not self.remat:
+            raise ModelError(f"model '{self.name}' does not support remat (activation checkpointing)")
+        kw = {"remat": True} if remat else {}
+        fn = functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw)
+        return _Weighted(fn, self.batch_weight) if self.batch_weight else fn
+
+
+class _Weighted:
+    """A loss function that carries its micro-batch weight (read by compile_step)."""
+
+    def __init__(self, fn: Callable, batch_weight: Callable):
+        self.fn, self.batch_weight = fn, batch_weight
+
+    def __call__(self, params, batch):
+        return self.fn(params, batch)
+
+
+def carried_weight(loss_fn: Callable) -> Callable | None:
+    """The micro-batch weight a loss function carries: its own ``batch_weight`` (``ModelSpec.loss_fn``), or that of
+    the registered model whose ``loss`` it is (also through ``functools.partial``); ``None`` if neither."""
+    fn = loss_fn
+    while fn is not None:
+        w = getattr(fn, "batch_weight", None)
+        if w is not None:
+            return w
+        owner = next((m for m in _REGISTRY.values() if m.loss is fn), None)
+        if owner is not None:
+            return owner.batch_weight
+        fn = getattr(fn, "func", None)  # functools.partial
+    return None
+
+
+# -------------------------------------------------------------------------------------------------- registry
+
+_BUILTIN = {"llama": "funcpar.models.llama", "mistral": "funcpar.models.llama", "qwen2": "funcpar.models.llama",
+            "gpt2": "funcpar.models.gpt2"}
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
+    """Make ``spec`` known under each of its ``model_types`` (and its ``name``); returns it.
+
+    Registering a different model under a taken name raises unless ``replace=True``.
+    """
+    if not isinstance(spec, ModelSpec):
+        raise ModelError(f"register_model takes a funcpar.ModelSpec, got {type(spec).__name__}")
+    for key in dict.fromkeys((*spec.model_types, spec.name)):
+        old = _REGISTRY.get(key)
+        if old is not None and old is not spec and not replace and old.name != spec.name:
+            raise ModelError(f"model_type '{key}' is already registered to model '{old.name}' (pass replace=True)")
+        _REGISTRY[key] = spec
+    return spec
+
+
+def known_models() -> dict[str, ModelSpec]:
+    """``{model_type: ModelSpec}`` for every registered model, the built-in ones included."""
+    for module in dict.fromkeys(_BUILTIN.values()):
+        importlib.import_module(module)
+    return {k: v for k, v in _REGISTRY.items() if k in v.model_types}
+
+
+def get_model(model: "ModelSpec | types.ModuleType | str") -> ModelSpec:
+    """The :class:`ModelSpec` for a spec, a model module (its ``MODEL``) or a registered name / ``model_type``."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, types.ModuleType):
+        spec = getattr(model, "MODEL", None)
+        if not isinstance(spec, ModelSpec):
+            raise ModelError(f"module {model.__name__} defines no MODEL = funcpar.ModelSpec(...)")
+        return spec
+    if isinstance(model, str):
+        if model not in _REGISTRY and model in _BUILTIN:
+            importlib.import_module(_BUILTIN[model])
+        if model in _REGISTRY:
+            return _REGISTRY[model]
+        names = ", ".join(sorted(known_models()))
+        raise ModelError(f"no model is registered for '{model}'; funcpar knows: {names} (see funcpar.register_model)")
+    raise ModelError(f"expected a ModelSpec, a model module or a model_type name, got {type(model).__name__}")

@@ -1,0 +1,306 @@
+"""funcpar.optim: the chained optimizers against torch.optim and plain references; composability; frozen and
+empty leaves; purity (the caller's tensors are never written); the reported schedule. Single process."""
+
+import optree
+import pytest
+import torch
+
+import funcpar as fp
+
+STEPS = 6
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(4, 3, generator=g),
+        "b": torch.randn(3, generator=g),
+        "t": torch.randn(2, 3, 2, generator=g),
+    }
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return optree.tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+
+
+def _run(opt, params, steps=STEPS):
+    """``steps`` updates of ``opt`` on ``params`` with the seeded gradients; returns the final params."""
+    state = opt.init(params)
+    for k in range(steps):
+        updates, state = opt.update(_grads(params, k), state, params)
+        params = fp.optim.apply_updates(params, updates)
+    return params
+
+
+def _run_torch(make, params, groups_of, schedule=None, steps=STEPS):
+    """The same with a torch.optim optimizer over the groups ``groups_of(tensors)``, lr set per step if scheduled."""
+    ts = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    o = make(groups_of(ts))
+    for k in range(steps):
+        for name, g in _grads(params, k).items():
+            ts[name].grad = g
+        if schedule is not None:
+            for group in o.param_groups:
+                group["lr"] = schedule(k)
+        o.step()
+    return {k: v.detach() for k, v in ts.items()}
+
+
+def _decay_groups(wd):
+    return lambda ts: [
+        {"params": [v for v in ts.values() if v.ndim >= 2], "weight_decay": wd},
+        {"params": [v for v in ts.values() if v.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _assert_close(a, b, rtol=1e-6, atol=1e-7):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _state_types(state):
+    out = []
+
+    def walk(node):
+        if hasattr(node, "_fields"):
+            out.append(type(node).__name__)
+        if not optree.treespec_is_leaf(optree.tree_structure(node)):
+            for child in optree.tree_flatten_one_level(node)[0]:
+                walk(child)
+
+    walk(state)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ against torch.optim
+
+
+def test_adamw_with_decay_mask_equals_torch_adamw_two_groups():
+    params = _params()
+    mask = fp.optim.decay_mask(params)
+    ours = _run(fp.optim.adamw(1e-2, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.3, mask=mask), params)
+    ref = _run_torch(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.8, 0.95), eps=1e-6), params, _decay_groups(0.3))
+    _assert_close(ours, ref)
+    decay_all = _run(fp.optim.adamw(1e-2, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.3), params)
+    assert not torch.equal(ours["b"], decay_all["b"])  # the mask mattered
+
+
+def test_adamw_with_schedule_equals_torch_adamw_lr_per_step():
+    params = _params(1)
+    sched = fp.optim.warmup_cosine(2e-2, warmup=2, total=STEPS, end=1e-3, start=1e-3)
+    ours = _run(fp.optim.adamw(sched, weight_decay=0.1, mask=fp.optim.decay_mask(params)), params)
+    ref = _run_torch(lambda g: torch.optim.AdamW(g, lr=0.0), params, _decay_groups(0.1), schedule=sched)
+    _assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_weight_decay_equals_torch_sgd(nesterov):
+    params = _params(2)
+    ours = _run(fp.optim.sgd(0.05, momentum=0.9, nesterov=nesterov, weight_decay=0.01), params)
+    ref = _run_torch(lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=0.01),
+                     params, lambda ts: list(ts.values()))
+    _assert_close(ours, ref)
+
+
+def test_sgd_masked_decay_and_without_momentum_equal_torch_sgd():
+    params = _params(3)
+    mask = fp.optim.decay_mask(params)
+    ours = _run(fp.optim.sgd(0.05, momentum=0.5, nesterov=True, weight_decay=0.2, mask=mask), params)
+    ref = _run_torch(lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.5, nesterov=True), params, _decay_groups(0.2))
+    _assert_close(ours, ref)
+    for wd in (0.0, 0.2):
+        ours = _run(fp.optim.sgd(0.05, weight_decay=wd), params)
+        ref = _run_torch(lambda g: torch.optim.SGD(g, lr=0.05, weight_decay=wd), params, lambda ts: list(ts.values()))
+        _assert_close(ours, ref)
+
+
+def test_sgd_nesterov_needs_momentum():
+    with pytest.raises(ValueError, match="nesterov"):
+        fp.optim.sgd(0.1, nesterov=True)
+
+
+def test_lion_equals_the_update_rule_written_out():
+    params = _params(4)
+    lr, b1, b2, wd = 3e-3, 0.9, 0.99, 0.5
+    mask = fp.optim.decay_mask(params)
+    ours = _run(fp.optim.lion(lr, b1=b1, b2=b2, weight_decay=wd, mask=mask), params)
+    ref = {k: v.clone() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in params.items()}
+    for step in range(STEPS):
+        for k, g in _grads(params, step).items():
+            direction = torch.sign(b1 * m[k] + (1 - b1) * g)
+            decay = wd * ref[k] if mask[k] else 0.0
+            ref[k] = ref[k] - lr * (direction + decay)
+            m[k] = b2 * m[k] + (1 - b2) * g
+    _assert_close(ours, ref)
+
+
+# ------------------------------------------------------------------------------------------ composability
+
+
+def test_hand_built_chain_is_bitwise_adamw():
+    params = _params(5)
+    mask = fp.optim.decay_mask(params)
+    ours = fp.optim.chain(fp.optim.scale_by_adam(), fp.optim.add_decayed_weights(0.1, mask),
+                          fp.optim.scale_by_learning_rate(1e-2))
+    ref = fp.optim.adamw(1e-2, weight_decay=0.1, mask=mask)
+    s_ours, s_ref = ours.init(params), ref.init(params)
+    for k in range(3):
+        grads = _grads(params, k)
+        u_ours, s_ours = ours.update(grads, s_ours, params)
+        u_ref, s_ref = ref.update(grads, s_ref, params)
+        assert all(torch.equal(u_ours[n], u_ref[n]) for n in params)
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(s_ours), optree.tree_leaves(s_ref)))
+        params = fp.optim.apply_updates(params, u_ours)
+
+
+def test_custom_chain_clip_lion_learning_rate():
+    params = _params(6)
+    opt = fp.optim.chain(fp.optim.clip_by_global_norm(0.5), fp.optim.scale_by_lion(b1=0.8, b2=0.9),
+                         fp.optim.scale_by_learning_rate(1e-2))
+    state = opt.init(params)
+    m = {k: torch.zeros_like(v) for k, v in params.items()}
+    for step in range(3):
+        grads = _grads(params, step)
+        updates, state = opt.update(grads, state, params)
+        norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()]))
+        coef = min(1.0, 0.5 / (float(norm) + 1e-6))
+        for k, g in grads.items():
+            g = g * coef
+            torch.testing.assert_close(updates[k], -1e-2 * torch.sign(0.8 * m[k] + 0.2 * g), rtol=0, atol=0)
+            m[k] = 0.9 * m[k] + 0.1 * g
+        assert all(torch.allclose(state[1].mu[k], m[k], rtol=1e-6, atol=1e-7) for k in params)
+        params = fp.optim.apply_updates(params, updates)
+
+
+def test_clip_first_in_a_chain_uses_the_global_norm_passed_in():
+    params = _params(7)
+    grads = _grads(params, 0)
+    opt = fp.optim.chain(fp.optim.clip_by_global_norm(1.0), fp.optim.adamw(1e-2, weight_decay=0.1))
+    updates, _ = opt.update(grads, opt.init(params), params, global_norm=torch.tensor(4.0), other_key="passed on")
+    inner = fp.optim.adamw(1e-2, weight_decay=0.1)
+    clipped = {k: g * (1.0 / (4.0 + 1e-6)) for k, g in grads.items()}
+    expected, _ = inner.update(clipped, inner.init(params), params)
+    assert all(torch.equal(updates[k], expected[k]) for k in params)
+
+
+def test_state_structure_and_no_decay_stage_without_weight_decay():
+    params = _params()
+    assert _state_types(fp.optim.adamw(1e-3, weight_decay=0.1).init(params)) == [
+        "ScaleByAdamState", "AddDecayedWeightsState", "ScaleByLearningRateState"]
+    assert _state_types(fp.optim.adamw(1e-3).init(params)) == ["ScaleByAdamState", "ScaleByLearningRateState"]
+    assert _state_types(fp.optim.lion(1e-3).init(params)) == ["ScaleByLionState", "ScaleByLearningRateState"]
+    assert _state_types(fp.optim.sgd(0.1, momentum=0.9, weight_decay=0.1).init(params)) == [
+        "AddDecayedWeightsState", "TraceState", "ScaleByLearningRateState"]
+    assert _state_types(fp.optim.sgd(0.1).init(params)) == ["ScaleByLearningRateState"]
+    state = fp.optim.adamw(1e-3).init(params)
+    updates, state = fp.optim.adamw(1e-3).update(_grads(params, 0), state, params)
+    for count in (state[0].count, state[1].count):
+        assert count.dtype == torch.int64 and count.shape == () and int(count) == 1
+    assert all(isinstance(x, torch.Tensor) for x in optree.tree_leaves(state))
+
+
+def test_momentum_state_is_not_overwritten_by_the_learning_rate_stage():
+    params = _params(8)
+    grads = _grads(params, 0)
+    opt = fp.optim.sgd(0.1, momentum=0.9)  # the trace stage's update is its new state itself
+    updates, state = opt.update(grads, opt.init(params), params)
+    assert all(torch.equal(state[0].trace[k], grads[k]) for k in params)
+    assert all(torch.equal(updates[k], grads[k] * -0.1) for k in params)
+
+
+# ------------------------------------------------------------------------------------------ frozen and empty leaves
+
+
+def test_masked_frozen_leaf_gets_no_update_and_no_state():
+    params = _params(9)
+    frozen = {"w": True, "b": False, "t": True}
+    opt = fp.optim.masked(fp.optim.adamw(1e-2, weight_decay=0.1, mask=fp.optim.decay_mask(params)), frozen)
+    state = opt.init(params)
+    assert state[0].mu["b"] is None and state[0].nu["b"] is None
+    assert sum(x.numel() for x in optree.tree_leaves(state[0].mu)) == 12 + 12
+    updates, state = opt.update(_grads(params, 0), state, params)
+    assert updates["b"] is None and state[0].mu["b"] is None
+    whole = fp.optim.adamw(1e-2, weight_decay=0.1, mask=fp.optim.decay_mask(params))
+    expected, _ = whole.update(_grads(params, 0), whole.init(params), params)
+    assert torch.equal(updates["w"], expected["w"]) and torch.equal(updates["t"], expected["t"])
+    new = fp.optim.apply_updates(params, updates)
+    assert new["b"] is params["b"] and not torch.equal(new["w"], params["w"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: fp.optim.adamw(1e-2, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.lion(1e-2, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.chain(fp.optim.clip_by_global_norm(1.0), fp.optim.sgd(1e-2)),
+])
+def test_empty_leaves_and_all_frozen(make):
+    params = {"w": torch.randn(6), "empty": torch.zeros(0), "b": torch.randn(2)}
+    mask = {"w": True, "empty": True, "b": False}  # as ZeRO slices of a matrix, an empty one, and a vector
+    grads = {"w": torch.randn(6), "empty": torch.zeros(0), "b": torch.randn(2)}
+    opt = make(mask)
+    updates, state = opt.update(grads, opt.init(params), params)
+    assert updates["empty"].shape == (0,)
+    dense = make({"w": True, "b": False})
+    p2, g2 = {"w": params["w"], "b": params["b"]}, {"w": grads["w"], "b": grads["b"]}
+    expected, _ = dense.update(g2, dense.init(p2), p2)
+    assert torch.equal(updates["w"], expected["w"]) and torch.equal(updates["b"], expected["b"])
+    frozen = fp.optim.masked(make(mask), {"w": False, "empty": False, "b": False})
+    updates, state = frozen.update(grads, frozen.init(params), params)
+    assert updates == {"w": None, "empty": None, "b": None}
+    updates, state = frozen.update(grads, state, params)  # and again from the state it returned
+
+
+# ------------------------------------------------------------------------------------------ purity
+
+
+def _identity():
+    return fp.optim.GradientTransformation(lambda p: (), lambda g, s, p=None, **extra: (g, s))
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: fp.optim.adamw(1e-2, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.adamw(1e-2, weight_decay=0.1),
+    lambda m: fp.optim.lion(1e-2, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
+    lambda m: fp.optim.sgd(1e-2, momentum=0.9, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.sgd(1e-2, weight_decay=0.1, mask=m),
+    lambda m: fp.optim.sgd(1e-2),
+    lambda m: fp.optim.chain(_identity(), fp.optim.add_decayed_weights(0.1), fp.optim.scale(-1e-2)),
+    lambda m: fp.optim.chain(fp.optim.clip_by_global_norm(0.1), fp.optim.masked(fp.optim.sgd(1e-2), m)),
+    lambda m: fp.optim.masked(fp.optim.sgd(1e-2), m),
+])
+def test_callers_grads_params_and_state_are_not_written(make):
+    params = _params(10)
+    opt = make(fp.optim.decay_mask(params))
+    state = opt.init(params)
+    for k in range(3):
+        grads = _grads(params, k)
+        before = optree.tree_map(torch.clone, (grads, params, state))
+        updates, new_state = opt.update(grads, state, params)
+        after = (grads, params, state)
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(after)))
+        assert optree.tree_structure(new_state) == optree.tree_structure(state)
+        params, state = fp.optim.apply_updates(params, updates), new_state
+
+
+# ------------------------------------------------------------------------------------------ schedule
+
+
+def test_schedule_is_reported_and_used_from_step_zero():
+    sched = fp.optim.warmup_cosine(1e-2, warmup=3, total=10, end=1e-4)
+    for opt in (fp.optim.adamw(sched, weight_decay=0.1), fp.optim.lion(sched), fp.optim.sgd(sched, momentum=0.9),
+                fp.optim.chain(fp.optim.clip_by_global_norm(1.0), fp.optim.adamw(sched)),
+                fp.optim.masked(fp.optim.adamw(sched), {"w": True})):
+        assert [opt.schedule(k) for k in range(12)] == [sched(k) for k in range(12)]
+    assert fp.optim.sgd(0.25).schedule(7) == 0.25 and fp.optim.clip_by_global_norm(1.0).schedule is None
+    seen = []
+    opt = fp.optim.scale_by_learning_rate(lambda k: seen.append(k) or 2.0)
+    params = {"w": torch.ones(3)}
+    state = opt.init(params)
+    for _ in range(3):
+        updates, state = opt.update({"w": torch.ones(3)}, state, params)
+    assert seen == [0, 1, 2] and torch.equal(updates["w"], torch.full((3,), -2.0))
