@@ -8,7 +8,6 @@
 """
 
 import argparse
-import functools
 import os
 
 import funcpar as fp
@@ -26,7 +25,7 @@ args = ap.parse_args()
 world = int(os.environ.get("WORLD_SIZE", "1"))
 mesh = fp.Mesh(tp=world) if world > 1 else fp.Mesh()
 params, cfg = fp.hf.load(args.model, mesh=mesh)                    # each rank reads only its slices
-model = fp.hf.known_models()[cfg.model_type]
+model = fp.get_model(cfg.model_type)                               # the registered model of that model_type
 specs = model.specs(cfg, mesh)
 tok = fp.data.ByteTokenizer() if args.tokenizer == "byte" else fp.data.HFTokenizer(args.tokenizer)
 data = fp.data.Dataset.from_samples(fp.data.load_samples(args.data), tok, args.seq_len, pack=False)
@@ -37,8 +36,7 @@ if mesh.rank == 0 and data.truncated:
 
 opt = fp.optim.adamw(fp.optim.warmup_linear_decay(1e-4, min(10, args.steps // 10), args.steps, warmup_type="linear"),
                      weight_decay=0.0)
-step = fp.compile_step(functools.partial(model.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh, optimizer=opt,
-                       zero=1, clip_norm=1.0)
+step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, optimizer=opt, zero=1, clip_norm=1.0)
 state = step.init(params)
 for batch in fp.data.batches(data, mesh, global_batch=args.global_batch):
     state, metrics = step(state, batch)

@@ -7,14 +7,12 @@ It trains on the arithmetic task shipped with funcpar, checkpoints, and exports 
 """
 
 import argparse
-import functools
 import os
 
 import torch
 
 import funcpar as fp
 from funcpar.assets import ARITHMETIC
-from funcpar.models import llama
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=200)
@@ -24,6 +22,7 @@ args = ap.parse_args()
 world = int(os.environ.get("WORLD_SIZE", "1"))
 mesh = fp.Mesh(tp=2, dp=world // 2) if world > 1 else fp.Mesh()
 torch.manual_seed(0)
+llama = fp.get_model("llama")                                      # the registered model (a ModelSpec)
 
 cfg = llama.Config.from_hf(dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                                 num_attention_heads=4, num_key_value_heads=2, model_type="llama"))
@@ -31,7 +30,7 @@ specs = llama.specs(cfg, mesh)                                     # pytree of P
 params = fp.shard(llama.init(cfg, seed=0), specs, mesh)            # each rank keeps its blocks
 warmup = min(20, args.steps // 10)
 opt = fp.optim.adamw(fp.optim.warmup_cosine(3e-3, warmup, total=args.steps), b2=0.95, weight_decay=0.01)
-loss_fn = functools.partial(llama.loss, cfg=cfg, mesh=mesh)        # loss_fn(params, batch) -> scalar
+loss_fn = llama.loss_fn(cfg, mesh)                                 # loss_fn(params, batch) -> scalar
 step = fp.compile_step(loss_fn, specs, mesh=mesh, optimizer=opt, zero=1, accum_steps=2, clip_norm=1.0)
 state = step.init(params)                                          # optimizer state sharded over dp (ZeRO-1)
 

@@ -1,5 +1,5 @@
 """`funcpar train` as a user runs it (bare, and under torchrun: the same losses), --resume, plan, convert,
-config files, and the examples."""
+config files, the examples, and the modules the CLI wires together (generate, plot, planning)."""
 
 import json
 import os
@@ -11,6 +11,9 @@ import torch
 
 import funcpar as fp
 from funcpar import cli
+from funcpar.generate import greedy
+from funcpar.planning import memory_plan, sharding_table
+from funcpar.plot import plot_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "llama-micro", "--global-batch", "8", "--seq-len", "32", "--schedule", "constant", "--lr", "3e-3",
@@ -76,7 +79,8 @@ def test_plan_prints_table_and_memory(capsys):
     text = capsys.readouterr().out
     assert "llama on Mesh(pp=1, dp=2, tp=4): 855,168 parameters" in text
     assert "layers.*.wk (x4)" in text and "P()" in text  # 2 kv heads < tp=4: k/v replicated
-    like = fp.hf.known_models()["llama"].init(fp.hf.known_models()["llama"].Config.from_hf(cli.BUILTIN_MODELS["llama-tiny"]), device="meta")
+    model = fp.get_model("llama")
+    like = model.init(model.config(cli.BUILTIN_MODELS["llama-tiny"]), device="meta")
     n = sum(x.numel() for _, x in fp.tree.leaves_with_path(like))
     opt_mib = float(text.split("optimizer state ")[1].split(" MiB")[0])
     assert abs(opt_mib - 2 * 4 * n / 8 / 2**20) < 0.05 * (2 * 4 * n / 8 / 2**20)  # AdamW state / (tp*dp)
@@ -92,6 +96,31 @@ def test_config_file_and_flags(tmp_path):
         cli._options(["--config", str(f)], "train")
     with pytest.raises(SystemExit, match="bad --mesh 'tp2'"):
         cli.parse_mesh("tp2")
+    with pytest.raises(SystemExit, match="bad --mesh 'tp=2,2=dp'"):
+        cli.parse_mesh("tp=2,2=dp")
+    with pytest.raises(SystemExit, match="bad --mesh 'tp=two'"):
+        cli.parse_mesh("tp=two")
+    assert cli.parse_mesh("tp=2,dp=2,ep=2") == {"tp": 2, "dp": 2, "ep": 2}  # any axis name
+    assert cli.parse_mesh("1") == {} == cli.parse_mesh("")
+
+
+def test_plan_on_a_mesh_with_another_axis(capsys):
+    cli.main(["plan", "--mesh", "dp=2,ep=2,tp=2", "--model", "llama-micro"])
+    text = capsys.readouterr().out
+    assert "llama on Mesh(" in text and "ep=2" in text and "per rank (zero=1, adamw)" in text
+
+
+def test_remat_needs_the_capability():
+    gpt2 = fp.get_model("gpt2")
+    assert fp.get_model("llama").remat and not gpt2.remat
+    with pytest.raises(SystemExit, match="--remat is not supported by model 'gpt2'"):
+        cli._compile({**cli.DEFAULTS, "remat": True}, gpt2, None, fp.Mesh(), None)
+
+
+def test_unknown_model_type_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(SystemExit, match="no model is registered for 'no-such-model'"):
+        cli.main(["plan", "--mesh", "1", "--model", str(tmp_path)])
 
 
 def test_convert_round_trip(tmp_path):
@@ -104,12 +133,14 @@ def test_convert_round_trip(tmp_path):
     _assert_identical(_tensors(tmp_path / "hf"), _tensors(tmp_path / "back"))
     # a parameters-only checkpoint starts training with a fresh optimizer
     params, cfg = fp.hf.load(tmp_path / "hf")
-    model = fp.hf.known_models()[cfg.model_type]
-    step = fp.compile_step(lambda p, b: model.loss(p, b, cfg=cfg, mesh=fp.Mesh()), model.specs(cfg), mesh=fp.Mesh(),
+    model = fp.get_model(cfg.model_type)
+    step = fp.compile_step(model.loss_fn(cfg, fp.Mesh()), model.specs(cfg), mesh=fp.Mesh(),
                            optimizer=fp.optim.adamw(1e-3))
     step.init(model.init(cfg, seed=5))
     state, extra = step.load(tmp_path / "ckpt")
-    assert state.step == 0 and extra["model"] == "qwen2" and int(state.opt_state.count) == 0
+    assert state.step == 0 and extra["model"] == "qwen2"
+    # adamw's chain state: (ScaleByAdamState(count, mu, nu), ScaleByLearningRateState(count)), both counts at 0
+    assert [int(s.count) for s in state.opt_state if "count" in s._fields] == [0, 0]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(state.params), fp.tree.leaves_with_path(params)))
     state, m = step(state, {"input_ids": torch.randint(0, 128, (2, 8))})
     assert m["step"] == 1
@@ -171,3 +202,29 @@ def test_precision_and_remat_flags(tmp_path):
     import transformers as tf
 
     tf.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))  # the export holds the bf16 weights
+
+
+def test_greedy_decodes_each_prompt_until_eos():
+    # a "model" whose next token is the last one plus 1, with 5 as end of sequence
+    def logits_fn(ids):
+        return torch.nn.functional.one_hot((ids + 1) % 8, 8).float()
+
+    assert greedy(logits_fn, [[1], [3], [0, 2], [6]], eos=5, max_new=3) == [[2, 3, 4], [4], [3, 4], [7, 0, 1]]
+
+
+def test_plot_metrics_writes_a_png(tmp_path):
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "eval_loss": 1.7}, {"step": 3, "loss": 1.2}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_metrics(tmp_path / "m.jsonl", tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_planning_on_an_abstract_mesh():
+    model = fp.get_model("llama")
+    mesh = fp.Mesh.abstract(tp=2, dp=2)
+    cfg = model.config(cli.BUILTIN_MODELS["llama-micro"], mesh)
+    like, specs = model.init(cfg, device="meta"), model.specs(cfg, mesh)
+    assert "layers.*.wq (x2)" in sharding_table(like, specs, mesh)
+    zero0, zero1 = (memory_plan(like, specs, mesh, zero) for zero in (0, 1))
+    assert zero0["params"] == zero1["params"] and zero1["optimizer"] < zero0["optimizer"]
+    assert abs(zero1["total"] - zero1["params"] - zero1["grads"] - zero1["optimizer"]) < 1e-9

@@ -43,3 +43,6 @@ from .transforms import scale_by_adam as scale_by_adam
 from .transforms import scale_by_learning_rate as scale_by_learning_rate
 from .transforms import scale_by_lion as scale_by_lion
 from .transforms import trace as trace
+from .loss_scale import LossScaleState as LossScaleState
+from .loss_scale import apply_if_finite as apply_if_finite
+from .loss_scale import loss_scale as loss_scale

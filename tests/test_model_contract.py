@@ -1,0 +1,135 @@
+"""The model contract: a model defined outside the package (tests/tinylm.py) registers, trains on a real mesh and
+round-trips through HF export/import; the staged form equals the loss; the registry's errors."""
+
+import json
+
+import pytest
+import torch
+
+import funcpar as fp
+import harness
+import tinylm
+from funcpar.models import gpt2, llama
+
+V, B, T = 101, 8, 12  # a vocabulary tp=2 does not divide: padded rows, masked in the loss, dropped on export
+
+
+def cfg():
+    return tinylm.Config(vocab_size=V, d_model=16, d_hidden=32, n_layers=2)
+
+
+def batches(n=3):
+    out = []
+    for s in range(n):
+        g = torch.Generator().manual_seed(7 + s)
+        ids = torch.randint(0, V, (B, T), generator=g)
+        labels = ids.clone()
+        labels[s, :5] = -100  # uneven targets across micro-batches and dp ranks
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _train(mesh, folder=None):
+    model = fp.get_model("tinylm")  # found in the registry by its model_type
+    c = model.config(cfg().to_hf(), mesh)
+    specs = model.specs(c, mesh)
+    params = fp.shard(model.init(c, seed=0), specs, mesh)
+    step = fp.compile_step(model.loss_fn(c, mesh), specs, mesh=mesh, optimizer=fp.optim.adamw(1e-2, weight_decay=0.1),
+                           zero=1, accum_steps=2, clip_norm=0.5)
+    state = step.init(params)
+    dp, k = mesh.axis_size("dp"), mesh.coord("dp")
+    losses = []
+    for b in batches():
+        state, m = step(state, {n: x.chunk(dp)[k] for n, x in b.items()})
+        losses.append(m["loss"])
+    out = {"losses": losses, "params": fp.gather(state.params, specs, mesh)}
+    if folder is not None:
+        fp.hf.save(folder, state.params, model, c, mesh)  # no model module of funcpar involved
+        back, c2 = fp.hf.load(folder, mesh=mesh)  # model found from config.json's model_type
+        out["back"] = fp.gather(back, model.specs(c2, mesh), mesh)
+        out["config"] = json.loads(open(f"{folder}/config.json").read())
+    return out
+
+
+def _train_on_mesh(folder):
+    return _train(harness.mesh(tp=2, dp=2), folder)
+
+
+def test_an_external_model_trains_at_tp2_dp2_and_round_trips_through_hf(tmp_path):
+    ref = _train(fp.Mesh())
+    got = harness.run(4, _train_on_mesh, str(tmp_path / "hf"))[0]
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(got["params"]), fp.tree.leaves_with_path(ref["params"])):
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), p
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(got["back"]), fp.tree.leaves_with_path(got["params"])):
+        assert torch.equal(x, y), p  # export then import at tp=2 x dp=2: the same bits
+    assert got["config"]["model_type"] == "tinylm"
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("tiny.embed.weight").shape == (V, 16)  # padding dropped
+        assert f.get_tensor("tiny.h.1.fc_out.weight").shape == (32, 16)  # stored transposed, as the table says
+    single, c = fp.hf.load(tmp_path / "hf")  # and at Mesh(), again through the registry
+    assert torch.equal(single["layers"][1]["w_out"], got["params"]["layers"][1]["w_out"])
+
+
+def _staged(mesh, which):
+    model = fp.get_model(which)
+    if which == "gpt2":
+        c = model.config(dict(model_type="gpt2", vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=32), mesh)
+    elif which == "llama":
+        c = model.config(dict(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              tie_word_embeddings=True), mesh)
+    else:
+        c = model.config(cfg().to_hf(), mesh)
+    specs = model.specs(c, mesh)
+    params = fp.shard(model.init(c, seed=1), specs, mesh)
+    b = batches(1)[0]
+    whole = torch.func.grad_and_value(lambda p: model.loss(p, b, c, mesh))(params)
+    staged = torch.func.grad_and_value(lambda p: model.stages.loss(p, b, c, mesh))(params)
+    used = set(model.stages.embed_leaves(c)) | set(model.stages.head_leaves(c)) | {model.stages.layers}
+    return whole, staged, used == set(params)
+
+
+def _staged_tp2(which):
+    return _staged(harness.mesh(tp=2), which)
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2", "tinylm"])
+def test_the_staged_form_equals_the_loss(which):
+    for whole, staged, covers in [_staged(fp.Mesh(), which), *harness.run(2, _staged_tp2, which)]:
+        assert covers  # embed leaves + blocks + head leaves name every top-level leaf
+        assert torch.equal(whole[1], staged[1])
+        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(whole[0]), fp.tree.leaves_with_path(staged[0])):
+            assert torch.equal(x, y), p
+
+
+def test_registry_lookups_and_errors():
+    assert fp.get_model(llama) is llama.MODEL and fp.get_model("qwen2") is llama.MODEL
+    assert fp.get_model(gpt2.MODEL) is gpt2.MODEL
+    assert set(fp.known_models()) >= {"llama", "mistral", "qwen2", "gpt2", "tinylm"}
+    with pytest.raises(fp.ModelError, match=r"no model is registered for 'bloom'; funcpar knows: gpt2, llama"):
+        fp.get_model("bloom")
+    other = fp.ModelSpec(**{**tinylm.MODEL.__dict__, "name": "impostor"})
+    with pytest.raises(fp.ModelError, match=r"model_type 'tinylm' is already registered to model 'tinylm'"):
+        fp.register_model(other)
+
+    class NoHF:
+        pass
+
+    with pytest.raises(fp.ModelError, match=r"model 'broken': its Config has no from_hf\(\)"):
+        fp.ModelSpec(**{**tinylm.MODEL.__dict__, "name": "broken", "Config": NoHF})
+    with pytest.raises(fp.ModelError, match=r"model 'gpt2' does not support remat"):
+        gpt2.MODEL.loss_fn(None, fp.Mesh(), remat=True)
+
+
+def test_a_partial_of_a_registered_loss_weighs_micro_batches_by_tokens():
+    import functools
+
+    from funcpar.model import carried_weight
+
+    fn = functools.partial(llama.loss, cfg=None, mesh=None)
+    assert carried_weight(fn) is fp.layers.count_targets
+    assert carried_weight(lambda p, b: 0) is None
