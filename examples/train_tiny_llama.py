@@ -1,4 +1,4 @@
-"""Train a small Llama from scratch with funcpar's Python API: the loop of DESIGN.md, end to end.
+"""Train a small Llama from scratch with funcpar's Python API: the README quickstart's loop, end to end.
 
     torchrun --nproc-per-node 4 examples/train_tiny_llama.py            # Mesh(tp=2, dp=2) on 4 CPU processes
     python examples/train_tiny_llama.py --steps 50                      # one process, Mesh()

@@ -139,8 +139,9 @@ class _Map:
         return tuple(r)
 
 
-def _plan(model: ModelSpec, paths: list[str], cfg: Any = None) -> list[_Map]:
+def _plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
     """The HF tensor (and transform) of every leaf path, from the model's literal table."""
+    model = get_model(model)
     names = model.hf
     rules = []
     for pat, hf in names.table:

@@ -1,7 +1,7 @@
 """The Llama family as transformers defines it: Llama (GQA, rope_theta, llama3/linear rope scaling), Mistral
 (sliding-window attention), Qwen2 (q/k/v bias), with or without tied embeddings.
 
-Per-shard code (DESIGN rule 1): q/k/v and gate/up are column-parallel (output rows split over tp), o and down are
+Per-shard code (docs/ARCHITECTURE.md, Conventions): q/k/v and gate/up are column-parallel (output rows split over tp), o and down are
 row-parallel (input columns split), the embedding and the LM head are vocab-parallel, and the loss is a
 vocab-parallel cross-entropy, so full-vocabulary logits never exist during training. Weights keep transformers'
 ``(out, in)`` layout, so this model's HF table needs no transposes. Local head counts are read from the shards.

@@ -34,7 +34,7 @@ def test_logits_and_loss_match_transformers_single_process(ckpts):
     for kind in KINDS:
         path, logits_ref, loss_ref, b = ckpts[kind]
         params, cfg = fp.hf.load(path)
-        model = fp.hf.known_models()[cfg.model_type]
+        model = fp.get_model(cfg.model_type)
         logits = model.forward(params, b["input_ids"], cfg, fp.Mesh())
         assert (logits - logits_ref).abs().max().item() <= 1e-5, kind
         loss = model.loss(params, b, cfg=cfg, mesh=fp.Mesh())
@@ -44,7 +44,7 @@ def test_logits_and_loss_match_transformers_single_process(ckpts):
 def _sharded_forward(path, tp, b):
     mesh = harness.mesh(tp=tp)
     params, cfg = fp.hf.load(path, mesh=mesh)
-    model = fp.hf.known_models()[cfg.model_type]
+    model = fp.get_model(cfg.model_type)
     logits = model.forward(params, b["input_ids"], cfg, mesh)
     loss = model.loss(params, b, cfg=cfg, mesh=mesh)
     # gradients flow through the vocab-parallel loss: every rank's gradient is finite and the loss is replicated
@@ -95,7 +95,7 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpts, tmp_path)
     for kind in KINDS:
         path, logits_ref, _, b = ckpts[kind]
         params, cfg = fp.hf.load(path)
-        model = fp.hf.known_models()[cfg.model_type]
+        model = fp.get_model(cfg.model_type)
         out = tmp_path / kind
         fp.hf.save(out, params, model, cfg)
         _assert_identical(_tensors(path), _tensors(out))
@@ -116,7 +116,7 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpts, tmp_path)
 def _export_from_mesh(path, out, tp):
     mesh = harness.mesh(tp=tp)
     params, cfg = fp.hf.load(path, mesh=mesh)
-    fp.hf.save(out, params, fp.hf.known_models()[cfg.model_type], cfg, mesh, max_shard_size="100KB")
+    fp.hf.save(out, params, fp.get_model(cfg.model_type), cfg, mesh, max_shard_size="100KB")
     return mesh.rank
 
 
@@ -134,7 +134,7 @@ def _rchar():
 
 def _bytes_read(path, tp):
     mesh = harness.mesh(tp=tp)
-    model = fp.hf.known_models()[json.load(open(os.path.join(path, "config.json")))["model_type"]]
+    model = fp.get_model(json.load(open(os.path.join(path, "config.json")))["model_type"])
     before = _rchar()
     stats = {}
     params, cfg = fp.hf.load(path, model, mesh, stats=stats)
@@ -188,7 +188,7 @@ def test_checkpoint_errors_name_the_tensor(ckpts, tmp_path):
     with pytest.raises(fp.hf.HFError) as e:
         fp.hf.load(bad, llama)
     msg = str(e.value)
-    assert "does not match funcpar.models.llama" in msg
+    assert "does not match model 'llama'" in msg
     assert "missing (9): model.layers.1.input_layernorm.weight [64]" in msg and "model.layers.1.mlp.down_proj.weight [64, 96]" in msg
     assert "unexpected (1): model.extra.weight [3] in model.safetensors" in msg
     assert "wrong shape (1): model.layers.0.self_attn.q_proj.weight is [64, 32], expected [64, 64]" in msg
@@ -196,7 +196,7 @@ def test_checkpoint_errors_name_the_tensor(ckpts, tmp_path):
     unknown = _copy(src, str(tmp_path / "falcon"), config_edit=lambda c: c.update(model_type="falcon"))
     with pytest.raises(fp.hf.HFError, match=r"model_type 'falcon', which funcpar does not know; it knows: gpt2, llama, mistral, qwen2"):
         fp.hf.load(unknown)
-    with pytest.raises(fp.hf.HFError, match=r"model_type 'gpt2', which funcpar.models.llama does not implement \(llama, mistral, qwen2\)"):
+    with pytest.raises(fp.hf.HFError, match=r"model_type 'gpt2', which model 'llama' does not implement \(llama, mistral, qwen2\)"):
         fp.hf.load(ckpts["gpt2"][0], llama)
 
     truncated = _copy(src, str(tmp_path / "trunc"))
@@ -318,7 +318,7 @@ def test_load_converts_dtype(ckpts):
 def _sharded_grads(path, tp, b):
     mesh = harness.mesh(tp=tp)
     params, cfg = fp.hf.load(path, mesh=mesh)
-    model = fp.hf.known_models()[cfg.model_type]
+    model = fp.get_model(cfg.model_type)
     specs = model.specs(cfg, mesh)
     grads = torch.func.grad(lambda p: model.loss(p, b, cfg=cfg, mesh=mesh))(params)
     return fp.gather(grads, specs, mesh, dst=0)
@@ -328,7 +328,7 @@ def _sharded_grads(path, tp, b):
 def test_gathered_gradients_equal_single_process(ckpts, kind):
     path, _, _, b = ckpts[kind]
     params, cfg = fp.hf.load(path)
-    model = fp.hf.known_models()[cfg.model_type]
+    model = fp.get_model(cfg.model_type)
     ref = torch.func.grad(lambda p: model.loss(p, b, cfg=cfg, mesh=fp.Mesh()))(params)
     got = harness.run(4, _sharded_grads, path, 4, b)[0]
     for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref)):

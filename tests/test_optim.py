@@ -61,17 +61,9 @@ def _assert_close(a, b, rtol=1e-6, atol=1e-7):
 
 
 def _state_types(state):
-    out = []
+    from funcpar.checkpoint import _state_types as types  # the names a checkpoint records for an optimizer
 
-    def walk(node):
-        if hasattr(node, "_fields"):
-            out.append(type(node).__name__)
-        if not optree.treespec_is_leaf(optree.tree_structure(node)):
-            for child in optree.tree_flatten_one_level(node)[0]:
-                walk(child)
-
-    walk(state)
-    return out
+    return types(state)
 
 
 # ------------------------------------------------------------------------------------------ against torch.optim

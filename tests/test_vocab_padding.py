@@ -58,7 +58,7 @@ def ckpts(tmp_path_factory):
 def _sharded(path, tp, b, export):
     mesh = harness.mesh(tp=tp)
     params, cfg = fp.hf.load(path, mesh=mesh)
-    model = fp.hf.known_models()[cfg.model_type]
+    model = fp.get_model(cfg.model_type)
     specs = model.specs(cfg, mesh)
     logits = model.forward(params, b["input_ids"], cfg, mesh)
     loss, grads = torch.func.grad_and_value(lambda p: model.loss(p, b, cfg=cfg, mesh=mesh))(params)[::-1]
@@ -70,7 +70,7 @@ def _sharded(path, tp, b, export):
 def test_odd_vocabulary_on_tp_2_and_4(ckpts, kind, tmp_path):
     path, logits_ref, loss_ref, b = ckpts[kind]
     params, cfg = fp.hf.load(path)
-    model = fp.hf.known_models()[cfg.model_type]
+    model = fp.get_model(cfg.model_type)
     assert cfg.rows == 128 and (params["embed"] if kind == "llama" else params["wte"]).shape[0] == 128
     assert (model.forward(params, b["input_ids"], cfg, fp.Mesh()) - logits_ref).abs().max() <= 1e-5
     ref_grads = torch.func.grad(lambda p: model.loss(p, b, cfg=cfg, mesh=fp.Mesh()))(params)
@@ -93,7 +93,7 @@ def test_odd_vocabulary_on_tp_2_and_4(ckpts, kind, tmp_path):
 def _train(sizes, path, steps):
     mesh = harness.mesh(**sizes) if sizes else fp.Mesh()
     params, cfg = fp.hf.load(path, mesh=mesh)
-    model = fp.hf.known_models()[cfg.model_type]
+    model = fp.get_model(cfg.model_type)
     step = fp.compile_step(functools.partial(model.loss, cfg=cfg, mesh=mesh), model.specs(cfg, mesh), mesh=mesh,
                            optimizer=fp.optim.adamw(1e-2, weight_decay=0.1), zero=1, clip_norm=1.0)
     state = step.init(params)

@@ -45,6 +45,17 @@ def _mul(xs: list, factor, fresh: bool) -> list:
     return torch._foreach_mul(xs, factor)
 
 
+def _on_leaves(update):
+    """``update(g, grads, state, params, **kw)`` called with the present leaves ``g`` of ``grads``; with none present
+    the step is a no-op (``grads`` and ``state`` returned as they are)."""
+
+    def wrapped(grads, state, params=None, **kw):
+        g = leaves(grads)
+        return update(g, grads, state, params, **kw) if g else (grads, state)
+
+    return wrapped
+
+
 def global_norm(tree: Any) -> torch.Tensor:
     """The 2-norm of all leaves together (float32)."""
     xs = leaves(tree)
@@ -199,10 +210,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     def init(params):
         return ScaleByLionState(_zeros_like(params))
 
-    def update(grads, state, params=None, _fresh=False, **extra):
-        g = leaves(grads)
-        if not g:
-            return grads, state
+    @_on_leaves
+    def update(g, grads, state, params=None, _fresh=False, **extra):
         mu = leaves(state.mu)
         upd = torch._foreach_lerp(mu, g, 1 - b1)
         torch._foreach_sign_(upd)
@@ -223,10 +232,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     def init(params):
         return TraceState(_zeros_like(params))
 
-    def update(grads, state, params=None, _fresh=False, **extra):
-        g = leaves(grads)
-        if not g:
-            return grads, state
+    @_on_leaves
+    def update(g, grads, state, params=None, _fresh=False, **extra):
         buf = torch._foreach_mul(leaves(state.trace), decay)
         torch._foreach_add_(buf, g)
         new = TraceState(unflatten_like(grads, buf))
