@@ -279,7 +279,8 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
         _restore_rng(src, mesh)
     if stats is not None:
         stats["bytes_read"] = src.bytes_read
-    return TrainState(params, opt_state, int(src.meta["step"])), src.meta.get("extra")
+    # the params as the step's buffers hold them (fresh.params): the state is live for the step, nothing copied again
+    return TrainState(fresh.params, opt_state, int(src.meta["step"])), src.meta.get("extra")
 
 
 def _load_opt(src: _Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, mesh: Mesh) -> Any:

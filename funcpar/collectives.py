@@ -112,10 +112,11 @@ def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -
     return y
 
 
-def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
+def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
     n = mesh.axis_size(axis)
     xm = x.detach().movedim(dim, 0).contiguous()
-    out = xm.new_empty((n * xm.shape[0], *xm.shape[1:]))
+    if out is None or dim:
+        out = xm.new_empty((n * xm.shape[0], *xm.shape[1:]))
     work = _all_gather_flat(out, xm, group=mesh.group(axis), async_op=True)
     _wait(work, mesh, "all_gather", axis)
     return out.movedim(0, dim).contiguous() if dim else out
@@ -279,9 +280,16 @@ def all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str | Sequence[str], op: str
     return _AllReduceStat.apply(x.detach(), mesh, axes, op)
 
 
-def all_gather_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:
-    """The ranks' blocks of ``x`` concatenated along ``dim`` (no autograd; for the train step's own plumbing)."""
-    return x if _trivial(mesh, axis) else _raw_all_gather(x, mesh, axis, _norm_dim(dim, x.ndim))
+def all_gather_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ranks' blocks of ``x`` concatenated along ``dim`` (no autograd; for the train step's own plumbing).
+    ``out`` (``dim=0`` only, not overlapping ``x``): write the result there instead of into a new tensor."""
+    if out is not None and (dim != 0 or out.shape[0] != x.shape[0] * mesh.axis_size(axis)):
+        raise CollectiveError(f"all_gather_nograd: out {tuple(out.shape)} does not fit {mesh.axis_size(axis)} blocks "
+                              f"of {tuple(x.shape)} along dim 0")
+    if _trivial(mesh, axis):
+        return x if out is None else out.copy_(x)
+    return _raw_all_gather(x, mesh, axis, _norm_dim(dim, x.ndim), out)
 
 
 def reduce_scatter_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:

@@ -73,7 +73,9 @@ class ZeroLayout:
         nbytes = [x.numel() * x.element_size() for _, _, x in matched]
         buckets = []
         for (dtype, _, repl), idx in groups.items():
-            for chunk in _chunks(idx, nbytes, bucket_bytes):
+            # leaves that no collective touches (replicated along no axis) need no flat bucket: one leaf each, so
+            # a gradient's own storage serves as its bucket (no copy)
+            for chunk in _chunks(idx, nbytes, bucket_bytes if repl else 0):
                 buckets.append(_bucket(dtype, repl, chunk, [sizes[i] for i in chunk], mesh, zero, data_axes))
         return cls(mesh, zero, tuple(data_axes), optree.tree_structure(params), tuple(p for p, _, _ in matched),
                    tuple(s for _, s, _ in matched), tuple(tuple(x.shape) for _, _, x in matched), tuple(buckets))
@@ -112,12 +114,26 @@ class ZeroLayout:
         parts = [leaves[i].detach().reshape(-1)[a:z] for i, (a, z, _) in enumerate(self.leaf_parts())]
         return self.slices_of(parts)
 
-    def flat(self, b: Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
-        """Bucket ``b`` of whole local leaves as one padded flat tensor."""
-        pieces = [leaves[i].reshape(-1).to(b.dtype) for i in b.leaves]
-        if b.padded > b.length:
-            pieces.append(pieces[0].new_zeros(b.padded - b.length))
-        return torch.cat(pieces)
+    def flat(self, b: Bucket, leaves: list, dtype: torch.dtype | None = None, *, free: bool = False) -> torch.Tensor:
+        """Bucket ``b`` of whole local leaves as one padded flat tensor (in ``dtype``, default the bucket's).
+        ``free``: the leaves are the caller's to give away (gradients): drop each from ``leaves`` once copied, so its
+        memory can go before the next one's is needed, and use a lone leaf's own storage instead of copying it."""
+        dtype = dtype or b.dtype
+        first = leaves[b.leaves[0]]
+        if free and len(b.leaves) == 1 and b.padded == b.length and first.dtype == dtype and first.is_contiguous():
+            leaves[b.leaves[0]] = None  # a bucket of one leaf we own: its own storage is the flat bucket
+            return first.view(-1)
+        out = torch.empty(b.padded, dtype=dtype, device=first.device)
+        for i, o, n in zip(b.leaves, b.offsets, b.sizes):
+            out[o : o + n].copy_(leaves[i].reshape(-1))
+            if free:
+                leaves[i] = None
+        out[b.length :].zero_()
+        return out
+
+    def unpack(self, b: Bucket, whole: torch.Tensor) -> list[torch.Tensor]:
+        """Views into a whole flat bucket ``whole``: its leaves, in the bucket's order."""
+        return [whole[o : o + n].view(self.shapes[i]) for i, o, n in zip(b.leaves, b.offsets, b.sizes)]
 
     def unflatten(self, leaves: list) -> Any:
         return optree.tree_unflatten(self.treedef, leaves)
@@ -136,11 +152,15 @@ class ZeroLayout:
                 flat = flat[self.mesh.coord(a) * k : (self.mesh.coord(a) + 1) * k]
         return flat
 
-    def gather(self, b: Bucket, part: torch.Tensor) -> list[torch.Tensor]:
-        """Whole local leaves of bucket ``b`` from this rank's updated part (all-gathered over its ZeRO axes)."""
-        for a in reversed(b.zero_axes):  # minor axis first, as the parts were cut
+    def gather_into(self, b: Bucket, whole: torch.Tensor) -> None:
+        """All-gather this rank's updated part of bucket ``b`` (``whole[lo:hi]``) into every rank's ``whole``, over
+        its ZeRO axes (minor first, as the parts were cut); the last gather writes straight into ``whole``."""
+        if not b.zero_axes:
+            return
+        part = whole[b.lo : b.hi].clone()  # an all-gather's input must not overlap its output
+        for a in reversed(b.zero_axes[1:]):
             part = C.all_gather_nograd(part, self.mesh, a, 0)
-        return [part[o : o + n].view(self.shapes[i]) for i, o, n in zip(b.leaves, b.offsets, b.sizes)]
+        C.all_gather_nograd(part, self.mesh, b.zero_axes[0], 0, out=whole)
 
 
 def _check_leaf(path: str, spec: P, x: Any, data_axes: tuple[str, ...]) -> None:

@@ -1,5 +1,8 @@
 """``compile_step``: the whole sharded train step from a pure per-shard loss function.
 
+The state lives in the step's flat buffers and a call consumes the state it is given (:mod:`funcpar.buffers`):
+``state, metrics = step(state, batch)`` keeps the functional form at the memory of an in-place loop.
+
 A step reads as accumulate -> reduce -> update -> gather:
 
 - **accumulate**: gradients with ``torch.func.grad_and_value`` over ``accum_steps`` micro-batches, each micro-batch's
@@ -28,6 +31,7 @@ from . import checkpoint
 from . import collectives as C
 from .layout import ZeroLayout
 from .mesh import Mesh
+from .buffers import StateBuffers
 from .model import carried_weight
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
@@ -76,13 +80,13 @@ class Step:
                  optimizer: GradientTransformation | None = None, zero: int = 1, accum_steps: int = 1,
                  clip_norm: float | None = None, has_aux: bool = False, check: bool = False,
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
-                 bucket_mb: float = 1024, compile: bool = False, param_dtype: torch.dtype | None = None,
-                 loss_scale: str | float | None = None, growth_interval: int = 2000):
+                 bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
+                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True):
         mesh = mesh if mesh is not None else Mesh.current()
         _validate(mesh, zero, accum_steps, data_axes, param_dtype, loss_scale)
         self.loss_fn, self.specs, self.mesh = loss_fn, specs, mesh
         self.zero, self.accum_steps, self.clip_norm = zero, accum_steps, clip_norm
-        self.has_aux, self.check = has_aux, check
+        self.has_aux, self.check, self.donate = has_aux, check, donate
         self.weight_fn = weight_fn if weight_fn is not None else carried_weight(loss_fn)
         self.data_axes = tuple(data_axes)
         self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in self.data_axes)
@@ -102,6 +106,7 @@ class Step:
         if compile:  # one graph for forward + backward of a micro-batch; collectives stay custom Functions
             self._grad = torch.compile(self._grad)
         self.layout: ZeroLayout | None = None
+        self.buffers: StateBuffers | None = None
         self._checked = False
 
     def _scaled_loss(self, params, batch, scale):
@@ -122,41 +127,44 @@ class Step:
         return checkpoint.load(path, self)
 
     def init(self, params: Any) -> TrainState:
-        """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts."""
-        master_dtype = torch.float32 if self.param_dtype is not None else None
+        """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts.
+        The parameters are copied into the step's flat buffers (see :mod:`funcpar.buffers`)."""
+        mixed = self.param_dtype is not None
         self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=self.zero, data_axes=self.data_axes,
-                                             bucket_bytes=self.bucket_bytes, master_dtype=master_dtype)
-        views = lay.unflatten(lay.views(lay.param_slices(optree.tree_leaves(params))))
-        opt_state = self.optimizer.init(views)
-        if self.param_dtype is None:
-            return TrainState(params, opt_state, 0)
-        compute = optree.tree_map(lambda x: x.detach().to(self.param_dtype), params)
-        return TrainState(compute, MixedState(views, opt_state), 0)
+                                             bucket_bytes=self.bucket_bytes,
+                                             master_dtype=torch.float32 if mixed else None)
+        self.buffers = bufs = StateBuffers(lay, self.param_dtype, mixed)
+        tree, masters = bufs.init(params)
+        opt_state = self.optimizer.init(masters if mixed else lay.unflatten(lay.views(bufs.part_slices())))
+        bufs.live = TrainState(tree, MixedState(masters, opt_state) if mixed else opt_state, 0)
+        return bufs.live
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        """One step: returns ``(new state, metrics)``. ``state`` is consumed (donated) unless ``donate=False``."""
         t0 = time.perf_counter()
         if self.layout is None:
             raise StepError("call step.init(params) before the first step")
         rows = self._check_batch(state, batch)
-        inner = state.opt_state.inner if self.param_dtype is not None else state.opt_state
+        inner = self.buffers.take(state, self.donate)
         scale = loss_scale(inner)
-        parts, loss_sum, auxes = self._accumulate(state.params, batch, scale)
+        parts, loss_sum, auxes = self._accumulate(self.buffers.params_tree(), batch, scale)
         if self.loss_scale is not None:
-            parts = [p / scale.to(p.device) for p in parts]
+            parts = [p.div_(scale.to(p.device)) for p in parts]
         grad_norm, loss_value, finite = self._statistics(parts, loss_sum)
-        g_views = self.layout.unflatten(self.layout.views(parts))
-        p_slices = self._master_slices(state)
-        p_views = self.layout.unflatten(self.layout.views(p_slices))
+        lay, slices = self.layout, self.buffers.part_slices()
+        g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
         extra = {"finite": finite} if self.loss_scale is not None else {}
         updates, inner = self.optimizer.update(g_views, inner, p_views, global_norm=grad_norm.to(parts[0].device),
-                                               **extra)
+                                               _fresh=True, inplace_state=True, **extra)
+        del parts, g_views
         metrics = {"loss": loss_value, "step": state.step}
         if not finite:  # an overflow anywhere: no update anywhere (the wrapper adapted the scale)
             metrics |= {"grad_norm": float("inf"), "lr": float("nan"), "tokens": 0, "tokens_per_s": 0.0,
                         "skipped": True, "loss_scale": loss_scale(inner).item()}
-            return TrainState(state.params, self._opt_state(state, None, inner), state.step), metrics
-        new_slices = self._apply(p_slices, updates)
-        new_params = self._gather(new_slices)
+            return self.buffers.state(inner, state.step), metrics
+        self._apply(slices, updates)
+        del updates
+        self.buffers.publish()
         tokens = self._tokens(batch, rows)
         elapsed = time.perf_counter() - t0
         metrics |= {"grad_norm": grad_norm.item(), "lr": self.schedule(state.step) if self.schedule else float("nan"),
@@ -166,7 +174,7 @@ class Step:
             metrics["loss_scale"] = float(loss_scale(inner))
         if self.has_aux:
             metrics["aux"] = auxes
-        return TrainState(new_params, self._opt_state(state, new_slices, inner), state.step + 1), metrics
+        return self.buffers.state(inner, state.step + 1), metrics
 
     # --------------------------------------------------------------------------------------------- parts
     def _data_size(self) -> int:
@@ -206,8 +214,9 @@ class Step:
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
             g_leaves = lay.treedef.flatten_up_to(grads)
+            del grads  # each leaf's gradient is dropped once copied into its bucket
             for k, b in enumerate(lay.buckets):
-                flat = lay.flat(b, g_leaves)
+                flat = lay.flat(b, g_leaves, free=True)
                 if self.zero == 2:
                     flat = lay.reduce(b, flat)
                 acc[k] = flat if acc[k] is None else acc[k].add_(flat)
@@ -229,37 +238,12 @@ class Step:
         stats = C.all_reduce(stats.to(mesh.device), mesh, self.data_axes + self.model_axes)
         return stats[0].sqrt().float(), stats[1].item(), not stats[2].item() > 0
 
-    def _master_slices(self, state: TrainState) -> list[torch.Tensor]:
-        """This rank's parts of the weights the optimizer updates: the fp32 masters under mixed precision."""
-        lay = self.layout
-        if self.param_dtype is not None:
-            return lay.slices_of(lay.treedef.flatten_up_to(state.opt_state.master))
-        return lay.param_slices(lay.treedef.flatten_up_to(state.params))
-
-    def _apply(self, p_slices: list[torch.Tensor], updates: Any) -> list[torch.Tensor]:
-        """Update: new parts = old parts + updates (the old state's tensors are not modified)."""
-        new_slices = [s.clone() for s in p_slices]
-        pairs = [(v, u) for v, u in zip(self.layout.views(new_slices), self.layout.treedef.flatten_up_to(updates))
+    def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
+        """Update: this rank's parts += updates, in place in the step's buffers."""
+        pairs = [(v, u) for v, u in zip(self.layout.views(slices), self.layout.treedef.flatten_up_to(updates))
                  if u is not None and v.numel()]
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
-        return new_slices
-
-    def _gather(self, new_slices: list[torch.Tensor]) -> Any:
-        """Gather: whole local leaves (in the compute dtype) from the updated parts."""
-        lay = self.layout
-        leaves: list = [None] * len(lay.shapes)
-        for b, s in zip(lay.buckets, new_slices):
-            whole = lay.gather(b, s.to(self.param_dtype) if self.param_dtype is not None else s)
-            for i, x in zip(b.leaves, whole):
-                leaves[i] = x
-        return lay.unflatten(leaves)
-
-    def _opt_state(self, state: TrainState, new_slices: list[torch.Tensor] | None, inner: Any) -> Any:
-        if self.param_dtype is None:
-            return inner
-        master = state.opt_state.master if new_slices is None else self.layout.unflatten(self.layout.views(new_slices))
-        return MixedState(master, inner)
 
     def _tokens(self, batch: Any, rows: int) -> int:
         """Elements of the batch's first tensor over all data ranks (B x T for token batches)."""
@@ -317,8 +301,8 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  optimizer: GradientTransformation | None = None, zero: int = 1, accum_steps: int = 1,
                  clip_norm: float | None = None, has_aux: bool = False, check: bool = False,
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
-                 bucket_mb: float = 1024, compile: bool = False, param_dtype: torch.dtype | None = None,
-                 loss_scale: str | float | None = None, growth_interval: int = 2000) -> Step:
+                 bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
+                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -331,9 +315,12 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     them); ``bucket_mb`` (largest gradient bucket); ``compile`` (``torch.compile`` the per-micro-batch gradient);
     ``param_dtype`` (mixed precision: compute copies in this dtype, fp32 masters as ZeRO parts in the optimizer
     state); ``loss_scale`` (``"dynamic"``, the default for float16, or a constant: the optimizer is wrapped in
-    :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on any rank and adapts the scale).
+    :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on any rank and adapts the scale);
+    ``donate`` (default True: the state passed to the step is consumed, its buffers updated in place, as JAX's
+    ``donate_argnums``; a consumed state passed again raises. False: every call copies the state first and leaves
+    the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`).
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
                 bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
-                growth_interval=growth_interval)
+                growth_interval=growth_interval, donate=donate)

@@ -314,11 +314,12 @@ def test_schedules_match_their_formulas():
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
-def test_step_is_functional(zero):
+def test_step_is_functional_with_donate_false(zero):
     cfg = config()
     mesh = fp.Mesh()
     step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
-                           optimizer=fp.optim.adamw(LR, weight_decay=WD), zero=zero, accum_steps=2, clip_norm=CLIP)
+                           optimizer=fp.optim.adamw(LR, weight_decay=WD), zero=zero, accum_steps=2, clip_norm=CLIP,
+                           donate=False)
     state = step.init(llama.init(cfg))
     state, _ = step(state, batches()[0])
     tensors = lambda s: [x for _, x in fp.tree.leaves_with_path(s) if isinstance(x, torch.Tensor)]  # noqa: E731
@@ -327,6 +328,38 @@ def test_step_is_functional(zero):
     assert all(torch.equal(a, b) for a, b in zip(snapshot, tensors(state)))  # the old state is intact
     assert new.step == state.step + 1 == 2 and m["step"] == 2 and m["lr"] == LR and m["tokens"] == B * T
     assert not torch.equal(new.params["norm"], state.params["norm"])
+    again, _ = step(state, batches()[1])  # and usable again: the same step from the same state
+    assert all(torch.equal(a, b) for a, b in zip(tensors(new), tensors(again)))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_consumed_state_raises_and_donation_changes_no_number(zero):
+    cfg = config()
+    mesh = fp.Mesh()
+    runs = {}
+    for donate in (True, False):
+        step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
+                               optimizer=fp.optim.adamw(LR, weight_decay=WD), zero=zero, accum_steps=2,
+                               clip_norm=CLIP, donate=donate)
+        states = [step.init(llama.init(cfg))]
+        losses = []
+        for b in batches()[:3]:
+            state, m = step(states[-1], b)
+            states.append(state)
+            losses.append(m["loss"])
+        runs[donate] = step, states, losses
+    step, states, losses = runs[True]
+    for old in states[:-1]:  # every state but the last was consumed: using one again is an error, not stale numbers
+        with pytest.raises(fp.StepError, match=rf"this train state \(step {old.step}\) was consumed by an earlier "
+                                               r"call of the step, which updated its tensors in place: pass the state "
+                                               r"the step returned"):
+            step(old, batches()[3])
+    assert losses == runs[False][2]  # donation changes no number
+    last, last_ref = states[-1], runs[False][1][-1]
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(last[:2]), fp.tree.leaves_with_path(last_ref[:2])):
+        assert torch.equal(x, y), p
+    state, m = step(states[-1], batches()[3])  # the live state goes on
+    assert m["step"] == 4
 
 
 def test_masked_freezes_leaves_and_decay_mask_matches_torch_param_groups(tmp_path):

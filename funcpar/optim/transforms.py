@@ -1,7 +1,9 @@
 """The building blocks the optimizers are chained from, computed with ``torch._foreach_*`` over all leaves at once.
 
 Every ``update`` skips ``None`` leaves (frozen under :func:`~funcpar.optim.masked`), accepts leaves of any shape
-(ZeRO's 1-D slices, some of them empty), never writes the caller's grads, params or state, and passes ``**extra`` by.
+(ZeRO's 1-D slices, some of them empty), never writes the caller's grads, params or state unless told (the train step
+passes ``_fresh=True``: the gradients are its own, and ``inplace_state=True``: it donated the state), and passes
+``**extra`` by.
 Inside a :func:`~funcpar.optim.chain` a stage overwrites update tensors an earlier stage created (``_fresh``, see
 :mod:`funcpar.optim.base`) instead of making one more temporary.
 """
@@ -181,19 +183,34 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def init(params):
         return ScaleByAdamState(_zero_count(), _zeros_like(params), _zeros_like(params))
 
-    def update(grads, state, params=None, _fresh=False, **extra):
+    def update(grads, state, params=None, _fresh=False, inplace_state=False, **extra):
         g = leaves(grads)
         if not g:
             return grads, state._replace(count=state.count + 1)
         t = _count(state.count) + 1
         bc1, bc2 = 1 - b1**t, 1 - b2**t
-        mu = torch._foreach_lerp(leaves(state.mu), g, 1 - b1)
-        nu = torch._foreach_mul(leaves(state.nu), b2)
+        mu, nu = leaves(state.mu), leaves(state.nu)
+        if inplace_state:  # the caller donated the state: update the moments where they are
+            torch._foreach_lerp_(mu, g, 1 - b1)
+            torch._foreach_mul_(nu, b2)
+        else:
+            mu, nu = torch._foreach_lerp(mu, g, 1 - b1), torch._foreach_mul(nu, b2)
         torch._foreach_addcmul_(nu, g, g, 1 - b2)
-        denom = torch._foreach_sqrt(nu)
+        if _fresh:  # the gradient tensors are ours and done with: they hold the denominator, then the update
+            torch._foreach_copy_(g, nu)
+            denom = g
+        else:
+            denom = torch._foreach_sqrt(nu)
+        if _fresh:
+            torch._foreach_sqrt_(denom)
         torch._foreach_mul_(denom, bc1 / math.sqrt(bc2))
         torch._foreach_add_(denom, eps * bc1)
-        upd = torch._foreach_div(mu, denom)
+        if _fresh:
+            for m, d in zip(mu, denom):
+                torch.div(m, d, out=d)  # element-wise, so writing over the divisor is safe: no temporary
+            upd = g
+        else:
+            upd = torch._foreach_div(mu, denom)
         new = ScaleByAdamState(state.count + 1, unflatten_like(grads, mu), unflatten_like(grads, nu))
         return unflatten_like(grads, upd), new
 
@@ -211,10 +228,13 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         return ScaleByLionState(_zeros_like(params))
 
     @_on_leaves
-    def update(g, grads, state, params=None, _fresh=False, **extra):
+    def update(g, grads, state, params=None, _fresh=False, inplace_state=False, **extra):
         mu = leaves(state.mu)
         upd = torch._foreach_lerp(mu, g, 1 - b1)
         torch._foreach_sign_(upd)
+        if inplace_state:  # the caller donated the state
+            torch._foreach_lerp_(mu, g, 1 - b2)
+            return unflatten_like(grads, upd), ScaleByLionState(unflatten_like(grads, mu))
         new_mu = torch._foreach_lerp(mu, g, 1 - b2)
         return unflatten_like(grads, upd), ScaleByLionState(unflatten_like(grads, new_mu))
 
@@ -233,8 +253,12 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         return TraceState(_zeros_like(params))
 
     @_on_leaves
-    def update(g, grads, state, params=None, _fresh=False, **extra):
-        buf = torch._foreach_mul(leaves(state.trace), decay)
+    def update(g, grads, state, params=None, _fresh=False, inplace_state=False, **extra):
+        buf = leaves(state.trace)
+        if inplace_state:  # the caller donated the state
+            torch._foreach_mul_(buf, decay)
+        else:
+            buf = torch._foreach_mul(buf, decay)
         torch._foreach_add_(buf, g)
         new = TraceState(unflatten_like(grads, buf))
         if not nesterov:
