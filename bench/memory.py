@@ -109,8 +109,17 @@ def _eager(kind: str, args, batch: dict, mesh) -> list[float]:
         else:
             model.backward(loss)
             model.step()
-        losses.append(loss.item())  # this rank's loss
+        value = loss.detach().clone()
+        if mesh.size > 1:  # the mean over the data-parallel ranks, as funcpar reports it
+            value = fp_all_reduce_mean(value, mesh)
+        losses.append(value.item())
     return losses
+
+
+def fp_all_reduce_mean(x, mesh):
+    import funcpar as fp
+
+    return fp.collectives.all_reduce(x, mesh, "dp", "avg")
 
 
 def main() -> None:
@@ -154,9 +163,11 @@ def main() -> None:
             sys.exit(f"{kind} failed:\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"| | peak RSS / parameter bytes | peak MiB | losses |\n|---|---|---|---|")
+    names = {**RUNS, **DIST_RUNS}
     for r in rows:
-        print(f"| {{**RUNS, **DIST_RUNS}}[r['kind']].replace('=N', f'={r['ranks']}')} | {r['peak_bytes'] / r['param_bytes']:.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
-              f"{', '.join(f'{x:.4f}' for x in r['losses'])} |")
+        name = names[r["kind"]].replace("=N", f"={r['ranks']}")
+        losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+        print(f"| {name} | {r['peak_bytes'] / r['param_bytes']:.2f}x | {r['peak_bytes'] / 2**20:.0f} | {losses} |")
     print(json.dumps(rows))
 
 
