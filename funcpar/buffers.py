@@ -1,7 +1,8 @@
 """Donated train state: the step's persistent flat buffers, as JAX's ``donate_argnums``.
 
 The parameters of a train state live in one flat buffer per ZeRO bucket (the leaves are views into it), and under
-mixed precision this rank's fp32 master parts in one flat buffer per bucket too. A step updates these in place (the
+mixed precision (or with the optimizer offloaded to the host) this rank's master parts in one flat buffer per bucket
+too. A step updates these in place (the
 optimizer its state as well) and all-gathers the new parameters straight into them, so a step holds no second copy
 of the parameters, the masters or the optimizer state.
 
@@ -28,10 +29,13 @@ __all__ = ["StateBuffers"]
 class StateBuffers:
     """The flat buffers behind the live train state of one step (see the module docstring)."""
 
-    def __init__(self, layout: ZeroLayout, compute_dtype: torch.dtype | None, mixed: bool):
-        self.layout, self.compute_dtype, self.mixed = layout, compute_dtype, mixed
+    def __init__(self, layout: ZeroLayout, compute_dtype: torch.dtype | None, masters_on: torch.device | None):
+        """``masters_on``: keep this rank's parts as separate master buffers on that device (mixed precision: fp32
+        masters; offload: on the host), or ``None`` (the optimizer updates the parameter buffers' parts)."""
+        self.layout, self.compute_dtype, self.masters_on = layout, compute_dtype, masters_on
+        self.mixed = masters_on is not None  # whether the optimizer state is a MixedState(masters, inner)
         self.params: list[torch.Tensor] = []  # per bucket: whole local leaves, padded
-        self.masters: list[torch.Tensor] = []  # per bucket, mixed precision: this rank's fp32 part
+        self.masters: list[torch.Tensor] = []  # per bucket, with masters: this rank's part (fp32 under mixed)
         self.views: list[torch.Tensor] = []  # per leaf: a view into `params`
         self.live: TrainState | None = None
 
@@ -46,8 +50,11 @@ class StateBuffers:
                 self.views[i] = v
 
     def own_masters(self, parts: list[torch.Tensor]) -> None:
-        """Copy per-leaf fp32 master parts (1-D) into fresh per-bucket buffers."""
-        self.masters = self.layout.slices_of(parts)
+        """Copy per-leaf master parts (1-D) into fresh per-bucket buffers on the masters' device (pinned host
+        memory when they are offloaded from a GPU)."""
+        pin = self.masters_on.type == "cpu" and torch.cuda.is_available()
+        self.masters = [m.to(self.masters_on, copy=True).pin_memory() if pin else m.to(self.masters_on, copy=True)
+                        for m in self.layout.slices_of(parts)]
 
     def params_tree(self) -> Any:
         return self.layout.unflatten(list(self.views))
@@ -86,7 +93,8 @@ class StateBuffers:
         if self.mixed:
             masters = self.layout.treedef.flatten_up_to(opt_state.master)
             mine = {m.untyped_storage().data_ptr() for m in self.masters}
-            if not donate or not all(x.untyped_storage().data_ptr() in mine for x in masters if x.numel()):
+            if not donate or not all(x.untyped_storage().data_ptr() in mine and x.device == self.masters_on
+                                     for x in masters if x.numel()):
                 self.own_masters(masters)
             opt_state = opt_state.inner
         return opt_state

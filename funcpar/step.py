@@ -81,8 +81,12 @@ class Step:
                  clip_norm: float | None = None, has_aux: bool = False, check: bool = False,
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
-                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True):
+                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
+                 offload: str | None = None):
         mesh = mesh if mesh is not None else Mesh.current()
+        if offload not in (None, "cpu"):
+            raise StepError(f"offload must be None or 'cpu', got {offload!r}")
+        self.offload = offload
         _validate(mesh, zero, accum_steps, data_axes, param_dtype, loss_scale)
         self.loss_fn, self.specs, self.mesh = loss_fn, specs, mesh
         self.zero, self.accum_steps, self.clip_norm = zero, accum_steps, clip_norm
@@ -133,10 +137,11 @@ class Step:
         self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=self.zero, data_axes=self.data_axes,
                                              bucket_bytes=self.bucket_bytes,
                                              master_dtype=torch.float32 if mixed else None)
-        self.buffers = bufs = StateBuffers(lay, self.param_dtype, mixed)
+        masters_on = torch.device("cpu") if self.offload else (self.mesh.device if mixed else None)
+        self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
         tree, masters = bufs.init(params)
-        opt_state = self.optimizer.init(masters if mixed else lay.unflatten(lay.views(bufs.part_slices())))
-        bufs.live = TrainState(tree, MixedState(masters, opt_state) if mixed else opt_state, 0)
+        opt_state = self.optimizer.init(masters if bufs.mixed else lay.unflatten(lay.views(bufs.part_slices())))
+        bufs.live = TrainState(tree, MixedState(masters, opt_state) if bufs.mixed else opt_state, 0)
         return bufs.live
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
@@ -152,6 +157,7 @@ class Step:
             parts = [p.div_(scale.to(p.device)) for p in parts]
         grad_norm, loss_value, finite = self._statistics(parts, loss_sum)
         lay, slices = self.layout, self.buffers.part_slices()
+        parts = [p.to(s.device) for p, s in zip(parts, slices)]  # offload: the gradient parts to the host
         g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
         extra = {"finite": finite} if self.loss_scale is not None else {}
         updates, inner = self.optimizer.update(g_views, inner, p_views, global_norm=grad_norm.to(parts[0].device),
@@ -172,6 +178,8 @@ class Step:
                     "step": state.step + 1}
         if self.param_dtype is not None:
             metrics["loss_scale"] = float(loss_scale(inner))
+        if self.offload:
+            metrics["offload"] = self.offload
         if self.has_aux:
             metrics["aux"] = auxes
         return self.buffers.state(inner, state.step + 1), metrics
@@ -302,7 +310,8 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  clip_norm: float | None = None, has_aux: bool = False, check: bool = False,
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
-                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True) -> Step:
+                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
+                 offload: str | None = None) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -318,9 +327,12 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on any rank and adapts the scale);
     ``donate`` (default True: the state passed to the step is consumed, its buffers updated in place, as JAX's
     ``donate_argnums``; a consumed state passed again raises. False: every call copies the state first and leaves
-    the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`).
+    the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`); ``offload`` (``"cpu"``: this rank's
+    optimizer state and master parts live in host memory, pinned on CUDA, and the update runs there, as
+    ZeRO-Offload does; the gradient parts go to the host, the updated parts come back. On a CPU-only machine the
+    host is the device: the same code path).
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
                 bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
-                growth_interval=growth_interval, donate=donate)
+                growth_interval=growth_interval, donate=donate, offload=offload)
