@@ -40,9 +40,14 @@ class StateBuffers:
         self.live: TrainState | None = None
 
     # --------------------------------------------------------------------------------------------- owning
-    def own_params(self, leaves: list[torch.Tensor]) -> None:
-        """Copy whole local leaves into fresh parameter buffers (in the compute dtype)."""
+    def own_params(self, leaves: list[torch.Tensor], whole: bool = True) -> None:
+        """Copy local leaves into fresh parameter buffers (in the compute dtype). With ``zero=3`` the buffers hold
+        only this rank's parts (``whole``: the leaves given are whole local leaves, else their 1-D parts)."""
         lay = self.layout
+        if lay.zero == 3:
+            self.params = lay.param_slices(leaves) if whole else lay.slices_of(leaves)
+            self.views = lay.views(self.params)
+            return
         self.params = [lay.flat(b, leaves, self.compute_dtype or leaves[b.leaves[0]].dtype) for b in lay.buckets]
         self.views = [None] * len(lay.shapes)
         for b, buf in zip(lay.buckets, self.params):
@@ -89,7 +94,7 @@ class StateBuffers:
         if not donate:
             opt_state = optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, opt_state)
         if not (donate and live):
-            self.own_params(leaves)
+            self.own_params(leaves, whole=self.layout.zero != 3)
         if self.mixed:
             masters = self.layout.treedef.flatten_up_to(opt_state.master)
             mine = {m.untyped_storage().data_ptr() for m in self.masters}
@@ -103,11 +108,15 @@ class StateBuffers:
         """Per bucket, this rank's part of the weights the optimizer updates (views, updated in place)."""
         if self.mixed:
             return self.masters
+        if self.layout.zero == 3:
+            return self.params
         return [buf[b.lo : b.hi] for b, buf in zip(self.layout.buckets, self.params)]
 
     def publish(self) -> None:
         """After the update: the new parameters in every rank's buffers (compute copies of the masters, gathered)."""
         lay = self.layout
+        if lay.zero == 3:
+            return  # the parts are the parameters: gathered block by block inside the loss
         for k, (b, buf) in enumerate(zip(lay.buckets, self.params)):
             if self.mixed:
                 buf[b.lo : b.hi].copy_(self.masters[k])

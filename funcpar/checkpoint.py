@@ -163,15 +163,17 @@ def _piece(key: str, fname: str, t: torch.Tensor, block: list, flat: list[int]) 
 
 
 def _param_pieces(state: TrainState, layout: ZeroLayout, mesh: Mesh, fname: str, tensors: dict) -> list[dict]:
-    """Each parameter's metadata; the blocks this rank owns (one replica writes a replicated block) into ``tensors``
-    as ``key -> (flat tensor, [piece])``."""
-    meta = []
-    for p, x, spec in zip(layout.paths, layout.treedef.flatten_up_to(state.params), layout.specs):
-        gshape = list(global_shape(spec, tuple(x.shape), mesh))
+    """Each parameter's metadata; the blocks this rank owns (one replica writes a replicated block; at ``zero=3``
+    each rank its part) into ``tensors`` as ``key -> (flat tensor, [piece])``."""
+    meta, parts = [], layout.leaf_parts()
+    for i, (p, x, spec) in enumerate(zip(layout.paths, layout.treedef.flatten_up_to(state.params), layout.specs)):
+        gshape = list(global_shape(spec, layout.shapes[i], mesh))
         meta.append({"path": p, "shape": gshape, "dtype": _dtype_name(x.dtype), "spec": list(spec.dims)})
-        if _owner(mesh, tuple(a for a in mesh.axis_names if a not in spec.axes)):
+        a, z, copies = parts[i] if layout.zero == 3 else (0, x.numel(), tuple(a for a in mesh.axis_names
+                                                                              if a not in spec.axes))
+        if z > a and _owner(mesh, copies + ("pp",)):
             key, t = f"param/{p}", x.detach().reshape(-1).contiguous().cpu()
-            tensors[key] = (t, [_piece(key, fname, t, _block(spec, gshape, mesh), [0, x.numel()])])
+            tensors[key] = (t, [_piece(key, fname, t, _block(spec, gshape, mesh), [a, z])])
     return meta
 
 

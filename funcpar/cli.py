@@ -259,7 +259,7 @@ def _metrics_row(run: _Run, m: dict) -> dict:
     row = {k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "skipped") if k in m}
     row["truncated"] = run.data.truncated
     if opts["eval_every"] and (run.state.step % opts["eval_every"] == 0 or run.state.step == opts["steps"]):
-        ev = _evaluate(run.model, run.cfg, run.state.params, run.eval_data, run.mesh, opts["global_batch"])
+        ev = _evaluate(run.model, run.cfg, run.step.gather_params(run.state), run.eval_data, run.mesh, opts["global_batch"])
         row |= {"eval_loss": ev, "eval_ppl": math.exp(min(ev, 50))}
     return row
 
@@ -303,7 +303,7 @@ def _loop(run: _Run) -> float | None:
 def _finish(run: _Run, first_loss: float | None) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
-    fp.hf.save(run.out / "hf", run.state.params, run.model, run.cfg, run.mesh, specs=run.specs)
+    fp.hf.save(run.out / "hf", run.step.gather_params(run.state), run.model, run.cfg, run.mesh, specs=run.specs)
     if not run.rank0:
         return
     plot_metrics(run.metrics_file, run.out / "loss.png")

@@ -34,7 +34,6 @@ class Bucket:
     dtype: torch.dtype
     zero_axes: tuple[str, ...]  # axes this bucket's optimizer state is partitioned over (major first)
     sum_axes: tuple[str, ...]  # data axes the gradient is summed over (the replicated ones)
-    copies: tuple[str, ...]  # replicated axes the part is *not* split over (copies of it live there; zero=0)
     leaves: tuple[int, ...]  # indices into the flat leaf list
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -59,26 +58,43 @@ class ZeroLayout:
 
     @classmethod
     def build(cls, params: Any, specs: Any, mesh: "Mesh", *, zero: int, data_axes: tuple[str, ...],
-              bucket_bytes: int, master_dtype: torch.dtype | None = None) -> "ZeroLayout":
-        """The layout for this rank's local ``params``; ``master_dtype`` overrides the leaves' dtype (fp32 masters)."""
+              bucket_bytes: int, master_dtype: torch.dtype | None = None,
+              units: list[list[int]] | None = None) -> "ZeroLayout":
+        """The layout for this rank's local ``params``; ``master_dtype`` overrides the leaves' dtype (fp32 masters).
+
+        ``zero=3`` takes ``units``: lists of leaf indices gathered together (a model's embedding, each block, its
+        head), one bucket each, partitioned over the data axes; its gradient is summed by the gather's backward.
+        """
         matched = broadcast_specs(specs, params)
         axes = [a for a in mesh.axis_names if a != "pp" and mesh.axis_size(a) > 1]
-        groups: dict[tuple, list[int]] = {}
-        for i, (path, spec, x) in enumerate(matched):
-            _check_leaf(path, spec, x, data_axes)
-            repl = tuple(a for a in data_axes if a in axes and a not in spec.axes)
-            repl += tuple(a for a in axes if a not in data_axes and a not in spec.axes)
-            groups.setdefault((master_dtype or x.dtype, x.device, repl), []).append(i)
         sizes = [x.numel() for _, _, x in matched]
         nbytes = [x.numel() * x.element_size() for _, _, x in matched]
-        buckets = []
-        for (dtype, _, repl), idx in groups.items():
-            # leaves that no collective touches (replicated along no axis) need no flat bucket: one leaf each, so
-            # a gradient's own storage serves as its bucket (no copy)
-            for chunk in _chunks(idx, nbytes, bucket_bytes if repl else 0):
-                buckets.append(_bucket(dtype, repl, chunk, [sizes[i] for i in chunk], mesh, zero, data_axes))
+        for path, spec, x in matched:
+            _check_leaf(path, spec, x, data_axes)
+        if zero == 3:
+            data = tuple(a for a in data_axes if a in axes)
+            buckets = [_bucket(master_dtype or matched[u[0]][2].dtype, data, u, [sizes[i] for i in u], mesh, 3, ())
+                       for u in units]
+        else:
+            groups: dict[tuple, list[int]] = {}
+            for i, (path, spec, x) in enumerate(matched):
+                repl = tuple(a for a in data_axes if a in axes and a not in spec.axes)
+                repl += tuple(a for a in axes if a not in data_axes and a not in spec.axes)
+                groups.setdefault((master_dtype or x.dtype, x.device, repl), []).append(i)
+            buckets = []
+            for (dtype, _, repl), idx in groups.items():
+                # leaves that no collective touches (replicated along no axis) need no flat bucket: one leaf each,
+                # so a gradient's own storage serves as its bucket (no copy)
+                for chunk in _chunks(idx, nbytes, bucket_bytes if repl else 0):
+                    buckets.append(_bucket(dtype, repl, chunk, [sizes[i] for i in chunk], mesh, zero, data_axes))
         return cls(mesh, zero, tuple(data_axes), optree.tree_structure(params), tuple(p for p, _, _ in matched),
                    tuple(s for _, s, _ in matched), tuple(tuple(x.shape) for _, _, x in matched), tuple(buckets))
+
+    def leaf_copies(self, i: int) -> tuple[str, ...]:
+        """The axes along which leaf ``i`` is replicated but its part is not split (copies of the part live there)."""
+        b = next(b for b in self.buckets if i in b.leaves)
+        return tuple(a for a in self.mesh.axis_names if a != "pp" and self.mesh.axis_size(a) > 1
+                     and a not in self.specs[i].axes and a not in b.zero_axes)
 
     # ------------------------------------------------------------------------------------ leaf <-> bucket parts
     def leaf_parts(self) -> list[tuple[int, int, tuple[str, ...]]]:
@@ -87,7 +103,7 @@ class ZeroLayout:
         out: list = [None] * len(self.shapes)
         for b in self.buckets:
             for i, (a, z) in zip(b.leaves, b.ranges):
-                out[i] = (a, z, b.copies)
+                out[i] = (a, z, self.leaf_copies(i))
         return out
 
     def views(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -201,7 +217,6 @@ def _bucket(dtype, repl, chunk, sizes, mesh: "Mesh", zero: int, data_axes) -> Bu
     lo, hi = part * n, (part + 1) * n
     ranges = tuple((min(max(lo - o, 0), k), min(max(hi - o, 0), k)) for o, k in zip(offsets, sizes))
     return Bucket(
-        dtype, tuple(zero_axes), tuple(a for a in repl if a in data_axes), tuple(a for a in repl if a not in zero_axes),
-        tuple(chunk), tuple(offsets), tuple(sizes), length, padded, lo, hi,
+        dtype, tuple(zero_axes), tuple(a for a in repl if a in data_axes), tuple(chunk), tuple(offsets), tuple(sizes), length, padded, lo, hi,
         zero >= 1 or all(mesh.coord(a) == 0 for a in repl), ranges,
     )

@@ -35,7 +35,7 @@ import types
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["ModelSpec", "HFNames", "Stages", "ModelError", "register_model", "get_model", "known_models",
-           "carried_weight"]
+           "carried_weight", "model_of_loss"]
 
 
 class ModelError(ValueError):
@@ -126,18 +126,30 @@ class ModelSpec:
         if remat and not self.remat:
             raise ModelError(f"model '{self.name}' does not support remat (activation checkpointing)")
         kw = {"remat": True} if remat else {}
-        fn = functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw)
-        return _Weighted(fn, self.batch_weight) if self.batch_weight else fn
+        return _ModelLoss(self, functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), cfg, mesh)
 
 
-class _Weighted:
-    """A loss function that carries its micro-batch weight (read by compile_step)."""
+class _ModelLoss:
+    """A model's loss for compile_step: carries its micro-batch weight and, for ``zero=3``, the model it came from."""
 
-    def __init__(self, fn: Callable, batch_weight: Callable):
-        self.fn, self.batch_weight = fn, batch_weight
+    def __init__(self, model: ModelSpec, fn: Callable, cfg: Any, mesh: Any):
+        self.model, self.fn, self.cfg, self.mesh = model, fn, cfg, mesh
+        self.batch_weight = model.batch_weight
 
     def __call__(self, params, batch):
         return self.fn(params, batch)
+
+
+def model_of_loss(loss_fn: Callable) -> tuple[ModelSpec, Any, Any] | None:
+    """``(model, cfg, mesh)`` behind a loss function (``ModelSpec.loss_fn``, or a ``functools.partial`` of a
+    registered model's ``loss`` with ``cfg`` and ``mesh``), else ``None``."""
+    if isinstance(loss_fn, _ModelLoss):
+        return loss_fn.model, loss_fn.cfg, loss_fn.mesh
+    func, kw = getattr(loss_fn, "func", None), getattr(loss_fn, "keywords", {})
+    owner = next((m for m in _REGISTRY.values() if m.loss is func), None)
+    if owner is not None and "cfg" in kw and "mesh" in kw:
+        return owner, kw["cfg"], kw["mesh"]
+    return None
 
 
 def carried_weight(loss_fn: Callable) -> Callable | None:

@@ -32,12 +32,13 @@ from . import collectives as C
 from .layout import ZeroLayout
 from .mesh import Mesh
 from .buffers import StateBuffers
-from .model import carried_weight
+from .model import carried_weight, model_of_loss
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
 from .tree import path_str
+from .zero3 import Zero3Loss, gather_params, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
 
@@ -111,10 +112,12 @@ class Step:
             self._grad = torch.compile(self._grad)
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
+        self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
+        self._staged = _zero3_model(loss_fn, zero, param_dtype, offload)
         self._checked = False
 
     def _scaled_loss(self, params, batch, scale):
-        out = self.loss_fn(params, batch)
+        out = self._objective(params, batch)
         loss, aux = out if self.has_aux else (out, None)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -134,10 +137,18 @@ class Step:
         """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts.
         The parameters are copied into the step's flat buffers (see :mod:`funcpar.buffers`)."""
         mixed = self.param_dtype is not None
+        units = n_blocks = None
+        if self.zero == 3:
+            model, cfg, mesh = self._staged
+            paths = [p for p, _, _ in broadcast_specs(self.specs, params)]
+            units, n_blocks = units_of(paths, model.stages, cfg)
         self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=self.zero, data_axes=self.data_axes,
                                              bucket_bytes=self.bucket_bytes,
-                                             master_dtype=torch.float32 if mixed else None)
+                                             master_dtype=torch.float32 if mixed else None, units=units)
+        if self.zero == 3:
+            self._objective = Zero3Loss(lay, model, cfg, mesh, self.data_axes, n_blocks)
         masters_on = torch.device("cpu") if self.offload else (self.mesh.device if mixed else None)
+        self._counted = [all(self.mesh.coord(a) == 0 for a in lay.leaf_copies(i)) for i in range(len(lay.shapes))]
         self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
         tree, masters = bufs.init(params)
         opt_state = self.optimizer.init(masters if bufs.mixed else lay.unflatten(lay.views(bufs.part_slices())))
@@ -152,7 +163,8 @@ class Step:
         rows = self._check_batch(state, batch)
         inner = self.buffers.take(state, self.donate)
         scale = loss_scale(inner)
-        parts, loss_sum, auxes = self._accumulate(self.buffers.params_tree(), batch, scale)
+        params = self.buffers.params if self.zero == 3 else self.buffers.params_tree()
+        parts, loss_sum, auxes = self._accumulate(params, batch, scale)
         if self.loss_scale is not None:
             parts = [p.div_(scale.to(p.device)) for p in parts]
         grad_norm, loss_value, finite = self._statistics(parts, loss_sum)
@@ -221,6 +233,9 @@ class Step:
             loss, aux = out if self.has_aux else (out, None)
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
+            if self.zero == 3:  # the gradients of the parts, summed over the data axes by the gathers' backward
+                acc = grads if acc[0] is None else [a.add_(g) for a, g in zip(acc, grads)]
+                continue
             g_leaves = lay.treedef.flatten_up_to(grads)
             del grads  # each leaf's gradient is dropped once copied into its bucket
             for k, b in enumerate(lay.buckets):
@@ -228,14 +243,18 @@ class Step:
                 if self.zero == 2:
                     flat = lay.reduce(b, flat)
                 acc[k] = flat if acc[k] is None else acc[k].add_(flat)
-        parts = acc if self.zero == 2 else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc)]
+        parts = acc if self.zero >= 2 else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc)]
         return parts, loss_sum, auxes
 
     def _statistics(self, parts: list[torch.Tensor], loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
         """Reduce: the global gradient norm (every element once), the global loss and whether all is finite."""
         mesh, buckets = self.mesh, self.layout.buckets
-        sq = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) ** 2 if b.counted
-                          else p.new_zeros((), dtype=torch.float32) for b, p in zip(buckets, parts)]).sum()
+        if self.zero == 3:  # a unit mixes leaves sharded and replicated over the model axes: count per leaf
+            sq = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) ** 2 for v, c in
+                              zip(self.layout.views(parts), self._counted) if c] or [torch.zeros(())]).sum()
+        else:
+            sq = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) ** 2 if b.counted
+                              else p.new_zeros((), dtype=torch.float32) for b, p in zip(buckets, parts)]).sum()
         # the loss is replicated over the model axes: count it on one rank of each
         loss_owner = all(mesh.coord(a) == 0 for a in self.model_axes)
         # the finiteness check only under loss scaling (it costs a pass over the gradients)
@@ -253,6 +272,14 @@ class Step:
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
 
+    def gather_params(self, state: TrainState) -> Any:
+        """Whole local leaves of ``state``'s parameters: ``state.params`` itself, except at ``zero=3``, where they are
+        all-gathered from the parts (collective; for export and evaluation: ``fp.hf.save(out,
+        step.gather_params(state), ...)``)."""
+        if self.zero != 3:
+            return state.params
+        return gather_params(self.layout, self.layout.slices_of(self.layout.treedef.flatten_up_to(state.params)))
+
     def _tokens(self, batch: Any, rows: int) -> int:
         """Elements of the batch's first tensor over all data ranks (B x T for token batches)."""
         first = _batch_items(batch)[0][1]
@@ -262,9 +289,10 @@ class Step:
         """check=True: the batch agrees across the model axes, replicated leaves along their replicated axes."""
         mesh = self.mesh
         items = [(name, x, self.model_axes) for name, x in _batch_items(batch)]
-        matched = broadcast_specs(self.specs, self.layout.unflatten(params_leaves))
-        items += [(f"leaf '{p}'", x, tuple(a for a in self.model_axes + self.data_axes if a not in s.axes))
-                  for p, s, x in matched]
+        if self.zero != 3:  # (zero=3 parts differ across the data axes by design)
+            matched = broadcast_specs(self.specs, self.layout.unflatten(params_leaves))
+            items += [(f"leaf '{p}'", x, tuple(a for a in self.model_axes + self.data_axes if a not in s.axes))
+                      for p, s, x in matched]
         for axis in self.model_axes + self.data_axes:
             sel = [(n, x) for n, x, axes in items if axis in axes]
             if mesh.axis_size(axis) == 1 or not sel:
@@ -287,9 +315,22 @@ def _checksums(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.sum(), (x * w).sum()])
 
 
+def _zero3_model(loss_fn: Callable, zero: int, param_dtype, offload):
+    """``(model, cfg, mesh)`` for ``zero=3``, which runs the model's staged form (else ``None``)."""
+    if zero != 3:
+        return None
+    found = model_of_loss(loss_fn)
+    if found is None or found[0].stages is None:
+        raise StepError("zero=3 gathers the model block by block through its staged form: build the loss with "
+                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
+    if param_dtype is not None or offload:
+        raise StepError("zero=3 trains in float32 without offload for now: drop param_dtype / offload, or use zero=2")
+    return found
+
+
 def _validate(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss_scale) -> None:
-    if zero not in (0, 1, 2):
-        raise StepError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if zero not in (0, 1, 2, 3):
+        raise StepError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise StepError(f"accum_steps must be a positive int, got {accum_steps!r}")
     if mesh.axis_size("pp") > 1:

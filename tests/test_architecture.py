@@ -20,7 +20,7 @@ LAYERS = [
               "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*"]),
     ("communication", ["funcpar.collectives"]),
     ("blocks", ["funcpar.sharding", "funcpar.layers", "funcpar.remat", "funcpar.atomic", "funcpar.data",
-                "funcpar._ckpt_source", "funcpar.layout", "funcpar.buffers"]),
+                "funcpar._ckpt_source", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),
     ("io", ["funcpar.hf", "funcpar.checkpoint"]),
     ("step", ["funcpar.step"]),
     ("api", ["funcpar"]),

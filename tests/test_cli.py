@@ -228,3 +228,15 @@ def test_planning_on_an_abstract_mesh():
     zero0, zero1 = (memory_plan(like, specs, mesh, zero) for zero in (0, 1))
     assert zero0["params"] == zero1["params"] and zero1["optimizer"] < zero0["optimizer"]
     assert abs(zero1["total"] - zero1["params"] - zero1["grads"] - zero1["optimizer"]) < 1e-9
+
+
+def test_zero3_from_the_command_line_gives_the_zero1_losses_and_exports(tmp_path):
+    outs = {}
+    for zero in ("1", "3"):
+        outs[zero] = str(tmp_path / f"z{zero}")
+        run(["-m", "funcpar", "train", *TINY, "--mesh", "dp=2", "--steps", "3", "--zero", zero, "--out", outs[zero]])
+    for a, b in zip(losses(outs["1"]), losses(outs["3"])):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    import transformers as tf
+
+    tf.AutoModelForCausalLM.from_pretrained(os.path.join(outs["3"], "hf"))  # exported from the zero=3 parts

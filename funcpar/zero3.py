@@ -1,0 +1,96 @@
+"""ZeRO-3: parameters kept 1/dp per rank between uses, gathered block by block inside the loss.
+
+The model's staged form (:class:`funcpar.model.Stages`) cuts it into units — the embedding leaves, each block, the head
+leaves — one ZeRO bucket each (:meth:`funcpar.layout.ZeroLayout.build` with ``units``). The loss takes this rank's
+parts and, unit by unit, all-gathers a part over the data axes with the *differentiable* ``all_gather`` (its
+backward is a reduce-scatter: the gradient arrives at the part already summed over the data ranks, so the step has
+nothing left to reduce), runs the unit, and lets the gathered weights go. Each block runs under
+:func:`funcpar.remat`, so what the backward pass keeps of it is its input and its part; the backward re-gathers the
+block and recomputes it (FSDP's reshard-after-forward, at the cost of one more forward per block). At no time are
+more than the embedding, the head and one block gathered.
+
+Composed with tp: a unit's leaves are this rank's tp shards, and the data axes split them further.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import collectives as C
+from .layout import ZeroLayout
+from .remat import remat
+from .state import StepError
+
+__all__ = ["units_of", "Zero3Loss", "gather_params"]
+
+
+def units_of(paths: list[str], stages, cfg) -> tuple[list[list[int]], int]:
+    """Leaf indices per unit, in order of use: embedding, each block, head (a tied leaf in the embedding's unit);
+    and the number of blocks."""
+    embed, head = set(stages.embed_leaves(cfg)), set(stages.head_leaves(cfg))
+    out: dict[Any, list[int]] = {"embed": []}
+    for i, p in enumerate(paths):
+        top, _, rest = p.partition(".")
+        if top == stages.layers:
+            out.setdefault(("block", int(rest.partition(".")[0])), []).append(i)
+        elif top in embed:
+            out["embed"].append(i)
+        elif top in head:
+            out.setdefault("head", []).append(i)
+        else:
+            raise StepError(f"zero=3: leaf '{p}' belongs to no unit of the model's staged form (embed leaves "
+                            f"{sorted(embed)}, blocks under '{stages.layers}', head leaves {sorted(head)})")
+    blocks = sorted(k for k in out if isinstance(k, tuple))
+    return [out["embed"]] + [out[k] for k in blocks] + ([out["head"]] if "head" in out else []), len(blocks)
+
+
+class Zero3Loss:
+    """``loss(parts, batch)``: the model's loss over this rank's parts (one per unit), gathering as it goes."""
+
+    def __init__(self, layout: ZeroLayout, model, cfg, mesh, data_axes: tuple[str, ...], n_blocks: int):
+        self.layout, self.stages, self.cfg, self.mesh = layout, model.stages, cfg, mesh
+        self.axes = tuple(a for a in data_axes if mesh.axis_size(a) > 1)
+        self.n_blocks = n_blocks  # units: 0 = embedding, 1..n_blocks = blocks, then the head's own leaves if any
+        self.tied = bool(set(self.stages.head_leaves(cfg)) & set(self.stages.embed_leaves(cfg)))
+
+    def _gather(self, k: int, part: torch.Tensor) -> list[torch.Tensor]:
+        for a in reversed(self.axes):  # minor axis first, as the parts were cut
+            part = C.all_gather(part, self.mesh, a, 0)
+        return self.layout.unpack(self.layout.buckets[k], part)
+
+    def _tree(self, units: dict[int, list[torch.Tensor]]) -> Any:
+        leaves: list = [None] * len(self.layout.shapes)
+        for k, xs in units.items():
+            for i, x in zip(self.layout.buckets[k].leaves, xs):
+                leaves[i] = x
+        return self.layout.unflatten(leaves)
+
+    def __call__(self, parts: list[torch.Tensor], batch: Any) -> torch.Tensor:
+        st, cfg, mesh = self.stages, self.cfg, self.mesh
+        x = st.embed(self._tree({0: self._gather(0, parts[0])}), batch, cfg, mesh)
+        for i in range(self.n_blocks):
+            x = remat(self._block(i + 1, i))(parts[i + 1], x)
+        head = {0: self._gather(0, parts[0])} if self.tied else {}  # a tied head: the embedding gathered again
+        if len(parts) > self.n_blocks + 1:
+            head[len(parts) - 1] = self._gather(len(parts) - 1, parts[-1])
+        return st.head(self._tree(head), x, batch, cfg, mesh)
+
+    def _block(self, k: int, i: int) -> Callable:
+        def run(part, x):
+            tree = self._tree({k: self._gather(k, part)})
+            return self.stages.block(tree[self.stages.layers][i], x, i, self.cfg, self.mesh)
+
+        return run
+
+
+def gather_params(layout: ZeroLayout, parts: list[torch.Tensor]) -> Any:
+    """Whole local leaves (a params tree) from the zero=3 parts: all-gathered over the ZeRO axes, no autograd."""
+    leaves: list = [None] * len(layout.shapes)
+    for b, part in zip(layout.buckets, parts):
+        for a in reversed(b.zero_axes):
+            part = C.all_gather_nograd(part, layout.mesh, a, 0)
+        for i, x in zip(b.leaves, layout.unpack(b, part)):
+            leaves[i] = x
+    return layout.unflatten(leaves)
