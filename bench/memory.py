@@ -5,8 +5,8 @@
 
 Every configuration runs in a fresh process (so each peak is its own): build the model, train ``--steps`` steps of
 AdamW with clipping, report the peak resident set size (``ru_maxrss``; ``torch.cuda.max_memory_allocated`` on a GPU)
-over the parameter bytes. Prints a markdown table and one JSON line. With ``--dp 2``: funcpar ZeRO-1/2 and DeepSpeed
-ZeRO-1/2 (``pip install deepspeed``; ``DS_ACCELERATOR=cpu`` is set) over 2 local processes, the largest per-rank
+over the parameter bytes. Prints a markdown table and one JSON line. With ``--dp 2``: funcpar ZeRO-1/2/3 and DeepSpeed
+ZeRO-1/2/3 (``pip install deepspeed``; ``DS_ACCELERATOR=cpu`` is set) over 2 local processes, the largest per-rank
 peak of each. A benchmark, not a test: nothing is asserted.
 """
 
@@ -28,6 +28,7 @@ RUNS = {
 DIST_RUNS = {  # --dp N: N local processes each, per-rank peak (the largest of the ranks)
     "funcpar-z1": "funcpar Mesh(dp=N) zero=1", "funcpar-z2": "funcpar Mesh(dp=N) zero=2",
     "deepspeed-z1": "DeepSpeed ZeRO-1 (AdamW, clipping)", "deepspeed-z2": "DeepSpeed ZeRO-2 (AdamW, clipping)",
+    "funcpar-z3": "funcpar Mesh(dp=N) zero=3", "deepspeed-z3": "DeepSpeed ZeRO-3 (AdamW, clipping)",
 }
 
 
@@ -65,7 +66,7 @@ def run_one(kind: str, args) -> dict:
     nbytes = sum(x.numel() * x.element_size() for _, x in fp.tree.leaves_with_path(params))
     batch = {k: v.chunk(mesh.size)[mesh.rank] for k, v in _batch(args).items()}
     losses = []
-    if kind in ("eager", "deepspeed-z1", "deepspeed-z2"):
+    if kind == "eager" or kind.startswith("deepspeed"):
         del params
         losses = _eager(kind, args, batch, mesh)
     elif kind.startswith("funcpar"):
