@@ -117,3 +117,30 @@ def test_zero3_needs_the_staged_form():
     with pytest.raises(fp.StepError, match=r"zero=3 trains in float32 without offload for now"):
         fp.compile_step(llama.MODEL.loss_fn(cfg, fp.Mesh()), llama.specs(cfg), mesh=fp.Mesh(), zero=3,
                         param_dtype=torch.bfloat16)
+
+
+def _gpt2(zero):
+    mesh = harness.mesh(dp=2)
+    model = fp.get_model("gpt2")
+    cfg = model.config(dict(model_type="gpt2", vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=32), mesh)
+    specs = model.specs(cfg, mesh)
+    step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, optimizer=fp.optim.sgd(0.5, momentum=0.9),
+                           zero=zero, accum_steps=2, clip_norm=CLIP)
+    state = step.init(fp.shard(model.init(cfg, seed=0), specs, mesh))
+    losses = []
+    for b in batches(3):
+        state, m = step(state, local(b, mesh))
+        losses.append(m["loss"])
+    return losses, fp.gather(step.gather_params(state), specs, mesh)
+
+
+def _gpt2_both():
+    return _gpt2(1), _gpt2(3)
+
+
+def test_zero3_with_tied_embeddings_equals_zero1():
+    # GPT-2's head is its embedding: the embedding unit is gathered at both ends and its gradient sums both uses
+    for (l1, p1), (l3, p3) in harness.run(2, _gpt2_both):
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l1, l3))
+        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p3)):
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), path
