@@ -226,6 +226,9 @@ class Step:
         if total <= 0:
             raise StepError("the global batch has no targets to train on (every label is -100 or masked)")
         acc: list = [None] * len(lay.buckets)
+        # reduce each bucket as soon as it is full (its flat copy freed) under ZeRO-2, and under ZeRO-1 when there
+        # is one micro-batch (reducing before or after a loop of one is the same sum)
+        eager = self.zero == 2 or (self.zero == 1 and len(micro) == 1)
         loss_sum, auxes = torch.zeros((), dtype=torch.float64), []
         for mb, wm in zip(micro, w.tolist()):
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
@@ -240,10 +243,10 @@ class Step:
             del grads  # each leaf's gradient is dropped once copied into its bucket
             for k, b in enumerate(lay.buckets):
                 flat = lay.flat(b, g_leaves, free=True)
-                if self.zero == 2:
+                if eager:
                     flat = lay.reduce(b, flat)
                 acc[k] = flat if acc[k] is None else acc[k].add_(flat)
-        parts = acc if self.zero >= 2 else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc)]
+        parts = acc if self.zero == 3 or eager else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc)]
         return parts, loss_sum, auxes
 
     def _statistics(self, parts: list[torch.Tensor], loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
