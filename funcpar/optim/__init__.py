@@ -20,7 +20,6 @@ from .base import GradientTransformation as GradientTransformation
 from .base import apply_updates as apply_updates
 from .base import chain as chain
 from .base import decay_mask as decay_mask
-from .base import fresh_protocol as fresh_protocol
 from .base import masked as masked
 from .optimizers import adamw as adamw
 from .optimizers import lion as lion
