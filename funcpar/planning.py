@@ -43,15 +43,17 @@ def memory_plan(params_like, specs, mesh, zero: int, opt_slots: int = 2) -> dict
     """Per-rank MiB of parameters, gradients and optimizer state (``opt_slots`` fp32 tensors per parameter).
 
     With ``zero >= 1`` a leaf's optimizer state is split over every mesh axis (pipeline stages aside) along which
-    the leaf is replicated; with ``zero >= 2`` its gradient is split over ``dp`` too.
+    the leaf is replicated; with ``zero >= 2`` its gradient is split over ``dp`` too; with ``zero=3`` the parameters
+    held between steps as well (and the optimizer state over ``dp`` only, as :mod:`funcpar.zero3` partitions it).
     """
     params = grads = opt = 0.0
+    dp = mesh.axis_size("dp")
     for path, spec, x in broadcast_specs(specs, params_like):
         n = math.prod(local_shape(spec, tuple(x.shape), mesh, path))
         repl = [a for a in mesh.axis_names if a != "pp" and a not in spec.axes]
-        parts = math.prod(mesh.axis_size(a) for a in repl) if zero >= 1 else 1
-        params += n * x.element_size()
-        grads += n * x.element_size() / (mesh.axis_size("dp") if zero >= 2 else 1)
+        parts = dp if zero == 3 else (math.prod(mesh.axis_size(a) for a in repl) if zero >= 1 else 1)
+        params += n * x.element_size() / (dp if zero == 3 else 1)
+        grads += n * x.element_size() / (dp if zero >= 2 else 1)
         opt += opt_slots * 4 * n / parts
     return {"params": params / 2**20, "grads": grads / 2**20, "optimizer": opt / 2**20,
             "total": (params + grads + opt) / 2**20}

@@ -225,8 +225,9 @@ def test_planning_on_an_abstract_mesh():
     cfg = model.config(cli.BUILTIN_MODELS["llama-micro"], mesh)
     like, specs = model.init(cfg, device="meta"), model.specs(cfg, mesh)
     assert "layers.*.wq (x2)" in sharding_table(like, specs, mesh)
-    zero0, zero1 = (memory_plan(like, specs, mesh, zero) for zero in (0, 1))
+    zero0, zero1, zero3 = (memory_plan(like, specs, mesh, zero) for zero in (0, 1, 3))
     assert zero0["params"] == zero1["params"] and zero1["optimizer"] < zero0["optimizer"]
+    assert zero3["params"] == zero0["params"] / 2 and zero3["grads"] == zero0["grads"] / 2  # 1/dp of each
     assert abs(zero1["total"] - zero1["params"] - zero1["grads"] - zero1["optimizer"]) < 1e-9
 
 
