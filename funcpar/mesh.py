@@ -16,6 +16,7 @@ APIs that take ``mesh=None`` use it.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import datetime
 import math
@@ -48,6 +49,17 @@ def _as_timedelta(t: float | datetime.timedelta | None) -> datetime.timedelta:
     if isinstance(t, datetime.timedelta):
         return t
     return datetime.timedelta(seconds=float(t))
+
+
+def _destroy_process_groups() -> None:
+    """At exit, tear down the process groups funcpar created while the interpreter is still whole. Left to
+    interpreter finalization, gloo's worker threads can still hold work whose tensors need the GIL, and the rank
+    dies with SIGABRT ("terminate called without an active exception"; pytorch/pytorch#190489)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; nothing to report to
+            pass
 
 
 def _axis_sizes(axes: dict[str, Any]) -> dict[str, int]:
@@ -168,6 +180,7 @@ class Mesh:
         else:
             backend = "gloo"
         dist.init_process_group(backend=backend, timeout=self.timeout)
+        atexit.register(_destroy_process_groups)
 
     def _build_groups(self) -> None:
         names = self.axis_names

@@ -94,3 +94,35 @@ def test_dead_or_stuck_rank_becomes_an_error_within_timeout(mode):
     assert elapsed < timeout + 5, elapsed
     assert "all_reduce(sum) over mesh axis 'tp' of Mesh(pp=1, dp=1, tp=2) (rank 0, group ranks [0, 1]) failed" in msg
     assert "a peer rank has died or stopped responding (timeout 3 s)" in msg
+
+
+_EXIT_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+
+def check():  # registered first, so it runs after funcpar's own exit handler
+    with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}"), "w") as f:
+        f.write("destroyed" if not dist.is_initialized() else "still initialized")
+
+atexit.register(check)
+import funcpar as fp
+import torch
+mesh = fp.Mesh(dp=2)
+fp.collectives.all_reduce(torch.ones(3), mesh, "dp")
+"""
+
+
+def test_a_job_tears_its_process_groups_down_before_the_interpreter_exits(tmp_path):
+    # left to interpreter finalization, gloo can abort a rank with SIGABRT (pytorch/pytorch#190489, issue 16)
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["destroyed", "destroyed"]
