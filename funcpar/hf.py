@@ -32,7 +32,7 @@ import torch
 from ._safetensors import _Tensor, read_block, read_header
 from .atomic import write_folder
 from .mesh import Mesh
-from .model import ModelError, ModelSpec, get_model, known_models
+from .model import ModelSpec, get_model, known_models
 from .sharding import gather_leaf
 from .spec import P, broadcast_specs, local_slice
 
@@ -94,14 +94,11 @@ def _read_config(folder: Path) -> dict[str, Any]:
 def _resolve_model(model: Any, cfg: dict, folder: Path) -> ModelSpec:
     mt = cfg.get("model_type")
     if model is None:
-        try:
-            if not isinstance(mt, str):
-                raise ModelError(mt)
-            return get_model(mt)
-        except ModelError:
-            names = ", ".join(sorted(known_models()))
+        known = known_models()
+        if not isinstance(mt, str) or mt not in known:
             raise HFError(f"{folder / 'config.json'} has model_type '{mt}', which funcpar does not know; it knows: "
-                          f"{names} (register a model with funcpar.register_model)") from None
+                          f"{', '.join(sorted(known))} (register a model with funcpar.register_model)")
+        return known[mt]
     spec = get_model(model)
     if mt is not None and mt not in spec.model_types:
         raise HFError(

@@ -90,20 +90,15 @@ class ZeroLayout:
         return cls(mesh, zero, tuple(data_axes), optree.tree_structure(params), tuple(p for p, _, _ in matched),
                    tuple(s for _, s, _ in matched), tuple(tuple(x.shape) for _, _, x in matched), tuple(buckets))
 
-    def leaf_copies(self, i: int) -> tuple[str, ...]:
-        """The axes along which leaf ``i`` is replicated but its part is not split (copies of the part live there)."""
-        b = next(b for b in self.buckets if i in b.leaves)
-        return tuple(a for a in self.mesh.axis_names if a != "pp" and self.mesh.axis_size(a) > 1
-                     and a not in self.specs[i].axes and a not in b.zero_axes)
-
     # ------------------------------------------------------------------------------------ leaf <-> bucket parts
     def leaf_parts(self) -> list[tuple[int, int, tuple[str, ...]]]:
         """Per leaf: this rank's ZeRO part as a flat range ``[a, z)`` of the local leaf, and the axes the part is
         *not* split over although the leaf is replicated along them (copies of the same part live there)."""
         out: list = [None] * len(self.shapes)
+        axes = [a for a in self.mesh.axis_names if a != "pp" and self.mesh.axis_size(a) > 1]
         for b in self.buckets:
             for i, (a, z) in zip(b.leaves, b.ranges):
-                out[i] = (a, z, self.leaf_copies(i))
+                out[i] = (a, z, tuple(x for x in axes if x not in self.specs[i].axes and x not in b.zero_axes))
         return out
 
     def views(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:

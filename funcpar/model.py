@@ -146,10 +146,15 @@ def model_of_loss(loss_fn: Callable) -> tuple[ModelSpec, Any, Any] | None:
     if isinstance(loss_fn, _ModelLoss):
         return loss_fn.model, loss_fn.cfg, loss_fn.mesh
     func, kw = getattr(loss_fn, "func", None), getattr(loss_fn, "keywords", {})
-    owner = next((m for m in _REGISTRY.values() if m.loss is func), None)
+    owner = _owner(func)
     if owner is not None and "cfg" in kw and "mesh" in kw:
         return owner, kw["cfg"], kw["mesh"]
     return None
+
+
+def _owner(fn: Any) -> ModelSpec | None:
+    """The registered model whose ``loss`` is ``fn``, if any."""
+    return next((m for m in _REGISTRY.values() if m.loss is fn), None)
 
 
 def carried_weight(loss_fn: Callable) -> Callable | None:
@@ -160,7 +165,7 @@ def carried_weight(loss_fn: Callable) -> Callable | None:
         w = getattr(fn, "batch_weight", None)
         if w is not None:
             return w
-        owner = next((m for m in _REGISTRY.values() if m.loss is fn), None)
+        owner = _owner(fn)
         if owner is not None:
             return owner.batch_weight
         fn = getattr(fn, "func", None)  # functools.partial

@@ -148,7 +148,7 @@ class Step:
         if self.zero == 3:
             self._objective = Zero3Loss(lay, model, cfg, mesh, self.data_axes, n_blocks)
         masters_on = torch.device("cpu") if self.offload else (self.mesh.device if mixed else None)
-        self._counted = [all(self.mesh.coord(a) == 0 for a in lay.leaf_copies(i)) for i in range(len(lay.shapes))]
+        self._counted = [all(self.mesh.coord(a) == 0 for a in copies) for _, _, copies in lay.leaf_parts()]
         self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
         tree, masters = bufs.init(params)
         opt_state = self.optimizer.init(masters if bufs.mixed else lay.unflatten(lay.views(bufs.part_slices())))
