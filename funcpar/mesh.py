@@ -17,6 +17,7 @@ APIs that take ``mesh=None`` use it.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import contextvars
 import datetime
 import math
@@ -59,6 +60,17 @@ def _destroy_process_groups() -> None:
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; nothing to report to
+            pass
+
+
+def _report_fatal_signals() -> None:
+    """A rank that dies of a signal (SIGABRT from a C++ ``terminate``, SIGSEGV, ...) prints the Python stack of each
+    thread to stderr before it goes, so the launcher's "exitcode -6" comes with the line that was running. Left alone
+    if the program (or ``python -X faulthandler``) set it up already."""
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable(all_threads=True)
+        except (ValueError, OSError, AttributeError):  # no usable stderr (e.g. closed); nothing to report to
             pass
 
 
@@ -181,6 +193,7 @@ class Mesh:
             backend = "gloo"
         dist.init_process_group(backend=backend, timeout=self.timeout)
         atexit.register(_destroy_process_groups)
+        _report_fatal_signals()
 
     def _build_groups(self) -> None:
         names = self.axis_names

@@ -126,3 +126,42 @@ def test_a_job_tears_its_process_groups_down_before_the_interpreter_exits(tmp_pa
                         str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["destroyed", "destroyed"]
+
+
+_ABORT_SCRIPT = """
+import os, time
+import funcpar as fp
+import torch
+
+def user_code_that_aborts():
+    time.sleep(1.0)
+    os.abort()  # as a C++ terminate in an extension would
+
+mesh = fp.Mesh(dp=2, timeout=60)
+fp.collectives.all_reduce(torch.ones(3), mesh, "dp")
+if mesh.rank == 1:
+    user_code_that_aborts()
+fp.collectives.all_reduce(torch.ones(3), mesh, "dp")  # rank 0 waits here for the rank that died
+"""
+
+
+def test_a_rank_that_aborts_leaves_its_python_stack_and_the_survivor_names_the_collective(tmp_path):
+    # issue 16: an abort must not be silent; the dying rank says where it was, the others what they were waiting on
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_ABORT_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script)], env=env, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "Fatal Python error: Aborted" in out and "in user_code_that_aborts" in out, out[-3000:]
+    # rank 0 either saw the peer's socket close (a CollectiveError naming rank, axis and operation) or was stopped
+    # by the launcher inside the collective (its stack, through funcpar's collective, from the SIGTERM)
+    named = "all_reduce(sum) over mesh axis 'dp' of Mesh(pp=1, dp=2, tp=1) (rank 0" in out
+    stopped = "Current thread" in out and "in _raw_all_reduce" in out
+    assert named or stopped, out[-3000:]
