@@ -26,7 +26,6 @@ import json
 import math
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 

@@ -21,75 +21,11 @@ from typing import Any
 import torch
 
 import funcpar as fp
-from funcpar.assets import ARITHMETIC
 from funcpar.generate import show_arithmetic
-from funcpar.planning import params_like, print_plan, sharding_table
+from funcpar.options import build_model, build_step, datasets, model_config, parse_mesh, read_options
+from funcpar.planning import params_like, print_plan, print_ranking, rank_meshes, sharding_table
 from funcpar.plot import plot_metrics
 
-DEFAULTS: dict[str, Any] = {  # in the order --help lists them
-    "model": "llama-tiny", "mesh": "tp=2,dp=2", "data": "builtin:arithmetic", "tokenizer": "byte", "seq_len": 64,
-    "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
-    "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
-    "remat": False, "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
-    "log_every": 20, "out": "out", "resume": False, "seed": 0,
-}
-
-_LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
-                   tie_word_embeddings=False, model_type="llama")
-BUILTIN_MODELS = {
-    # small Llamas for the byte tokenizer (259 tokens, vocabulary rounded up to a multiple of 8 for tp)
-    "llama-tiny": _LLAMA_TINY,
-    "llama-micro": {**_LLAMA_TINY, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
-}
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"tp=2,dp=2"`` -> ``{"tp": 2, "dp": 2}``; ``""`` or ``"1"`` -> ``{}`` (one process).
-
-    Any identifier names an axis (``"tp=2,dp=2,ep=2"``); ``pp``, ``dp`` and ``tp`` are the ones funcpar itself uses.
-    """
-    out: dict[str, int] = {}
-    if text.strip() in ("", "1"):
-        return out
-    for part in text.split(","):
-        key, _, val = part.partition("=")
-        key = key.strip()
-        if not key.isidentifier() or not val.strip().isdigit():
-            raise SystemExit(f"funcpar: bad --mesh '{text}': expected e.g. 'tp=2,dp=2' or 'dp=2,ep=2,tp=2' "
-                             f"(axis=size pairs; axes pp, dp, tp or any other name)")
-        out[key] = int(val)
-    return out
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if p.suffix == ".toml":
-        import tomllib
-
-        return tomllib.loads(p.read_text())
-    return json.loads(p.read_text())
-
-
-def _options(argv: list[str], command: str) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help="a TOML or JSON file of options (command-line flags override it)")
-    for key, default in DEFAULTS.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(default, bool):
-            ap.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            ap.add_argument(flag, dest=key, type=type(default) if default is not None else str, default=None)
-    args = ap.parse_args(argv)
-    opts = dict(DEFAULTS)
-    if args.config:
-        cfg = _read_config(args.config)
-        unknown = sorted(set(cfg) - set(DEFAULTS))
-        if unknown:
-            raise SystemExit(f"funcpar: unknown option(s) in {args.config}: {', '.join(unknown)}")
-        opts.update(cfg)
-    opts.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
-    return opts
 
 
 def _launch_if_needed(argv: list[str], nproc: int) -> bool:
@@ -101,75 +37,6 @@ def _launch_if_needed(argv: list[str], nproc: int) -> bool:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "funcpar", *argv])
     return True
-
-
-# ------------------------------------------------------------------------------------------ model, data, step
-
-
-def _model_config(name: str, mesh):
-    """``(model, cfg)`` for a built-in model name or an HF folder's ``config.json``, padded for ``mesh``."""
-    if name in BUILTIN_MODELS:
-        raw = BUILTIN_MODELS[name]
-    elif Path(name).is_dir():
-        raw = json.loads((Path(name) / "config.json").read_text())
-    else:
-        raise SystemExit(f"funcpar: --model '{name}' is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a folder")
-    model = fp.get_model(raw.get("model_type"))
-    return model, model.config(raw, mesh)
-
-
-def _model(opts, mesh):
-    """``(model, cfg, params, specs)``: a built-in model freshly initialised, or an HF folder's weights."""
-    name = opts["model"]
-    if name not in BUILTIN_MODELS and Path(name).is_dir():
-        params, cfg = fp.hf.load(name, mesh=mesh)
-        model = fp.get_model(cfg.model_type)
-        return model, cfg, params, model.specs(cfg, mesh)
-    model, cfg = _model_config(name, mesh)  # a built-in one (or a SystemExit naming them)
-    specs = model.specs(cfg, mesh)
-    torch.manual_seed(opts["seed"])
-    return model, cfg, fp.shard(model.init(cfg, seed=opts["seed"]), specs, mesh), specs
-
-
-def _datasets(opts, cfg):
-    """``(data, train_data, eval_data)``: the tokenized samples and their train / held-out split."""
-    tok = fp.data.ByteTokenizer() if opts["tokenizer"] == "byte" else fp.data.HFTokenizer(opts["tokenizer"])
-    samples = fp.data.load_samples(ARITHMETIC if opts["data"] == "builtin:arithmetic" else opts["data"])
-    data = fp.data.Dataset.from_samples(samples, tok, opts["seq_len"], pack=opts["pack"])
-    train_data, eval_data = data.split(opts["eval_fraction"], seed=opts["seed"])
-    if int(data.ids.max()) >= cfg.vocab_size:
-        raise SystemExit(f"funcpar: the tokenizer produced id {int(data.ids.max())}, beyond the model's vocab_size "
-                         f"{cfg.vocab_size}")
-    return data, train_data, eval_data
-
-
-def _optimizer(opts):
-    lr, steps, warmup = opts["lr"], opts["steps"], min(opts["warmup"], max(opts["steps"] - 1, 0))
-    schedules = {"constant": lambda: fp.optim.constant(lr),
-                 "warmup_cosine": lambda: fp.optim.warmup_cosine(lr, warmup, max(steps, warmup + 1), end=lr / 10),
-                 "warmup_linear": lambda: fp.optim.warmup_linear_decay(lr, warmup, steps, warmup_type="linear")}
-    if opts["schedule"] not in schedules:
-        raise SystemExit(f"funcpar: unknown --schedule '{opts['schedule']}' (constant, warmup_cosine, warmup_linear)")
-    sched, wd = schedules[opts["schedule"]](), opts["weight_decay"]
-    optimizers = {"adamw": lambda: fp.optim.adamw(sched, b2=0.95, weight_decay=wd),
-                  "lion": lambda: fp.optim.lion(sched, weight_decay=wd),
-                  "sgd": lambda: fp.optim.sgd(sched, momentum=0.9)}
-    if opts["optimizer"] not in optimizers:
-        raise SystemExit(f"funcpar: unknown --optimizer '{opts['optimizer']}' (adamw, lion, sgd)")
-    return optimizers[opts["optimizer"]]()
-
-
-def _compile(opts, model, cfg, mesh, specs) -> fp.Step:
-    """The train step: the model's loss (with its micro-batch weighting, and remat if asked) and the options."""
-    precisions = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if opts["precision"] not in precisions:
-        raise SystemExit(f"funcpar: unknown --precision '{opts['precision']}' (fp32, bf16, fp16)")
-    if opts["remat"] and not model.remat:
-        raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
-                         f"checkpointing); train it without --remat")
-    return fp.compile_step(model.loss_fn(cfg, mesh, remat=opts["remat"]), specs, mesh=mesh,
-                           optimizer=_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
-                           clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]])
 
 
 # ------------------------------------------------------------------------------------------------------ train
@@ -206,9 +73,9 @@ def _setup_run(opts, sizes) -> _Run:
     """Build the mesh, model, data, train step, its initial state and the data loader."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     mesh = fp.Mesh(**sizes)
-    model, cfg, params, specs = _model(opts, mesh)
-    data, train_data, eval_data = _datasets(opts, cfg)
-    step = _compile(opts, model, cfg, mesh, specs)
+    model, cfg, params, specs = build_model(opts, mesh)
+    data, train_data, eval_data = datasets(opts, cfg)
+    step = build_step(opts, model, cfg, mesh, specs)
     state = step.init(params)
     loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
     return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader)
@@ -317,7 +184,7 @@ def _finish(run: _Run, first_loss: float | None) -> None:
 
 def train(argv: list[str]) -> None:
     """Train a model on a mesh (starting the ranks here unless under torchrun), then export it."""
-    opts = _options(argv, "train")
+    opts = read_options(argv, "train")
     sizes = parse_mesh(opts["mesh"])
     if _launch_if_needed(["train", *argv], math.prod(sizes.values()) if sizes else 1):
         return
@@ -331,11 +198,32 @@ def train(argv: list[str]) -> None:
 
 
 def plan(argv: list[str]) -> None:
-    """Print the sharding table and per-rank memory for a model on a mesh, without starting processes."""
-    opts = _options(argv, "plan")
-    mesh = fp.Mesh.abstract(**parse_mesh(opts["mesh"]))
-    model, cfg = _model_config(opts["model"], mesh)
-    print_plan(model, cfg, mesh, opts["zero"], opts["optimizer"])
+    """Print the sharding table and the traced per-rank memory of the train step for a model on a mesh, without
+    starting processes; with ``--devices N --memory GiB``, rank the meshes of N devices that fit."""
+    ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False)
+    ap.add_argument("--devices", type=int)
+    ap.add_argument("--memory", type=float, default=float("inf"))
+    ranking, rest = ap.parse_known_args(argv)
+    opts = read_options(rest, "plan", epilog="plan also takes --devices N --memory GiB: rank the meshes that fit")
+
+    def build(axes, zero):
+        mesh = fp.Mesh.abstract(**axes)
+        dp, micro = mesh.axis_size("dp"), opts["micro_batches"]
+        if opts["global_batch"] % (dp * micro):
+            raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro}")
+        model, cfg = model_config(opts["model"], mesh)  # funcpar's errors are ValueErrors: rank_meshes notes them
+        step = build_step({**opts, "zero": zero}, model, cfg, mesh, model.specs(cfg, mesh))
+        return model, cfg, step, opts["global_batch"] // dp, opts["seq_len"]
+
+    if ranking.devices:
+        memory = ranking.memory * 2**30
+        print_ranking(rank_meshes(build, ranking.devices, memory), ranking.devices, memory)
+        return
+    try:
+        model, cfg, step, rows, seq_len = build(parse_mesh(opts["mesh"]), opts["zero"])
+    except ValueError as e:
+        raise SystemExit(f"funcpar: {e}") from None
+    print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len)
 
 
 def _to_checkpoint(src: Path, dst: str, mesh) -> str:

@@ -103,9 +103,21 @@ def _check_divisible(x: torch.Tensor, dim: int, mesh: "Mesh", axis: str, what: s
     return n
 
 
+def _simulated(mesh: "Mesh", axis: str, nbytes: float) -> int:
+    """Over an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning) collectives are simulated, every rank taken
+    to hold this rank's values: the allocations are the real run's, the numbers are not. Counts what a ring algorithm
+    sends from this rank ((n-1)/n of ``nbytes``) and returns the group's size."""
+    n = mesh.size if axis == "world" else mesh.axis_size(axis)
+    mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
+    return n
+
+
 def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -> torch.Tensor:
     """All-reduce over ``axis``, or over the whole mesh for ``axis="world"``."""
     y = x.detach().clone(memory_format=torch.contiguous_format)
+    if mesh.simulated:
+        n = _simulated(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
+        return y.mul_(n) if op == "sum" else y
     group = None if axis == "world" else mesh.group(axis)
     work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=group, async_op=True)
     _wait(work, mesh, f"all_reduce({op})", axis)
@@ -117,6 +129,10 @@ def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int, out: tor
     xm = x.detach().movedim(dim, 0).contiguous()
     if out is None or dim:
         out = xm.new_empty((n * xm.shape[0], *xm.shape[1:]))
+    if mesh.simulated:
+        for block in out.chunk(_simulated(mesh, axis, out.numel() * out.element_size())):
+            block.copy_(xm)
+        return out.movedim(0, dim).contiguous() if dim else out
     work = _all_gather_flat(out, xm, group=mesh.group(axis), async_op=True)
     _wait(work, mesh, "all_gather", axis)
     return out.movedim(0, dim).contiguous() if dim else out
@@ -126,6 +142,9 @@ def _raw_reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> t
     n = _check_divisible(x, dim, mesh, axis, "reduce_scatter")
     xm = x.detach().movedim(dim, 0).contiguous()
     out = xm.new_empty((xm.shape[0] // n, *xm.shape[1:]))
+    if mesh.simulated:
+        out.copy_(xm[: out.shape[0]]).mul_(_simulated(mesh, axis, xm.numel() * xm.element_size()))
+        return out.movedim(0, dim).contiguous() if dim else out
     work = _reduce_scatter_flat(out, xm, group=mesh.group(axis), async_op=True)
     _wait(work, mesh, "reduce_scatter", axis)
     return out.movedim(0, dim).contiguous() if dim else out
@@ -305,7 +324,7 @@ def barrier(mesh: "Mesh") -> None:
 
 def broadcast(x: torch.Tensor, mesh: "Mesh", axis: str, src: int = 0) -> torch.Tensor:
     """The value held by the rank at coordinate ``src`` along ``axis``, on every rank of the group."""
-    if _trivial(mesh, axis):
+    if _trivial(mesh, axis) or mesh.simulated:
         return x.detach().clone()
     y = x.detach().clone(memory_format=torch.contiguous_format)
     work = dist.broadcast(y, src=mesh.group_ranks(axis)[src], group=mesh.group(axis), async_op=True)

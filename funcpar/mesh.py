@@ -113,6 +113,7 @@ class Mesh:
                 else torch.device("cpu")
             )
         self.device = torch.device(device)
+        self.simulated = False  # Mesh.abstract: collectives simulated, no processes
         self._groups: dict[str, Any] = {}
         self._group_ranks: dict[str, list[int]] = {}
         self.device_mesh = None
@@ -137,13 +138,18 @@ class Mesh:
         _BUILT.add(self)
 
     @classmethod
-    def abstract(cls, **axes: int) -> "Mesh":
-        """A mesh's sizes without processes (coordinates of rank 0): for planning, e.g. ``funcpar plan``.
-        Collectives over it are not possible."""
-        m = cls()
+    def abstract(cls, device: str | torch.device | None = None, **axes: int) -> "Mesh":
+        """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). Its collectives are
+        simulated as if every rank held rank 0's values: shapes, dtypes and allocations are the real run's, the
+        numbers are not (with ``device="meta"`` a whole train step runs on shapes alone; see
+        :func:`funcpar.planning.trace_step`)."""
+        m = cls(device=device)
         m._sizes = _axis_sizes(axes)
         m.size = math.prod(m._sizes.values())
         m._coords = {a: 0 for a in m._sizes}
+        m._group_ranks = {a: [m.rank_of(**{a: i}) for i in range(n)] for a, n in m._sizes.items()}
+        m.simulated = True
+        m.traffic = {}  # bytes this rank would send, by axis (counted by the simulated collectives)
         return m
 
     # ------------------------------------------------------------------ scope

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .spec import broadcast_specs, local_shape
 
-__all__ = ["params_like", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan"]
+__all__ = ["params_like", "local_params", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan",
+           "trace_step", "trace_plan", "MemoryTrace", "runtime_bytes", "candidate_meshes", "rank_meshes",
+           "print_ranking"]
 
 # fp32 tensors of optimizer state per parameter
 OPTIMIZER_SLOTS = {"adamw": 2, "lion": 1, "sgd": 1}
@@ -21,6 +29,13 @@ OPTIMIZER_SLOTS = {"adamw": 2, "lion": 1, "sgd": 1}
 def params_like(model, cfg) -> Any:
     """The model's parameter tree as shapes only (meta tensors)."""
     return model.init(cfg, device="meta")
+
+
+def local_params(params_like, specs, mesh) -> Any:
+    """This rank's leaves of ``mesh`` (shards by ``specs``) as meta tensors: what :func:`trace_step` starts from."""
+    leaves = [torch.empty(local_shape(s, tuple(x.shape), mesh, p), dtype=x.dtype, device="meta")
+              for p, s, x in broadcast_specs(specs, params_like)]
+    return optree.tree_unflatten(optree.tree_structure(params_like, none_is_leaf=True), leaves)
 
 
 def sharding_table(params_like, specs, mesh) -> str:
@@ -59,10 +74,30 @@ def memory_plan(params_like, specs, mesh, zero: int, opt_slots: int = 2) -> dict
             "total": (params + grads + opt) / 2**20}
 
 
-def print_plan(model, cfg, mesh, zero: int, optimizer: str) -> None:
-    """Print what ``funcpar plan`` shows: the parameter count, the sharding table and the per-rank memory."""
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def _traffic(t: dict[str, float]) -> str:
+    return ", ".join(f"{a} {n / 2**20:,.1f} MiB" for a, n in sorted(t.items())) or "none"
+
+
+def trace_plan(model, cfg, step, rows: int, seq_len: int) -> dict[str, Any]:
+    """:func:`trace_step` of ``step`` (over an abstract mesh) on a token batch of ``rows`` x ``seq_len`` per rank,
+    plus the host runtime's own resident set (``runtime``) where training runs on the host (no CUDA here)."""
+    like = params_like(model, cfg)
+    ids = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+    out = trace_step(step, local_params(like, step.specs, step.mesh), {"input_ids": ids, "labels": ids})
+    out["runtime"] = 0 if torch.cuda.is_available() else runtime_bytes()
+    return out
+
+
+def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int) -> None:
+    """Print what ``funcpar plan`` shows: the parameter count, the sharding table, and per rank the memory of the
+    parameters, gradients and optimizer state, the activations and the peak of a step (traced), and the traffic."""
     from .tree import leaves_with_path
 
+    mesh = step.mesh
     like = params_like(model, cfg)
     specs = model.specs(cfg, mesh)
     print(f"{cfg.model_type} on {mesh!r}: {sum(x.numel() for _, x in leaves_with_path(like)):,} parameters")
@@ -70,3 +105,171 @@ def print_plan(model, cfg, mesh, zero: int, optimizer: str) -> None:
     mem = memory_plan(like, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
     print(f"per rank (zero={zero}, {optimizer}): params {mem['params']:.2f} MiB, grads "
           f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
+    t = trace_plan(model, cfg, step, rows, seq_len)
+    host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
+    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): activations "
+          f"{_mib(t['activations'])} per micro-batch; peak {_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])}"
+          f" per rank; sends {_traffic(t['traffic'])} per step")
+
+
+def candidate_meshes(devices: int) -> list[dict[str, int]]:
+    """Every ``tp x dp`` factorisation of ``devices`` (pipeline stages aside)."""
+    return [{"dp": devices // tp, "tp": tp} for tp in range(1, devices + 1) if devices % tp == 0]
+
+
+def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3)) -> list[dict[str, Any]]:
+    """Trace every candidate mesh of ``devices`` ranks at each ZeRO stage; ``build(axes, zero)`` returns ``(model,
+    cfg, step, rows, seq_len)`` or raises ``ValueError`` naming why that mesh cannot run. The ones whose peak (with
+    the runtime) fits in ``memory`` bytes come first, fewest bytes sent per step first (then lowest peak)."""
+    out = []
+    for axes in candidate_meshes(devices):
+        for zero in zeros:
+            row: dict[str, Any] = {"axes": axes, "zero": zero}
+            try:
+                model, cfg, step, rows, seq_len = build(axes, zero)
+                row |= trace_plan(model, cfg, step, rows, seq_len)
+                row["need"] = row["peak"] + row["runtime"]
+                row["fits"] = row["need"] <= memory
+            except ValueError as e:
+                row |= {"fits": False, "why": str(e)}
+            out.append(row)
+    return sorted(out, key=lambda r: (not r["fits"], "why" in r, sum(r.get("traffic", {}).values()),
+                                      r.get("need", 0)))
+
+
+def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float) -> None:
+    print(f"meshes of {devices} devices with {memory / 2**30:g} GiB each (fits first, then fewest bytes sent):")
+    print(f"{'mesh':<16} {'zero':>4} {'peak/rank':>12} {'activations':>12}  {'sends per step':<30} fits")
+    for r in rows:
+        mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
+        if "why" in r:
+            print(f"{mesh:<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why'][:60]}")
+            continue
+        print(f"{mesh:<16} {r['zero']:>4} {_mib(r['need']):>12} {_mib(r['activations']):>12}  "
+              f"{_traffic(r['traffic']):<30} {'yes' if r['fits'] else 'no'}")
+
+
+# ------------------------------------------------------------------------------------------ tracing a step on meta
+
+
+class MemoryTrace(TorchDispatchMode):
+    """Live bytes of the tensors on ``device`` (default ``meta``) created while active, and their peak, per phase.
+
+    Every operator's outputs are registered by storage (views share it) and counted until the storage is freed,
+    so the trace follows what the real run allocates and frees. A value read back to the host from a meta tensor
+    (``.item()``: one; ``.cpu()``: zeros) is a stand-in: the plan is about shapes, not numbers.
+    """
+
+    def __init__(self, device: str = "meta"):
+        super().__init__()
+        self.device = torch.device(device).type
+        self.live = self.peak = 0
+        self.phase, self.peaks = "setup", {}
+        self._seen: set[int] = set()
+
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+        self.peaks[phase] = max(self.peaks.get(phase, 0), self.live)
+
+    def _free(self, key: int, n: int) -> None:
+        self._seen.discard(key)
+        self.live -= n
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        n = st.nbytes()
+        self.live += n
+        weakref.finalize(st, self._free, key, n)
+        if self.live > self.peaks.get(self.phase, 0):
+            self.peaks[self.phase] = self.live
+            self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if src is not None and src.is_meta:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return True if src.dtype == torch.bool else 1
+            to = kwargs.get("device")
+            if func is torch.ops.aten._to_copy.default and to is not None and torch.device(to).type != "meta":
+                return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device=to)
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                self._track(t)
+        return out
+
+
+def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dict[str, Any]:
+    """Rank 0's memory for ``step`` built over :meth:`funcpar.Mesh.abstract`: ``step.init(params)`` and ``steps``
+    calls on ``batch`` (this rank's), run on meta tensors under a :class:`MemoryTrace`. ``params``: this rank's
+    leaves (:func:`local_params`). Returns bytes: ``state`` (parameters and optimizer state between steps),
+    ``activations`` (what the forward of one micro-batch keeps for the backward), ``step_peak`` (the most live at
+    any point of a step, transients included), ``peak`` (the same over ``init`` too: the parameters and their copy
+    into the step's buffers) and ``traffic`` (bytes this rank sends per step, by mesh axis).
+
+    ``device="cpu"`` traces a real step on a real mesh the same way (params and batch real): what the tests compare
+    the plan with."""
+    mesh = step.mesh
+    if (device == "meta") != mesh.simulated:
+        raise ValueError(f"trace_step traces meta tensors over an abstract mesh (fp.Mesh.abstract(...)), or real "
+                         f"ones over a real mesh; not device={device!r} over {mesh!r}")
+    rows = next(x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)).shape[0]
+    with MemoryTrace(device) as tr, _fused_attention_on_meta():
+        state = step.init(optree.tree_map(lambda x: x.clone(), params))  # fresh: the trace sees them allocated
+        held = tr.live
+        micro = optree.tree_map(lambda x: x[: rows // step.accum_steps] if isinstance(x, torch.Tensor) else x, batch)
+        loss = step.loss(state, micro, requires_grad=True)
+        activations = tr.live - held
+        del loss
+        traffic = getattr(mesh, "traffic", {})
+        traffic.clear()
+        tr.mark("step")
+        for _ in range(steps):
+            state, _ = step(state, batch)
+        return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": tr.peak,
+                "traffic": {a: n / steps for a, n in traffic.items()}}
+
+
+class _fused_attention_on_meta:
+    """While tracing, attention on meta tensors runs the fused kernel CPU and CUDA run (it keeps the output and a
+    log-sum-exp for the backward, not the T x T scores): on meta, ``F.scaled_dot_product_attention`` would take the
+    unfused math path and the plan would count scores the real run never holds."""
+
+    def __enter__(self):
+        self.sdpa = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self._attention
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self.sdpa
+
+    def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not q.is_meta:
+            return self.sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                             enable_gqa=enable_gqa)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the kernel takes it: additive, q's dtype
+            attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device),
+                                    torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=q.device))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                          attn_mask=attn_mask, scale=scale)[0]
+
+
+_RUNTIME: list[int] = []
+
+
+def runtime_bytes() -> int:
+    """The resident set of a process that has imported python, torch and funcpar and built nothing: what a rank
+    holds on the host before its first tensor (measured once, in a fresh interpreter)."""
+    if not _RUNTIME:
+        import subprocess
+        import sys
+
+        code = ("import resource, funcpar; "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        _RUNTIME.append(int(out.stdout.split()[-1]))
+    return _RUNTIME[0]

@@ -275,6 +275,19 @@ class Step:
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
 
+    def loss(self, state: TrainState, batch: Any, requires_grad: bool = False) -> torch.Tensor:
+        """The loss the step differentiates, on ``state``'s parameters and this rank's ``batch`` (at ``zero=3``
+        gathering block by block as the step does): for evaluation. ``requires_grad``: keep the autograd graph (its
+        saved tensors are the step's activations; :func:`funcpar.planning.trace_step` measures them)."""
+        if self.layout is None:
+            raise StepError("call step.init(params) before step.loss")
+        leaves = self.buffers.params if self.zero == 3 else self.layout.treedef.flatten_up_to(state.params)
+        leaves = [x.detach().requires_grad_(requires_grad and x.is_floating_point()) for x in leaves]
+        params = leaves if self.zero == 3 else self.layout.unflatten(leaves)
+        with torch.set_grad_enabled(requires_grad):
+            out = self._objective(params, batch)
+        return out[0] if self.has_aux else out
+
     def gather_params(self, state: TrainState) -> Any:
         """Whole local leaves of ``state``'s parameters: ``state.params`` itself, except at ``zero=3``, where they are
         all-gathered from the parts (collective; for export and evaluation: ``fp.hf.save(out,

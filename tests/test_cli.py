@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import funcpar as fp
-from funcpar import cli
+from funcpar import cli, options
 from funcpar.generate import greedy
 from funcpar.planning import memory_plan, sharding_table
 from funcpar.plot import plot_metrics
@@ -80,7 +80,7 @@ def test_plan_prints_table_and_memory(capsys):
     assert "llama on Mesh(pp=1, dp=2, tp=4): 855,168 parameters" in text
     assert "layers.*.wk (x4)" in text and "P()" in text  # 2 kv heads < tp=4: k/v replicated
     model = fp.get_model("llama")
-    like = model.init(model.config(cli.BUILTIN_MODELS["llama-tiny"]), device="meta")
+    like = model.init(model.config(options.BUILTIN_MODELS["llama-tiny"]), device="meta")
     n = sum(x.numel() for _, x in fp.tree.leaves_with_path(like))
     opt_mib = float(text.split("optimizer state ")[1].split(" MiB")[0])
     assert abs(opt_mib - 2 * 4 * n / 8 / 2**20) < 0.05 * (2 * 4 * n / 8 / 2**20)  # AdamW state / (tp*dp)
@@ -89,19 +89,19 @@ def test_plan_prints_table_and_memory(capsys):
 def test_config_file_and_flags(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('steps = 7\nmesh = "dp=2"\nlr = 0.5\n')
-    opts = cli._options(["--config", str(f), "--lr", "0.25"], "train")
-    assert (opts["steps"], opts["mesh"], opts["lr"], opts["seq_len"]) == (7, "dp=2", 0.25, cli.DEFAULTS["seq_len"])
+    opts = options.read_options(["--config", str(f), "--lr", "0.25"], "train")
+    assert (opts["steps"], opts["mesh"], opts["lr"], opts["seq_len"]) == (7, "dp=2", 0.25, options.DEFAULTS["seq_len"])
     f.write_text('stepz = 7\n')
     with pytest.raises(SystemExit, match="unknown option"):
-        cli._options(["--config", str(f)], "train")
+        options.read_options(["--config", str(f)], "train")
     with pytest.raises(SystemExit, match="bad --mesh 'tp2'"):
-        cli.parse_mesh("tp2")
+        options.parse_mesh("tp2")
     with pytest.raises(SystemExit, match="bad --mesh 'tp=2,2=dp'"):
-        cli.parse_mesh("tp=2,2=dp")
+        options.parse_mesh("tp=2,2=dp")
     with pytest.raises(SystemExit, match="bad --mesh 'tp=two'"):
-        cli.parse_mesh("tp=two")
-    assert cli.parse_mesh("tp=2,dp=2,ep=2") == {"tp": 2, "dp": 2, "ep": 2}  # any axis name
-    assert cli.parse_mesh("1") == {} == cli.parse_mesh("")
+        options.parse_mesh("tp=two")
+    assert options.parse_mesh("tp=2,dp=2,ep=2") == {"tp": 2, "dp": 2, "ep": 2}  # any axis name
+    assert options.parse_mesh("1") == {} == options.parse_mesh("")
 
 
 def test_plan_on_a_mesh_with_another_axis(capsys):
@@ -114,7 +114,7 @@ def test_remat_needs_the_capability():
     gpt2 = fp.get_model("gpt2")
     assert fp.get_model("llama").remat and not gpt2.remat
     with pytest.raises(SystemExit, match="--remat is not supported by model 'gpt2'"):
-        cli._compile({**cli.DEFAULTS, "remat": True}, gpt2, None, fp.Mesh(), None)
+        options.build_step({**options.DEFAULTS, "remat": True}, gpt2, None, fp.Mesh(), None)
 
 
 def test_unknown_model_type_is_a_clear_error(tmp_path):
@@ -222,7 +222,7 @@ def test_plot_metrics_writes_a_png(tmp_path):
 def test_planning_on_an_abstract_mesh():
     model = fp.get_model("llama")
     mesh = fp.Mesh.abstract(tp=2, dp=2)
-    cfg = model.config(cli.BUILTIN_MODELS["llama-micro"], mesh)
+    cfg = model.config(options.BUILTIN_MODELS["llama-micro"], mesh)
     like, specs = model.init(cfg, device="meta"), model.specs(cfg, mesh)
     assert "layers.*.wq (x2)" in sharding_table(like, specs, mesh)
     zero0, zero1, zero3 = (memory_plan(like, specs, mesh, zero) for zero in (0, 1, 3))

@@ -1,0 +1,159 @@
+"""`funcpar plan`'s predicted per-rank peak against the measured one, on several meshes and ZeRO stages.
+
+    python bench/plan_vs_measured.py                          # 165M-parameter Llama, the meshes below, 4 CPU ranks
+    python bench/plan_vs_measured.py --hidden 256 --layers 2 --vocab 4096 --cases "dp=2:1,tp=2:1"
+
+For each case ``MESH:ZERO[:OPTION...]`` (options: ``remat``, ``accum2``, ``sgd``, ``bf16``) it traces the train step on
+meta tensors (:func:`funcpar.planning.trace_step`, what ``funcpar plan`` prints) and then runs the same step for real
+under ``torchrun`` from an HF folder (``fp.hf.load``, ``--steps`` steps of AdamW with clipping), and reports the
+largest per-rank peak of the real run: ``torch.cuda.max_memory_allocated`` on a GPU, the peak resident set
+(``ru_maxrss``) on a CPU. On a CPU the plan adds the runtime's own resident set (python, torch, funcpar: measured
+in this process before anything is built), as ``funcpar plan`` does. A benchmark, not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+CASES = "1:0,dp=2:1,dp=2:2,dp=2:3,tp=2,dp=2:1,tp=2,dp=2:3,dp=4:1:remat,tp=4:0:accum2"
+
+
+def parse_cases(text: str) -> list[tuple[dict, int, set]]:
+    """``"1:0,tp=2,dp=2:1:remat"`` -> cases; a mesh holds commas, so a case ends at a chunk with ':'."""
+    out, cases, cur = [], [], ""
+    for chunk in text.split(","):
+        cur = f"{cur},{chunk}" if cur else chunk
+        if ":" in chunk:
+            cases.append(cur)
+            cur = ""
+    for case in cases:
+        mesh_s, zero, *opts = case.split(":")
+        axes = {} if mesh_s == "1" else {k: int(v) for k, v in (kv.split("=") for kv in mesh_s.split(","))}
+        out.append((axes, int(zero), set(opts)))
+    return out
+
+
+def _model(args, mesh):
+    import funcpar as fp
+
+    llama = fp.get_model("llama")
+    heads = max(1, args.hidden // 64)
+    hf = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+              num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
+              tie_word_embeddings=False, model_type="llama")
+    return llama, hf, llama.config(hf, mesh)
+
+
+def _step(llama, cfg, mesh, zero, opts, args):
+    import torch
+
+    import funcpar as fp
+
+    opt = fp.optim.sgd(1e-3) if "sgd" in opts else fp.optim.adamw(1e-3, weight_decay=0.01)
+    return fp.compile_step(llama.loss_fn(cfg, mesh, remat="remat" in opts), llama.specs(cfg, mesh), mesh=mesh,
+                           optimizer=opt, zero=zero, clip_norm=1.0, accum_steps=2 if "accum2" in opts else 1,
+                           param_dtype=torch.bfloat16 if "bf16" in opts else None)
+
+
+def _batch(args, mesh, device):
+    import torch
+
+    dp = mesh.axis_size("dp")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).chunk(dp)[mesh.coord("dp")]
+    return {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+def predict(axes, zero, opts, args) -> dict:
+    import torch
+
+    import funcpar as fp
+    from funcpar.planning import local_params, runtime_bytes, trace_step
+
+    mesh = fp.Mesh.abstract(**axes)
+    llama, _, cfg = _model(args, mesh)
+    step = _step(llama, cfg, mesh, zero, opts, args)
+    params = local_params(llama.init(cfg, device="meta"), step.specs, mesh)
+    r = trace_step(step, params, _batch(args, mesh, "meta"), steps=args.steps)
+    base = 0 if torch.cuda.is_available() else runtime_bytes()
+    return {"peak": r["peak"] + base, "step_peak": r["step_peak"] + base, "base": base}
+
+
+def measure(axes, zero, opts, args) -> dict:
+    import torch
+
+    import funcpar as fp
+
+    mesh = fp.Mesh(**axes)
+    llama, _, cfg = _model(args, mesh)
+    params, _ = fp.hf.load(args.weights, llama, mesh)
+    step = _step(llama, cfg, mesh, zero, opts, args)
+    state = step.init(params)
+    del params
+    batch = _batch(args, mesh, mesh.device)
+    for _ in range(args.steps):
+        state, m = step(state, batch)
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.tensor(float(peak), device=mesh.device)
+    if mesh.size > 1:
+        peak = fp.collectives.all_reduce(peak, mesh, mesh.axis_names, "max")
+    return {"peak": int(peak), "loss": m["loss"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for k, v in dict(hidden=1024, layers=8, vocab=32000, seq=128, batch=4, steps=2).items():
+        ap.add_argument(f"--{k}", type=int, default=v)
+    ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--weights", help="an HF folder (default: a fresh one, written once)")
+    ap.add_argument("--only", help=argparse.SUPPRESS)  # one case, measured here (under torchrun)
+    args = ap.parse_args()
+    if args.only:
+        axes, zero, opts = parse_cases(args.only)[0]
+        out = measure(axes, zero, opts, args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(out), flush=True)
+        return
+    if args.weights is None:
+        import tempfile
+
+        import transformers
+
+        args.weights = tempfile.mkdtemp(prefix="funcpar-plan-")
+        hf = _model(args, None)[1]
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).save_pretrained(args.weights)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    print("| mesh | zero | options | predicted peak MiB | measured peak MiB | error |\n|---|---|---|---|---|---|")
+    rows = []
+    for axes, zero, opts in parse_cases(args.cases):
+        n = 1
+        for v in axes.values():
+            n *= v
+        case = (",".join(f"{k}={v}" for k, v in axes.items()) or "1") + f":{zero}" + "".join(f":{o}" for o in opts)
+        pred = predict(axes, zero, opts, args)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               os.path.abspath(__file__), "--only", case, "--weights", args.weights] + [
+            f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "vocab", "seq", "batch", "steps")]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+        if p.returncode:
+            sys.exit(f"{case} failed:\n{p.stderr[-3000:]}")
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        err = pred["peak"] / got["peak"] - 1
+        rows.append({"case": case, "predicted": pred, "measured": got, "error": err})
+        print(f"| {case.split(':')[0]} | {zero} | {' '.join(sorted(opts)) or '-'} | {pred['peak'] / 2**20:.0f} | "
+              f"{got['peak'] / 2**20:.0f} | {err:+.1%} |", flush=True)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

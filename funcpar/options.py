@@ -1,0 +1,150 @@
+"""The options of a run and what they build: defaults, then a TOML/JSON ``--config`` file, then the command line;
+from them the model (a built-in name or an HF folder), the data, the optimizer and the train step. Shared by
+``funcpar train`` and ``funcpar plan`` (:mod:`funcpar.cli`), which trace or run the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import funcpar as fp
+from funcpar.assets import ARITHMETIC
+
+DEFAULTS: dict[str, Any] = {  # in the order --help lists them
+    "model": "llama-tiny", "mesh": "tp=2,dp=2", "data": "builtin:arithmetic", "tokenizer": "byte", "seq_len": 64,
+    "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
+    "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
+    "remat": False, "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
+    "log_every": 20, "out": "out", "resume": False, "seed": 0,
+}
+
+_LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False, model_type="llama")
+BUILTIN_MODELS = {
+    # small Llamas for the byte tokenizer (259 tokens, vocabulary rounded up to a multiple of 8 for tp)
+    "llama-tiny": _LLAMA_TINY,
+    "llama-micro": {**_LLAMA_TINY, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
+}
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"tp=2,dp=2"`` -> ``{"tp": 2, "dp": 2}``; ``""`` or ``"1"`` -> ``{}`` (one process).
+
+    Any identifier names an axis (``"tp=2,dp=2,ep=2"``); ``pp``, ``dp`` and ``tp`` are the ones funcpar itself uses.
+    """
+    out: dict[str, int] = {}
+    if text.strip() in ("", "1"):
+        return out
+    for part in text.split(","):
+        key, _, val = part.partition("=")
+        key = key.strip()
+        if not key.isidentifier() or not val.strip().isdigit():
+            raise SystemExit(f"funcpar: bad --mesh '{text}': expected e.g. 'tp=2,dp=2' or 'dp=2,ep=2,tp=2' "
+                             f"(axis=size pairs; axes pp, dp, tp or any other name)")
+        out[key] = int(val)
+    return out
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if p.suffix == ".toml":
+        import tomllib
+
+        return tomllib.loads(p.read_text())
+    return json.loads(p.read_text())
+
+
+def read_options(argv: list[str], command: str, epilog: str | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=__doc__.splitlines()[0], epilog=epilog)
+    ap.add_argument("--config", help="a TOML or JSON file of options (command-line flags override it)")
+    for key, default in DEFAULTS.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(default, bool):
+            ap.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            ap.add_argument(flag, dest=key, type=type(default) if default is not None else str, default=None)
+    args = ap.parse_args(argv)
+    opts = dict(DEFAULTS)
+    if args.config:
+        cfg = _read_config(args.config)
+        unknown = sorted(set(cfg) - set(DEFAULTS))
+        if unknown:
+            raise SystemExit(f"funcpar: unknown option(s) in {args.config}: {', '.join(unknown)}")
+        opts.update(cfg)
+    opts.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+    return opts
+
+
+# ------------------------------------------------------------------------------------------ model, data, step
+
+
+def model_config(name: str, mesh):
+    """``(model, cfg)`` for a built-in model name or an HF folder's ``config.json``, padded for ``mesh``."""
+    if name in BUILTIN_MODELS:
+        raw = BUILTIN_MODELS[name]
+    elif Path(name).is_dir():
+        raw = json.loads((Path(name) / "config.json").read_text())
+    else:
+        raise SystemExit(f"funcpar: --model '{name}' is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a folder")
+    model = fp.get_model(raw.get("model_type"))
+    return model, model.config(raw, mesh)
+
+
+def build_model(opts, mesh):
+    """``(model, cfg, params, specs)``: a built-in model freshly initialised, or an HF folder's weights."""
+    name = opts["model"]
+    if name not in BUILTIN_MODELS and Path(name).is_dir():
+        params, cfg = fp.hf.load(name, mesh=mesh)
+        model = fp.get_model(cfg.model_type)
+        return model, cfg, params, model.specs(cfg, mesh)
+    model, cfg = model_config(name, mesh)  # a built-in one (or a SystemExit naming them)
+    specs = model.specs(cfg, mesh)
+    torch.manual_seed(opts["seed"])
+    return model, cfg, fp.shard(model.init(cfg, seed=opts["seed"]), specs, mesh), specs
+
+
+def datasets(opts, cfg):
+    """``(data, train_data, eval_data)``: the tokenized samples and their train / held-out split."""
+    tok = fp.data.ByteTokenizer() if opts["tokenizer"] == "byte" else fp.data.HFTokenizer(opts["tokenizer"])
+    samples = fp.data.load_samples(ARITHMETIC if opts["data"] == "builtin:arithmetic" else opts["data"])
+    data = fp.data.Dataset.from_samples(samples, tok, opts["seq_len"], pack=opts["pack"])
+    train_data, eval_data = data.split(opts["eval_fraction"], seed=opts["seed"])
+    if int(data.ids.max()) >= cfg.vocab_size:
+        raise SystemExit(f"funcpar: the tokenizer produced id {int(data.ids.max())}, beyond the model's vocab_size "
+                         f"{cfg.vocab_size}")
+    return data, train_data, eval_data
+
+
+def build_optimizer(opts):
+    lr, steps, warmup = opts["lr"], opts["steps"], min(opts["warmup"], max(opts["steps"] - 1, 0))
+    schedules = {"constant": lambda: fp.optim.constant(lr),
+                 "warmup_cosine": lambda: fp.optim.warmup_cosine(lr, warmup, max(steps, warmup + 1), end=lr / 10),
+                 "warmup_linear": lambda: fp.optim.warmup_linear_decay(lr, warmup, steps, warmup_type="linear")}
+    if opts["schedule"] not in schedules:
+        raise SystemExit(f"funcpar: unknown --schedule '{opts['schedule']}' (constant, warmup_cosine, warmup_linear)")
+    sched, wd = schedules[opts["schedule"]](), opts["weight_decay"]
+    optimizers = {"adamw": lambda: fp.optim.adamw(sched, b2=0.95, weight_decay=wd),
+                  "lion": lambda: fp.optim.lion(sched, weight_decay=wd),
+                  "sgd": lambda: fp.optim.sgd(sched, momentum=0.9)}
+    if opts["optimizer"] not in optimizers:
+        raise SystemExit(f"funcpar: unknown --optimizer '{opts['optimizer']}' (adamw, lion, sgd)")
+    return optimizers[opts["optimizer"]]()
+
+
+def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
+    """The train step: the model's loss (with its micro-batch weighting, and remat if asked) and the options."""
+    precisions = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if opts["precision"] not in precisions:
+        raise SystemExit(f"funcpar: unknown --precision '{opts['precision']}' (fp32, bf16, fp16)")
+    if opts["remat"] and not model.remat:
+        raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
+                         f"checkpointing); train it without --remat")
+    return fp.compile_step(model.loss_fn(cfg, mesh, remat=opts["remat"]), specs, mesh=mesh,
+                           optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
+                           clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]])
