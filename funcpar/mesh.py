@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import contextvars
 import datetime
 import math
@@ -53,14 +54,19 @@ def _as_timedelta(t: float | datetime.timedelta | None) -> datetime.timedelta:
 
 
 def _destroy_process_groups() -> None:
-    """At exit, tear down the process groups funcpar created while the interpreter is still whole. Left to
-    interpreter finalization, gloo's worker threads can still hold work whose tensors need the GIL, and the rank
-    dies with SIGABRT ("terminate called without an active exception"; pytorch/pytorch#190489)."""
+    """At exit, tear down the process groups funcpar created while the interpreter is still whole: destroy them, drop
+    the meshes' handles to them and collect, so that gloo's worker threads are joined here. Left to interpreter
+    finalization (a handle outliving ``destroy_process_group`` keeps a group and its threads alive), those threads
+    can still hold work whose tensors need the GIL, and the rank dies with SIGABRT ("terminate called without an
+    active exception"; pytorch/pytorch#190489, #179291)."""
+    for mesh in list(_BUILT):
+        mesh._groups, mesh.device_mesh = {}, None
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; nothing to report to
             pass
+    gc.collect()
 
 
 def _report_fatal_signals() -> None:
@@ -197,6 +203,11 @@ class Mesh:
             backend = "cpu:gloo,cuda:nccl"
         else:
             backend = "gloo"
+        # torch._dynamo (imported by the first torch.func.grad) keeps references to the default group when it is
+        # imported after the group exists; they outlive destroy_process_group and keep gloo's threads running into
+        # interpreter finalization, where they abort the rank (issue 16). Imported first, it holds none.
+        import torch._dynamo  # noqa: F401
+
         dist.init_process_group(backend=backend, timeout=self.timeout)
         atexit.register(_destroy_process_groups)
         _report_fatal_signals()

@@ -100,15 +100,21 @@ _EXIT_SCRIPT = """
 import atexit, os, sys
 import torch.distributed as dist
 
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
 def check():  # registered first, so it runs after funcpar's own exit handler
     with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}"), "w") as f:
-        f.write("destroyed" if not dist.is_initialized() else "still initialized")
+        f.write(("destroyed" if not dist.is_initialized() else "still initialized") + f" {before} {threads()}")
 
 atexit.register(check)
 import funcpar as fp
 import torch
+before = threads()
 mesh = fp.Mesh(dp=2)
-fp.collectives.all_reduce(torch.ones(3), mesh, "dp")
+step = fp.compile_step(lambda p, b: (p["w"] * b).sum(), {"w": fp.P()}, mesh=mesh)  # holders of the mesh
+state, _ = step(step.init({"w": torch.ones(3)}), torch.ones(1, 3))
+assert threads() > before  # gloo's worker threads
 """
 
 
@@ -125,7 +131,11 @@ def test_a_job_tears_its_process_groups_down_before_the_interpreter_exits(tmp_pa
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["destroyed", "destroyed"]
+    for r in (0, 1):
+        state, before, at_exit = (tmp_path / f"rank{r}").read_text().split()
+        assert state == "destroyed"
+        # every group (and its gloo threads) is gone before interpreter finalization, even with meshes still held
+        assert int(at_exit) == int(before), (before, at_exit)
 
 
 _ABORT_SCRIPT = """
