@@ -64,7 +64,7 @@ def run_one(kind: str, args) -> dict:
     mesh = fp.Mesh(dp=int(os.environ.get("WORLD_SIZE", "1")))
     params, cfg = fp.hf.load(args.weights, llama)  # the same weights for every configuration
     nbytes = sum(x.numel() * x.element_size() for _, x in fp.tree.leaves_with_path(params))
-    batch = {k: v.chunk(mesh.size)[mesh.rank] for k, v in _batch(args).items()}
+    batch = {k: v.chunk(mesh.size)[mesh.rank].to(mesh.device) for k, v in _batch(args).items()}
     losses = []
     if kind == "eager" or kind.startswith("deepspeed"):
         del params
@@ -88,7 +88,8 @@ def _eager(kind: str, args, batch: dict, mesh) -> list[float]:
     import torch
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(args.weights)
+    model = transformers.LlamaForCausalLM.from_pretrained(args.weights).to(mesh.device)
+    batch = {k: v.to(mesh.device) for k, v in batch.items()}
     losses = []
     if kind == "eager":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)

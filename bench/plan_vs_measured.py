@@ -21,7 +21,6 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 CASES = "1:0,dp=2:1,dp=2:2,dp=2:3,tp=2,dp=2:1,tp=2,dp=2:3,dp=4:1:remat,tp=4:0:accum2"
 
 
