@@ -1,5 +1,6 @@
-"""Activation checkpointing that works under ``torch.func.grad``: ``remat(fn)`` keeps only ``fn``'s inputs and
-recomputes ``fn`` in the backward pass.
+"""Activation memory. ``remat(fn)``: activation checkpointing that works under ``torch.func.grad`` (it keeps only
+``fn``'s inputs and recomputes ``fn`` in the backward pass). ``grad_and_value``: the train step's gradient, which
+frees each activation as soon as the backward has used it.
 
 ``torch.utils.checkpoint`` relies on saved-tensor hooks, which ``torch.func`` transforms do not support. Here the
 recomputation is a custom ``autograd.Function`` whose backward re-runs ``fn`` under ``torch.func.vjp``: the same
@@ -15,7 +16,7 @@ from typing import Any, Callable
 import optree
 import torch
 
-__all__ = ["remat"]
+__all__ = ["remat", "grad_and_value"]
 
 
 class _Remat(torch.autograd.Function):
@@ -64,3 +65,24 @@ def remat(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         return _Remat.apply(fn, rebuild, *[x for x, t in zip(leaves, is_t) if t])
 
     return wrapped
+
+
+def grad_and_value(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[Any, tuple[torch.Tensor, Any]]]:
+    """``torch.func.grad_and_value(fn, has_aux=True)`` for the outermost gradient, at the memory of eager backward.
+
+    ``torch.func`` differentiates with ``create_graph=True`` (so that transforms nest), which keeps every saved
+    activation alive until the whole backward is done, and a recomputed block's too: a step's peak is then all the
+    activations plus all the gradients, well above an eager loop's. The train step needs no higher derivative, so
+    here the parameters are fresh leaves and one reverse pass releases each saved tensor once it is used. Same
+    operations, same gradients (unused parameters get zeros, as ``torch.func`` gives).
+    """
+
+    def run(params: Any, *args) -> tuple[Any, tuple[torch.Tensor, Any]]:
+        leaves, treedef = optree.tree_flatten(params)
+        leaves = [x.detach().requires_grad_(True) for x in leaves]
+        with torch.enable_grad():
+            value, aux = fn(optree.tree_unflatten(treedef, leaves), *args)
+        grads = torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+        return optree.tree_unflatten(treedef, list(grads)), (value.detach(), aux)
+
+    return run

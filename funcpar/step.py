@@ -5,7 +5,7 @@ The state lives in the step's flat buffers and a call consumes the state it is g
 
 A step reads as accumulate -> reduce -> update -> gather:
 
-- **accumulate**: gradients with ``torch.func.grad_and_value`` over ``accum_steps`` micro-batches, each micro-batch's
+- **accumulate**: gradients (:func:`funcpar.remat.grad_and_value`) over ``accum_steps`` micro-batches, each micro-batch's
   loss weighted by its share of the global batch's weight (``weight_fn``: by default the weight the loss function
   carries, e.g. a language model's target-token count, else rows), so the result is exactly the loss of the global
   batch as one process would compute it;
@@ -33,6 +33,7 @@ from .layout import ZeroLayout
 from .mesh import Mesh
 from .buffers import StateBuffers
 from .model import carried_weight, model_of_loss
+from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
 from .spec import broadcast_specs
@@ -107,9 +108,10 @@ class Step:
             dynamic = loss_scale == "dynamic"
             opt = apply_if_finite(opt, 2.0**16 if dynamic else float(loss_scale), dynamic, growth_interval)
         self.optimizer = opt
-        self._grad = torch.func.grad_and_value(self._scaled_loss, has_aux=True)
         if compile:  # one graph for forward + backward of a micro-batch; collectives stay custom Functions
-            self._grad = torch.compile(self._grad)
+            self._grad = torch.compile(torch.func.grad_and_value(self._scaled_loss, has_aux=True))
+        else:  # the same gradient, each activation freed once the backward used it (see remat.grad_and_value)
+            self._grad = grad_and_value(self._scaled_loss)
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
