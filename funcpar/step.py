@@ -149,7 +149,9 @@ class Step:
                                              master_dtype=torch.float32 if mixed else None, units=units)
         if self.zero == 3:
             self._objective = Zero3Loss(lay, model, cfg, mesh, self.data_axes, n_blocks)
-        masters_on = torch.device("cpu") if self.offload else (self.mesh.device if mixed else None)
+        # the fp32 masters live where the parameters do (the host under offload)
+        first = next((x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
+        masters_on = torch.device("cpu") if self.offload else (first.device if mixed and first is not None else None)
         self._counted = [all(self.mesh.coord(a) == 0 for a in copies) for _, _, copies in lay.leaf_parts()]
         self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
         tree, masters = bufs.init(params)
