@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # lowest first; a module may import its own layer or a lower one (docs/ARCHITECTURE.md, "Layers")
 LAYERS = [
     ("core", ["funcpar.tree", "funcpar.spec", "funcpar.state", "funcpar.model", "funcpar.mesh",
-              "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*"]),
+              "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*", "funcpar.pipeline"]),
     ("communication", ["funcpar.collectives"]),
     ("blocks", ["funcpar.sharding", "funcpar.layers", "funcpar.remat", "funcpar.atomic", "funcpar.data",
                 "funcpar._ckpt_source", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),
