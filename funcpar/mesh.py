@@ -76,7 +76,7 @@ def _report_fatal_signals() -> None:
     if not faulthandler.is_enabled():
         try:
             faulthandler.enable(all_threads=True)
-        except (ValueError, OSError, AttributeError):  # no usable stderr (e.g. closed); nothing to report to
+        except (ValueError, OSError, AttributeError, RuntimeError):  # no usable stderr (closed, None): nothing to do
             pass
 
 

@@ -6,6 +6,7 @@ Everything here works on shapes only (``model.init(cfg, device="meta")``) and an
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import weakref
@@ -221,6 +222,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
     rows = next(x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)).shape[0]
     with MemoryTrace(device) as tr, _fused_attention_on_meta():
         state = step.init(optree.tree_map(lambda x: x.clone(), params))  # fresh: the trace sees them allocated
+        gc.collect()  # what init let go of is gone by now in the real run too: count no cycle that holds it
         held = tr.live
         micro = optree.tree_map(lambda x: x[: rows // step.accum_steps] if isinstance(x, torch.Tensor) else x, batch)
         loss = step.loss(state, micro, requires_grad=True)

@@ -74,7 +74,8 @@ def grad_and_value(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[...,
     activation alive until the whole backward is done, and a recomputed block's too: a step's peak is then all the
     activations plus all the gradients, well above an eager loop's. The train step needs no higher derivative, so
     here the parameters are fresh leaves and one reverse pass releases each saved tensor once it is used. Same
-    operations, same gradients (unused parameters get zeros, as ``torch.func`` gives).
+    operations, same gradients (unused parameters get zeros, as ``torch.func`` gives; so does every parameter of a
+    loss that does not depend on them), and ``aux`` comes back detached, as ``torch.func`` gives it.
     """
 
     def run(params: Any, *args) -> tuple[Any, tuple[torch.Tensor, Any]]:
@@ -82,7 +83,11 @@ def grad_and_value(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[...,
         leaves = [x.detach().requires_grad_(True) for x in leaves]
         with torch.enable_grad():
             value, aux = fn(optree.tree_unflatten(treedef, leaves), *args)
-        grads = torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+        if value.requires_grad:
+            grads = torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+        else:  # e.g. a constant loss for a micro-batch without targets
+            grads = [torch.zeros_like(x) for x in leaves]
+        aux = optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         return optree.tree_unflatten(treedef, list(grads)), (value.detach(), aux)
 
     return run

@@ -223,5 +223,8 @@ def broadcast_specs(specs: Any, tree: Any) -> list[tuple[str, P, Any]]:
         for k, sc, tc in zip(names, s_children, t_children):
             walk(sc, tc, path + (k,))
 
-    walk(specs, tree, ())
+    try:
+        walk(specs, tree, ())
+    finally:  # `walk` refers to itself: drop it, or the cycle keeps every leaf of `tree` alive until a gc pass
+        del walk
     return out

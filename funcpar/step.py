@@ -285,7 +285,8 @@ class Step:
         saved tensors are the step's activations; :func:`funcpar.planning.trace_step` measures them)."""
         if self.layout is None:
             raise StepError("call step.init(params) before step.loss")
-        leaves = self.buffers.params if self.zero == 3 else self.layout.treedef.flatten_up_to(state.params)
+        leaves = self.layout.treedef.flatten_up_to(state.params)
+        leaves = self.layout.slices_of(leaves) if self.zero == 3 else leaves  # zero=3: the parts, per unit
         leaves = [x.detach().requires_grad_(requires_grad and x.is_floating_point()) for x in leaves]
         params = leaves if self.zero == 3 else self.layout.unflatten(leaves)
         with torch.set_grad_enabled(requires_grad):

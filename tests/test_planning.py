@@ -103,3 +103,9 @@ def test_meshes_are_ranked_fits_first_and_impossible_ones_named():
     assert sent == sorted(sent)
     (tp8,) = {r["why"] for r in rows if r["axes"]["tp"] == 8}  # 4 heads do not split 8 ways: said, not traced
     assert "heads" in tp8
+
+
+def test_the_plan_is_the_same_every_time():
+    # nothing the step let go of may linger (a reference cycle would hold it until some gc pass)
+    first = _planned({"dp": 2}, 1, False, 1)
+    assert all(_planned({"dp": 2}, 1, False, 1) == first for _ in range(2))

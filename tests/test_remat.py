@@ -54,3 +54,37 @@ def saved_bytes(remat):
 def test_remat_keeps_only_layer_inputs():
     plain, kept = saved_bytes(False), saved_bytes(True)
     assert kept < 0.5 * plain, (kept, plain)
+
+
+def test_the_steps_gradient_matches_torch_func_and_returns_aux_detached():
+    from funcpar.remat import grad_and_value
+
+    cfg = config()
+    params = llama.init(cfg, seed=0)
+    b = batches()[0]
+
+    def f(p, batch):
+        loss = llama.loss(p, batch, cfg, fp.Mesh())
+        return loss, {"twice": loss * 2}
+
+    ref_g, (ref_v, ref_aux) = torch.func.grad_and_value(f, has_aux=True)(params, b)
+    g, (v, aux) = grad_and_value(f)(params, b)
+    assert torch.equal(v, ref_v) and not aux["twice"].requires_grad and torch.equal(aux["twice"], ref_aux["twice"])
+    for (path, x), (_, y) in zip(fp.tree.leaves_with_path(g), fp.tree.leaves_with_path(ref_g)):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-8), path
+    # a loss that does not depend on the parameters: zero gradients, as torch.func gives
+    g0, (v0, _) = grad_and_value(lambda p, batch: (torch.zeros(()), None))(params, b)
+    assert v0.item() == 0 and all(torch.equal(x, torch.zeros_like(x)) for _, x in fp.tree.leaves_with_path(g0))
+
+
+def test_fused_cross_entropy_under_vmap_of_grad():
+    from funcpar.layers import vocab_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(3, 5, 11, generator=g), torch.randint(0, 11, (3, 5), generator=g)
+    labels[0, 0] = -100
+    per_example = torch.vmap(torch.func.grad(lambda lg, y: vocab_cross_entropy(lg, y, fp.Mesh(), "tp").sum()))
+    ref = torch.func.grad(lambda lg: torch.nn.functional.cross_entropy(
+        lg.reshape(-1, 11), labels.clamp(min=0).reshape(-1), reduction="sum"))(logits)
+    counted = (labels >= 0)[..., None]
+    assert torch.allclose(per_example(logits, labels) * counted, ref * counted, atol=1e-6)

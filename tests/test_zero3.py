@@ -144,3 +144,18 @@ def test_zero3_with_tied_embeddings_equals_zero1():
         assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l1, l3))
         for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p3)):
             assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), path
+
+
+def test_step_loss_evaluates_the_state_it_is_given_at_zero3():
+    mesh = fp.Mesh()
+    for zero in (1, 3):
+        cfg = config()
+        model = fp.get_model("llama")
+        step = fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), mesh=mesh, zero=zero, donate=False,
+                               optimizer=fp.optim.adamw(LR))
+        s0 = step.init(llama.init(cfg, seed=0))
+        b = batches(1)[0]
+        before = step.loss(s0, b).item()
+        s1, m = step(s0, b)
+        assert step.loss(s0, b).item() == before  # the old state (not donated) still evaluates to its own loss
+        assert abs(before - m["loss"]) <= 1e-6 * abs(before) and step.loss(s1, b).item() < before
