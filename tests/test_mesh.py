@@ -118,18 +118,23 @@ assert threads() > before  # gloo's worker threads
 """
 
 
-def test_a_job_tears_its_process_groups_down_before_the_interpreter_exits(tmp_path):
-    # left to interpreter finalization, gloo can abort a rank with SIGABRT (pytorch/pytorch#190489, issue 16)
+def _torchrun(tmp_path, text: str, *args: str):
+    """``text`` as a script under a fresh 2-rank ``torchrun`` (outside the test workers' world)."""
     import subprocess
     import sys
 
     script = tmp_path / "job.py"
-    script.write_text(_EXIT_SCRIPT)
+    script.write_text(text)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_job_tears_its_process_groups_down_before_the_interpreter_exits(tmp_path):
+    # left to interpreter finalization, gloo can abort a rank with SIGABRT (pytorch/pytorch#190489, issue 16)
+    p = _torchrun(tmp_path, _EXIT_SCRIPT, str(tmp_path))
     assert p.returncode == 0, p.stderr[-2000:]
     for r in (0, 1):
         state, before, at_exit = (tmp_path / f"rank{r}").read_text().split()
@@ -157,16 +162,7 @@ fp.collectives.all_reduce(torch.ones(3), mesh, "dp")  # rank 0 waits here for th
 
 def test_a_rank_that_aborts_leaves_its_python_stack_and_the_survivor_names_the_collective(tmp_path):
     # issue 16: an abort must not be silent; the dying rank says where it was, the others what they were waiting on
-    import subprocess
-    import sys
-
-    script = tmp_path / "job.py"
-    script.write_text(_ABORT_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(script)], env=env, capture_output=True, text=True, timeout=120)
+    p = _torchrun(tmp_path, _ABORT_SCRIPT)
     out = p.stdout + p.stderr
     assert p.returncode != 0
     assert "Fatal Python error: Aborted" in out and "in user_code_that_aborts" in out, out[-3000:]
