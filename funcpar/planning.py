@@ -83,10 +83,11 @@ def _traffic(t: dict[str, float]) -> str:
     return ", ".join(f"{a} {n / 2**20:,.1f} MiB" for a, n in sorted(t.items())) or "none"
 
 
-def trace_plan(model, cfg, step, rows: int, seq_len: int) -> dict[str, Any]:
+def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None) -> dict[str, Any]:
     """:func:`trace_step` of ``step`` (over an abstract mesh) on a token batch of ``rows`` x ``seq_len`` per rank,
-    plus the host runtime's own resident set (``runtime``) where training runs on the host (no CUDA here)."""
-    like = params_like(model, cfg)
+    plus the host runtime's own resident set (``runtime``) where training runs on the host (no CUDA here).
+    ``like``: the model's :func:`params_like`, if the caller has it already."""
+    like = params_like(model, cfg) if like is None else like
     ids = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
     out = trace_step(step, local_params(like, step.specs, step.mesh), {"input_ids": ids, "labels": ids})
     out["runtime"] = 0 if torch.cuda.is_available() else runtime_bytes()
@@ -99,14 +100,13 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     from .tree import leaves_with_path
 
     mesh = step.mesh
-    like = params_like(model, cfg)
-    specs = model.specs(cfg, mesh)
+    like, specs = params_like(model, cfg), step.specs
     print(f"{cfg.model_type} on {mesh!r}: {sum(x.numel() for _, x in leaves_with_path(like)):,} parameters")
     print(sharding_table(like, specs, mesh))
     mem = memory_plan(like, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
     print(f"per rank (zero={zero}, {optimizer}): params {mem['params']:.2f} MiB, grads "
           f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
-    t = trace_plan(model, cfg, step, rows, seq_len)
+    t = trace_plan(model, cfg, step, rows, seq_len, like)
     host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
     print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): activations "
           f"{_mib(t['activations'])} per micro-batch; peak {_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])}"
