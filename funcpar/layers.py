@@ -102,12 +102,13 @@ def vocab_cross_entropy(
 
 
 class _VocabCrossEntropy(torch.autograd.Function):
-    generate_vmap_rule = True  # vmap over it (e.g. per-example gradients) traces its forward and backward
     """Fused: the forward keeps only the logits (and two per-position statistics); the backward writes
     ``(softmax - onehot) * g`` into one new logits-sized tensor. Composed from autograd's primitives the same loss
     holds three more logits-sized tensors (shifted, exponentiated, the gather's scatter), the largest transients of
     a language model's step. Outputs ``(loss, max, sum of exp)``; the two statistics carry no gradient. First order:
     its backward is not differentiable again (vmap over it works)."""
+
+    generate_vmap_rule = True  # vmap over it (e.g. per-example gradients) traces its forward and backward
 
     @staticmethod
     def forward(logits, labels, mesh, axis):
