@@ -10,6 +10,8 @@ from . import data as data
 from . import hf as hf
 from . import layers as layers
 from . import optim as optim
+from . import p2p as p2p
+from . import pipeline as pipeline
 from . import tree as tree
 from .collectives import CollectiveError as CollectiveError
 from .layout import ZeroLayout as ZeroLayout

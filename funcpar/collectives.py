@@ -20,8 +20,8 @@ function                     forward                 backward                typ
 ===========================  ======================  ======================  =====================================
 
 Non-differentiable: :func:`all_reduce` (sum/max/min/avg, over one axis or several, for statistics such as a global
-gradient norm), :func:`broadcast`, and point-to-point :func:`send` / :func:`recv` / :func:`sendrecv` along an axis
-(pipeline stages). Every wait is bounded by the mesh's timeout: a dead or stuck peer becomes an error, not a hang.
+gradient norm) and :func:`broadcast`; point-to-point operations (pipeline stages) live in :mod:`funcpar.p2p`. Every
+wait is bounded by the mesh's timeout: a dead or stuck peer becomes an error, not a hang.
 """
 
 from __future__ import annotations
@@ -46,9 +46,6 @@ __all__ = [
     "reduce_scatter_nograd",
     "broadcast",
     "barrier",
-    "send",
-    "recv",
-    "sendrecv",
     "CollectiveError",
 ]
 
@@ -331,70 +328,3 @@ def broadcast(x: torch.Tensor, mesh: "Mesh", axis: str, src: int = 0) -> torch.T
     work = dist.broadcast(y, src=mesh.group_ranks(axis)[src], group=mesh.group(axis), async_op=True)
     _wait(work, mesh, "broadcast", axis)
     return y
-
-
-def _peer(mesh: "Mesh", axis: str, coord: int, what: str) -> int:
-    n = mesh.axis_size(axis)
-    if not 0 <= coord < n:
-        raise CollectiveError(f"{what}: coordinate {coord} is outside mesh axis '{axis}' of size {n}")
-    if coord == mesh.coord(axis):
-        raise CollectiveError(f"{what}: rank {mesh.rank} cannot exchange with itself along '{axis}'")
-    return mesh.group_ranks(axis)[coord]
-
-
-def sendrecv(
-    mesh: "Mesh",
-    axis: str,
-    sends: Sequence[tuple[torch.Tensor, int]] = (),
-    recvs: Sequence[tuple[torch.Tensor, int]] = (),
-) -> None:
-    """Post every send ``(tensor, dst_coord)`` and receive ``(buffer, src_coord)`` along ``axis`` at once, then wait.
-
-    Coordinates are positions along ``axis`` (pipeline stage numbers for ``"pp"``). Receives fill their buffers in
-    place. Batching both directions in one call cannot deadlock the way blocking send-then-recv pairs can.
-    """
-    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
-    ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
-    if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        _wait(work, mesh, "send/recv", axis)
-
-
-def send(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int) -> None:
-    """Send ``x`` to the rank at coordinate ``dst`` along ``axis``."""
-    sendrecv(mesh, axis, sends=[(x, dst)])
-
-
-def recv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int) -> torch.Tensor:
-    """Receive into ``buf`` (shape and dtype must match what is sent) from coordinate ``src`` along ``axis``."""
-    sendrecv(mesh, axis, recvs=[(buf, src)])
-    return buf
-
-
-def gather_blocks_to(
-    block: torch.Tensor | None, mesh: "Mesh", sources: Sequence[int], dst: int
-) -> list[torch.Tensor] | None:
-    """World-rank gather of one block from each rank in ``sources`` onto rank ``dst`` (blocks of one shape).
-
-    Used by :func:`funcpar.sharding.gather` with ``dst``: only the ranks owning distinct blocks send, so replicated
-    copies never move. Returns the blocks in ``sources`` order on ``dst``, ``None`` elsewhere.
-    """
-    me = mesh.rank
-    if me == dst:
-        out: list[torch.Tensor] = []
-        ops = []
-        for r in sources:
-            if r == me:
-                out.append(block.contiguous())
-            else:
-                buf = torch.empty_like(block, memory_format=torch.contiguous_format)
-                ops.append(dist.P2POp(dist.irecv, buf, r))
-                out.append(buf)
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            _wait(work, mesh, f"gather to rank {dst}", "world")
-        return out
-    if me in sources:
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, block.contiguous(), dst)]):
-            _wait(work, mesh, f"gather to rank {dst}", "world")
-    return None

@@ -126,14 +126,14 @@ class ModelSpec:
         if remat and not self.remat:
             raise ModelError(f"model '{self.name}' does not support remat (activation checkpointing)")
         kw = {"remat": True} if remat else {}
-        return _ModelLoss(self, functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), cfg, mesh)
+        return _ModelLoss(self, functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), cfg, mesh, remat)
 
 
 class _ModelLoss:
     """A model's loss for compile_step: carries its micro-batch weight and, for ``zero=3``, the model it came from."""
 
-    def __init__(self, model: ModelSpec, fn: Callable, cfg: Any, mesh: Any):
-        self.model, self.fn, self.cfg, self.mesh = model, fn, cfg, mesh
+    def __init__(self, model: ModelSpec, fn: Callable, cfg: Any, mesh: Any, remat: bool = False):
+        self.model, self.fn, self.cfg, self.mesh, self.remat = model, fn, cfg, mesh, remat
         self.batch_weight = model.batch_weight
 
     def __call__(self, params, batch):

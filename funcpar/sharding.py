@@ -11,12 +11,13 @@ import optree
 import torch
 
 from . import collectives as C
+from . import p2p as P2P
 from .spec import P, broadcast_specs, global_shape, local_slice, validate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["shard", "gather", "shard_leaf", "gather_leaf", "ShardingError"]
+__all__ = ["shard", "gather", "gathered_leaves", "shard_leaf", "gather_leaf", "ShardingError"]
 
 
 class ShardingError(ValueError):
@@ -53,7 +54,7 @@ def gather_leaf(
     # Only one rank per distinct block sends: the one at coordinate 0 of every axis the spec does not name.
     named = set(spec.axes)
     sources = [r for r in range(mesh.size) if all(mesh.coords_of(r)[a] == 0 for a in mesh.axis_names if a not in named)]
-    blocks = C.gather_blocks_to(x.detach(), mesh, sources, dst)
+    blocks = P2P.gather_blocks_to(x.detach(), mesh, sources, dst)
     if blocks is None:
         return None
     out = x.new_empty(gshape)
@@ -72,13 +73,51 @@ def shard(tree: Any, specs: Any, mesh: "Mesh") -> Any:
 def gather(tree: Any, specs: Any, mesh: "Mesh", dst: int | None = None) -> Any:
     """Local tree -> global tree, on every rank (``dst=None``) or only on global rank ``dst`` (``None`` elsewhere).
 
-    Collective: every rank must call it with the same specs.
+    Collective: every rank must call it with the same specs. On a pipeline mesh each rank passes its stage tree
+    (``None`` for the leaves other stages hold) and gets the whole model's tree.
     """
-    matched = broadcast_specs(specs, tree)
-    _, treedef = optree.tree_flatten(tree)
+    _, treedef = optree.tree_flatten(tree, none_is_leaf=True)
     if dst is not None and not 0 <= dst < mesh.size:
         raise ShardingError(f"gather: dst={dst} is not a rank of {mesh} (ranks 0..{mesh.size - 1})")
-    leaves = [gather_leaf(x, s, mesh, dst, p) for p, s, x in matched]
+    leaves = [g for _, _, g in gathered_leaves(tree, specs, mesh, dst)]
     if dst is not None and mesh.rank != dst:
         return None
     return optree.tree_unflatten(treedef, leaves)
+
+
+class _Absent:
+    """Stands for a leaf another pipeline stage holds, so that specs can be matched against the whole tree."""
+
+    shape = ()
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def gathered_leaves(tree: Any, specs: Any, mesh: "Mesh", dst: int | None = None):
+    """Yield ``(path, spec, global tensor)`` for every leaf of the global tree, one at a time (the tensor only on
+    ``dst`` when given, else on every rank). ``tree`` may be a pipeline stage tree: a leaf another stage holds is
+    ``None`` here and comes from its holder over ``pp`` (its dtype and shape agreed first)."""
+    leaves = optree.tree_leaves(tree, none_is_leaf=True)
+    matched = broadcast_specs(specs, optree.tree_map(lambda x: _Absent() if x is None else x, tree,
+                                                     none_is_leaf=True))
+    if mesh.axis_size("pp") == 1:
+        for p, s, x in matched:
+            yield p, s, gather_leaf(x, s, mesh, dst, p)
+        return
+    desc = torch.full((len(leaves), 3 + 8), -1, dtype=torch.int64)
+    for i, x in enumerate(leaves):
+        if x is not None:
+            desc[i, :3] = torch.tensor([mesh.coord("pp"), _DTYPES.index(x.dtype), x.ndim])
+            desc[i, 3 : 3 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    desc = C.all_reduce(desc.to(mesh.device), mesh, "pp", "max").cpu()  # the last stage holding a leaf sends it
+    for (p, s, x), d in zip(matched, desc.tolist()):
+        if d[0] < 0:
+            raise ShardingError(f"gather: no pipeline stage holds leaf '{p}'")
+        whole = gather_leaf(x, s, mesh, None, p) if x is not None and d[0] == mesh.coord("pp") else None
+        if whole is None:
+            gshape = global_shape(s, d[3 : 3 + d[2]], mesh)
+            whole = torch.empty(gshape, dtype=_DTYPES[d[1]], device=mesh.device)
+        whole = C.broadcast(whole, mesh, "pp", src=d[0])
+        yield p, s, whole if dst is None or mesh.rank == dst else None

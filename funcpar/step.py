@@ -29,16 +29,18 @@ import torch
 
 from . import checkpoint
 from . import collectives as C
+from .batching import batch_items, check_consistency, rows as _rows, split as _split
 from .layout import ZeroLayout
 from .mesh import Mesh
 from .buffers import StateBuffers
 from .model import carried_weight, model_of_loss
+from .pipe import Executor, StagePlan
+from .pipeline import PipelineError, make_schedule
 from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
-from .tree import path_str
 from .zero3 import Zero3Loss, gather_params, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
@@ -48,28 +50,6 @@ def default_optimizer() -> GradientTransformation:
     """The optimizer ``compile_step`` uses when given none: ``adamw(1e-3, weight_decay=0.01)``, the defaults of
     ``torch.optim.AdamW`` (every leaf decayed, as torch's single parameter group)."""
     return adamw(1e-3, weight_decay=0.01)
-
-
-def _batch_items(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    paths, leaves, _ = optree.tree_flatten_with_path(batch)
-    return [(f"batch[{path_str(p)!r}]", x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
-
-
-def _rows(batch: Any) -> int:
-    items = _batch_items(batch)
-    if not items:
-        raise StepError("the batch holds no tensors")
-    n = items[0][1].shape[0]
-    for path, x in items:
-        if x.shape[0] != n:
-            raise StepError(f"batch entries disagree on the batch dimension: {path} has {x.shape[0]} rows, not {n}")
-    return n
-
-
-def _split(batch: Any, n: int) -> list[Any]:
-    treedef = optree.tree_structure(batch)
-    cols = [x.chunk(n, 0) if isinstance(x, torch.Tensor) else [x] * n for x in optree.tree_leaves(batch)]
-    return [optree.tree_unflatten(treedef, [c[i] for c in cols]) for i in range(n)]
 
 
 class Step:
@@ -84,7 +64,8 @@ class Step:
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
-                 offload: str | None = None):
+                 offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
+                 parts: list[int] | None = None):
         mesh = mesh if mesh is not None else Mesh.current()
         if offload not in (None, "cpu"):
             raise StepError(f"offload must be None or 'cpu', got {offload!r}")
@@ -116,6 +97,7 @@ class Step:
         self.buffers: StateBuffers | None = None
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
         self._staged = _zero3_model(loss_fn, zero, param_dtype, offload)
+        self.pipe = _pipeline(loss_fn, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
         self._checked = False
 
     def _scaled_loss(self, params, batch, scale):
@@ -140,6 +122,8 @@ class Step:
         The parameters are copied into the step's flat buffers (see :mod:`funcpar.buffers`)."""
         mixed = self.param_dtype is not None
         units = n_blocks = None
+        if self.pipe is not None:  # this pp rank's stage tree: None for the leaves other stages hold
+            params = self.pipe.plan.select(params)
         if self.zero == 3:
             model, cfg, mesh = self._staged
             paths = [p for p, _, _ in broadcast_specs(self.specs, params)]
@@ -153,6 +137,8 @@ class Step:
         first = next((x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
         masters_on = torch.device("cpu") if self.offload else (first.device if mixed and first is not None else None)
         self._counted = [all(self.mesh.coord(a) == 0 for a in copies) for _, _, copies in lay.leaf_parts()]
+        if self.pipe is not None:  # a tied leaf's gradient is counted on the first stage only
+            self._counted = [c and not u for c, u in zip(self._counted, self.pipe.uncounted(params))]
         self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
         tree, masters = bufs.init(params)
         opt_state = self.optimizer.init(masters if bufs.mixed else lay.unflatten(lay.views(bufs.part_slices())))
@@ -196,6 +182,8 @@ class Step:
             metrics["loss_scale"] = float(loss_scale(inner))
         if self.offload:
             metrics["offload"] = self.offload
+        if self.pipe is not None:  # the share of rank-time spent waiting for a peer; micro-batches held at once
+            metrics |= {"bubble": self._bubble, "in_flight": self.pipe.metrics["in_flight"]}
         if self.has_aux:
             metrics["aux"] = auxes
         return self.buffers.state(inner, state.step + 1), metrics
@@ -216,7 +204,10 @@ class Step:
                 f"{d} x accum_steps = {dp * A}: make it a multiple of {dp * A}"
             )
         if self.check and not self._checked:
-            self._check_consistency(self.layout.treedef.flatten_up_to(state.params), batch)
+            params = None if self.zero == 3 else state.params  # (zero=3 parts differ across the data axes)
+            pp = ("pp",) if self.pipe is not None else ()
+            check_consistency(self.mesh, self.specs, params, batch, self.model_axes + pp,
+                              self.model_axes + self.data_axes)
             self._checked = True
         return rows
 
@@ -234,6 +225,9 @@ class Step:
         # is one micro-batch (reducing before or after a loop of one is the same sum)
         eager = self.zero == 2 or (self.zero == 1 and len(micro) == 1)
         loss_sum, auxes = torch.zeros((), dtype=torch.float64), []
+        if self.pipe is not None:  # every micro-batch through the pipeline, then one reduction per bucket
+            g_leaves, loss_sum = self.pipe.run(params, micro, [wm / total for wm in w.tolist()], scale)
+            return [lay.reduce(b, lay.flat(b, g_leaves, free=True)) for b in lay.buckets], loss_sum, auxes
         for mb, wm in zip(micro, w.tolist()):
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
             grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale)
@@ -256,20 +250,23 @@ class Step:
     def _statistics(self, parts: list[torch.Tensor], loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
         """Reduce: the global gradient norm (every element once), the global loss and whether all is finite."""
         mesh, buckets = self.mesh, self.layout.buckets
-        if self.zero == 3:  # a unit mixes leaves sharded and replicated over the model axes: count per leaf
+        if self.zero == 3 or self.pipe is not None:  # count per leaf (a zero=3 unit mixes leaves sharded and
+            # replicated over the model axes; a pipeline's tied leaf counts on one stage)
             sq = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float32) ** 2 for v, c in
                               zip(self.layout.views(parts), self._counted) if c] or [torch.zeros(())]).sum()
         else:
             sq = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) ** 2 if b.counted
                               else p.new_zeros((), dtype=torch.float32) for b, p in zip(buckets, parts)]).sum()
         # the loss is replicated over the model axes: count it on one rank of each
-        loss_owner = all(mesh.coord(a) == 0 for a in self.model_axes)
+        loss_owner = all(mesh.coord(a) == 0 for a in self.model_axes) and mesh.coord("pp") == mesh.axis_size("pp") - 1
         # the finiteness check only under loss scaling (it costs a pass over the gradients)
         overflow = (torch.stack([(~torch.isfinite(p)).any() for p in parts]).any().double().cpu()
                     if self.loss_scale is not None else torch.zeros((), dtype=torch.float64))
+        bubble = torch.tensor(self.pipe.metrics["bubble"] if self.pipe else 0.0, dtype=torch.float64)
         stats = torch.stack([sq.double().cpu(), loss_sum if loss_owner else torch.zeros((), dtype=torch.float64),
-                             overflow])
-        stats = C.all_reduce(stats.to(mesh.device), mesh, self.data_axes + self.model_axes)
+                             overflow, bubble])
+        stats = C.all_reduce(stats.to(mesh.device), mesh, self.data_axes + self.model_axes + ("pp",))
+        self._bubble = stats[3].item() / mesh.size  # the pipeline's measured bubble, the mean over ranks
         return stats[0].sqrt().float(), stats[1].item(), not stats[2].item() > 0
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
@@ -285,6 +282,8 @@ class Step:
         saved tensors are the step's activations; :func:`funcpar.planning.trace_step` measures them)."""
         if self.layout is None:
             raise StepError("call step.init(params) before step.loss")
+        if self.pipe is not None:  # forward through every stage; the loss on every rank
+            return self.pipe.evaluate(state.params, batch)
         leaves = self.layout.treedef.flatten_up_to(state.params)
         leaves = self.layout.slices_of(leaves) if self.zero == 3 else leaves  # zero=3: the parts, per unit
         leaves = [x.detach().requires_grad_(requires_grad and x.is_floating_point()) for x in leaves]
@@ -303,37 +302,8 @@ class Step:
 
     def _tokens(self, batch: Any, rows: int) -> int:
         """Elements of the batch's first tensor over all data ranks (B x T for token batches)."""
-        first = _batch_items(batch)[0][1]
+        first = batch_items(batch)[0][1]
         return rows * self._data_size() * (first.numel() // max(1, first.shape[0]) if first.ndim > 1 else 1)
-
-    def _check_consistency(self, params_leaves: list[torch.Tensor], batch: Any) -> None:
-        """check=True: the batch agrees across the model axes, replicated leaves along their replicated axes."""
-        mesh = self.mesh
-        items = [(name, x, self.model_axes) for name, x in _batch_items(batch)]
-        if self.zero != 3:  # (zero=3 parts differ across the data axes by design)
-            matched = broadcast_specs(self.specs, self.layout.unflatten(params_leaves))
-            items += [(f"leaf '{p}'", x, tuple(a for a in self.model_axes + self.data_axes if a not in s.axes))
-                      for p, s, x in matched]
-        for axis in self.model_axes + self.data_axes:
-            sel = [(n, x) for n, x, axes in items if axis in axes]
-            if mesh.axis_size(axis) == 1 or not sel:
-                continue
-            v = torch.stack([_checksums(x) for _, x in sel])
-            bad = (C.all_reduce(v, mesh, axis, "max") != C.all_reduce(v, mesh, axis, "min")).any(-1).nonzero()
-            if len(bad):
-                name = sel[int(bad[0])][0]
-                what = "Data inconsistency within the TP group" if axis == "tp" else f"Replicas disagree over {axis}"
-                raise StepError(
-                    f"{what}: {name} differs across mesh axis '{axis}' (group ranks {mesh.group_ranks(axis)}); "
-                    f"every rank of the group must hold the same values"
-                    + (f" (feed every {axis} rank the same batch)" if name.startswith("batch") else "")
-                )
-
-
-def _checksums(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().double().reshape(-1)
-    w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(7.0).add_(1.0)
-    return torch.stack([x.sum(), (x * w).sum()])
 
 
 def _zero3_model(loss_fn: Callable, zero: int, param_dtype, offload):
@@ -349,13 +319,33 @@ def _zero3_model(loss_fn: Callable, zero: int, param_dtype, offload):
     return found
 
 
+def _pipeline(loss_fn: Callable, mesh: Mesh, zero, accum_steps, has_aux, compile, name, chunks, parts):
+    """The executor of this rank's pipeline stage when ``mesh`` has ``pp > 1`` (else ``None``)."""
+    pp = mesh.axis_size("pp")
+    if pp == 1:
+        return None
+    found = model_of_loss(loss_fn)
+    if found is None or found[0].stages is None:
+        raise StepError(f"{mesh!r}: pipeline stages cut the model through its staged form: build the loss with "
+                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
+    for bad, what in ((zero == 3, "zero=3 (use zero=1 or 2: stages already split the parameters)"),
+                      (has_aux, "has_aux"), (compile, "compile=True")):
+        if bad:
+            raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
+    model, cfg, _ = found
+    try:
+        sched = make_schedule(name, pp, accum_steps, chunks if chunks is not None else (2 if name == "interleaved" else 1))
+        plan = StagePlan(model, cfg, mesh, sched.validate(), parts)
+    except PipelineError as e:
+        raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None
+    return Executor(plan, remat_blocks=getattr(loss_fn, "remat", False))
+
+
 def _validate(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss_scale) -> None:
     if zero not in (0, 1, 2, 3):
         raise StepError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise StepError(f"accum_steps must be a positive int, got {accum_steps!r}")
-    if mesh.axis_size("pp") > 1:
-        raise StepError(f"{mesh!r}: compile_step trains without pipeline stages (pp=1)")
     for a in data_axes:
         if a not in mesh.axis_names or a == "pp":
             raise StepError(f"data_axes names '{a}', which is not a data axis of {mesh!r}")
@@ -373,7 +363,8 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
-                 offload: str | None = None) -> Step:
+                 offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
+                 parts: list[int] | None = None) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -392,9 +383,13 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`); ``offload`` (``"cpu"``: this rank's
     optimizer state and master parts live in host memory, pinned on CUDA, and the update runs there, as
     ZeRO-Offload does; the gradient parts go to the host, the updated parts come back. On a CPU-only machine the
-    host is the device: the same code path).
+    host is the device: the same code path). On a mesh with ``pp > 1`` the model's staged form is cut into
+    pipeline stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline``
+    (``"1f1b"``, ``"gpipe"`` or ``"interleaved"``), ``chunks`` (virtual stages per rank, interleaved; default 2),
+    ``parts`` (layers per virtual stage; default balanced).
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
                 bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
-                growth_interval=growth_interval, donate=donate, offload=offload)
+                growth_interval=growth_interval, donate=donate, offload=offload,
+                pipeline=pipeline, chunks=chunks, parts=parts)

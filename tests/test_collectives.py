@@ -10,6 +10,7 @@ import torch
 
 import harness
 from funcpar import collectives as C
+from funcpar import p2p as P2P
 
 NAMES = ["copy_to_region", "reduce_from_region", "all_gather", "reduce_scatter", "scatter_to_region", "gather_from_region"]
 # (mesh sizes, axis, world): tp=2 and tp=4 on their own, and both axes of Mesh(tp=4, dp=2)
@@ -164,14 +165,14 @@ def _p2p(sizes):
     s, n = m.coord("dp"), m.axis_size("dp")
     nxt, prv = (s + 1) % n, (s - 1) % n
     got = torch.empty(3)
-    C.sendrecv(m, "dp", sends=[(torch.full((3,), float(m.rank)), nxt)], recvs=[(got, prv)])
+    P2P.sendrecv(m, "dp", sends=[(torch.full((3,), float(m.rank)), nxt)], recvs=[(got, prv)])
     single = torch.empty(2)
     if s == 0:
-        C.send(torch.tensor([1.0, 2.0]) * m.rank, m, "dp", dst=1)
+        P2P.send(torch.tensor([1.0, 2.0]) * m.rank, m, "dp", dst=1)
     elif s == 1:
-        C.recv(single, m, "dp", src=0)
+        P2P.recv(single, m, "dp", src=0)
     errs = []
-    for bad in (lambda: C.send(got, m, "dp", dst=n), lambda: C.send(got, m, "dp", dst=s)):
+    for bad in (lambda: P2P.send(got, m, "dp", dst=n), lambda: P2P.send(got, m, "dp", dst=s)):
         try:
             bad()
         except C.CollectiveError as e:

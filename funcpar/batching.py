@@ -1,0 +1,68 @@
+"""The train step's batches: their rows, the split into micro-batches, and the ``check=True`` consistency test.
+
+Private to :mod:`funcpar.step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from . import collectives as C
+from .spec import broadcast_specs
+from .state import StepError
+from .tree import path_str
+
+
+def batch_items(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    return [(f"batch[{path_str(p)!r}]", x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
+
+
+def rows(batch: Any) -> int:
+    items = batch_items(batch)
+    if not items:
+        raise StepError("the batch holds no tensors")
+    n = items[0][1].shape[0]
+    for path, x in items:
+        if x.shape[0] != n:
+            raise StepError(f"batch entries disagree on the batch dimension: {path} has {x.shape[0]} rows, not {n}")
+    return n
+
+
+def split(batch: Any, n: int) -> list[Any]:
+    treedef = optree.tree_structure(batch)
+    cols = [x.chunk(n, 0) if isinstance(x, torch.Tensor) else [x] * n for x in optree.tree_leaves(batch)]
+    return [optree.tree_unflatten(treedef, [c[i] for c in cols]) for i in range(n)]
+
+
+def check_consistency(mesh, specs, params: Any | None, batch: Any, batch_axes: tuple[str, ...],
+                      leaf_axes: tuple[str, ...]) -> None:
+    """The batch agrees across ``batch_axes`` (the model axes, and ``pp``), every leaf of ``params`` (whole local
+    leaves; ``None`` to skip) along its replicated axes among ``leaf_axes``; raises naming the first that does not."""
+    items = [(name, x, batch_axes) for name, x in batch_items(batch)]
+    if params is not None:
+        items += [(f"leaf '{p}'", x, tuple(a for a in leaf_axes if a not in s.axes))
+                  for p, s, x in broadcast_specs(specs, params)]
+    for axis in dict.fromkeys(batch_axes + leaf_axes):
+        sel = [(n, x) for n, x, axes in items if axis in axes]
+        if mesh.axis_size(axis) == 1 or not sel:
+            continue
+        v = torch.stack([_checksums(x) for _, x in sel])
+        bad = (C.all_reduce(v, mesh, axis, "max") != C.all_reduce(v, mesh, axis, "min")).any(-1).nonzero()
+        if len(bad):
+            name = sel[int(bad[0])][0]
+            what = "Data inconsistency within the TP group" if axis == "tp" else f"Replicas disagree over {axis}"
+            raise StepError(
+                f"{what}: {name} differs across mesh axis '{axis}' (group ranks {mesh.group_ranks(axis)}); "
+                f"every rank of the group must hold the same values"
+                + (f" (feed every {axis} rank the same batch)" if name.startswith("batch") else "")
+            )
+
+
+def _checksums(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().double().reshape(-1)
+    w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(7.0).add_(1.0)
+    return torch.stack([x.sum(), (x * w).sum()])

@@ -1,0 +1,124 @@
+"""Point-to-point communication along a mesh axis (pipeline stages): the only other caller of torch.distributed
+besides :mod:`funcpar.collectives`, whose bounded waits it shares.
+
+Coordinates are positions along the axis (stage numbers for ``"pp"``). :func:`sendrecv` posts a set of sends and
+receives at once and waits for all of them. The pipeline executor uses the asynchronous pair :func:`isend` /
+:func:`irecv`: each message carries a *tag*, so a receive matches the one send meant for it whatever order the two
+ranks post them in (a pipeline's forward activations and backward gradients cross between the same two ranks), and
+a send is waited for only later (:meth:`Pending.wait`), so two neighbours sending to each other at once cannot
+deadlock. Over an abstract mesh (planning) a send only counts its bytes and a receive leaves its buffer as it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import CollectiveError, _simulated, _wait
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .mesh import Mesh
+
+__all__ = ["send", "recv", "sendrecv", "isend", "irecv", "Pending", "gather_blocks_to"]
+
+
+class Pending:
+    """An asynchronous send or receive; :meth:`wait` (bounded by the mesh's timeout) returns its tensor."""
+
+    def __init__(self, work, tensor: torch.Tensor, mesh: "Mesh", axis: str, what: str):
+        self.work, self.tensor, self.mesh, self.axis, self.what = work, tensor, mesh, axis, what
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            _wait(self.work, self.mesh, self.what, self.axis)
+            self.work = None
+        return self.tensor
+
+
+def _peer(mesh: "Mesh", axis: str, coord: int, what: str) -> int:
+    n = mesh.axis_size(axis)
+    if not 0 <= coord < n:
+        raise CollectiveError(f"{what}: coordinate {coord} is outside mesh axis '{axis}' of size {n}")
+    if coord == mesh.coord(axis):
+        raise CollectiveError(f"{what}: rank {mesh.rank} cannot exchange with itself along '{axis}'")
+    return mesh.group_ranks(axis)[coord]
+
+
+def sendrecv(
+    mesh: "Mesh",
+    axis: str,
+    sends: Sequence[tuple[torch.Tensor, int]] = (),
+    recvs: Sequence[tuple[torch.Tensor, int]] = (),
+) -> None:
+    """Post every send ``(tensor, dst_coord)`` and receive ``(buffer, src_coord)`` along ``axis`` at once, then wait.
+
+    Coordinates are positions along ``axis`` (pipeline stage numbers for ``"pp"``). Receives fill their buffers in
+    place. Batching both directions in one call cannot deadlock the way blocking send-then-recv pairs can.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
+    ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        _wait(work, mesh, "send/recv", axis)
+
+
+def send(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int) -> None:
+    """Send ``x`` to the rank at coordinate ``dst`` along ``axis``."""
+    sendrecv(mesh, axis, sends=[(x, dst)])
+
+
+def recv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int) -> torch.Tensor:
+    """Receive into ``buf`` (shape and dtype must match what is sent) from coordinate ``src`` along ``axis``."""
+    sendrecv(mesh, axis, recvs=[(buf, src)])
+    return buf
+
+
+def gather_blocks_to(
+    block: torch.Tensor | None, mesh: "Mesh", sources: Sequence[int], dst: int
+) -> list[torch.Tensor] | None:
+    """World-rank gather of one block from each rank in ``sources`` onto rank ``dst`` (blocks of one shape).
+
+    Used by :func:`funcpar.sharding.gather` with ``dst``: only the ranks owning distinct blocks send, so replicated
+    copies never move. Returns the blocks in ``sources`` order on ``dst``, ``None`` elsewhere.
+    """
+    me = mesh.rank
+    if me == dst:
+        out: list[torch.Tensor] = []
+        ops = []
+        for r in sources:
+            if r == me:
+                out.append(block.contiguous())
+            else:
+                buf = torch.empty_like(block, memory_format=torch.contiguous_format)
+                ops.append(dist.P2POp(dist.irecv, buf, r))
+                out.append(buf)
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            _wait(work, mesh, f"gather to rank {dst}", "world")
+        return out
+    if me in sources:
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, block.contiguous(), dst)]):
+            _wait(work, mesh, f"gather to rank {dst}", "world")
+    return None
+
+
+def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int) -> Pending:
+    """Start sending ``x`` to coordinate ``dst`` along ``axis`` under ``tag``; ``x`` must not change until the
+    returned :class:`Pending` has been waited for (it keeps a reference)."""
+    x = x.detach().contiguous()
+    if mesh.simulated:
+        _simulated(mesh, axis, 2 * x.numel() * x.element_size())  # (n-1)/n of twice the bytes: the bytes, at n=2
+        return Pending(None, x, mesh, axis, "send")
+    peer = _peer(mesh, axis, dst, "send")
+    return Pending(dist.isend(x, peer, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")
+
+
+def irecv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int) -> Pending:
+    """Start receiving into ``buf`` (the sender's shape and dtype) from coordinate ``src`` along ``axis`` under
+    ``tag``."""
+    if mesh.simulated:
+        return Pending(None, buf, mesh, axis, "recv")
+    peer = _peer(mesh, axis, src, "recv")
+    return Pending(dist.irecv(buf, peer, tag=tag), buf, mesh, axis, f"receive from {axis}={src} (tag {tag})")

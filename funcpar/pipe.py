@@ -1,0 +1,264 @@
+"""Running a pipeline: which leaves a ``pp`` rank holds, and the executor that walks its schedule.
+
+A model's staged form (:class:`funcpar.Stages`: ``embed -> block ... -> head``) is cut into virtual stages
+(:func:`funcpar.pipeline.assign_layers`, balanced or by ``parts``); rank ``r`` of the ``pp`` axis holds the blocks
+of its chunks, the embedding if it holds virtual stage 0 and the head if it holds the last one. Its *stage tree* is
+the model's parameter tree with ``None`` for every leaf another stage holds, so paths, checkpoints and the
+optimizer state keep the global structure (``layers.5.wq`` is ``layers.5.wq`` at any ``pp``). A tied embedding is
+held by the first and the last stage, and its gradient is summed over the two (as Megatron does).
+
+:class:`Executor` runs one step's micro-batches through :attr:`StagePlan.schedule`: per action ``F(m, c)`` it
+receives the input activation from the rank holding the previous virtual stage (or embeds micro-batch ``m``), runs
+the chunk's blocks with autograd recording, keeps the input and the output, and sends the output on; per
+``B(m, c)`` it receives the output's gradient (or starts from the weighted loss), runs the chunk's backward (each
+parameter's ``.grad`` accumulates over micro-batches; the saved activations are freed as they are used), and sends
+the input's gradient back. Gradients are those of ``sum_m w_m loss_m``, as the unpipelined step computes them. Sends
+are asynchronous and every message is tagged (:mod:`funcpar.p2p`); a rank waits only where its next action needs
+data. The executor measures the time it spends waiting (the *bubble*) and the most micro-batches it holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import optree
+import torch
+
+from . import collectives as C
+from . import p2p
+from .pipeline import Schedule, assign_layers
+from .remat import remat
+from .state import StepError
+
+__all__ = ["StagePlan", "Executor"]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_MAX_DIMS = 8
+
+
+def _key(entry: Any) -> Any:
+    return getattr(entry, "key", getattr(entry, "idx", entry))
+
+
+class StagePlan:
+    """Which virtual stages, layers and leaves this ``pp`` rank holds (the model's staged form over ``schedule``)."""
+
+    def __init__(self, model, cfg: Any, mesh, schedule: Schedule, parts: list[int] | None = None):
+        st = model.stages
+        self.model, self.stages, self.cfg, self.mesh, self.schedule = model, st, cfg, mesh, schedule
+        self.shapes = model.init(cfg, device="meta")
+        self.n_layers = len(self.shapes[st.layers])
+        self.ranges = assign_layers(self.n_layers, schedule.virtual_stages, parts)
+        self.rank, self.pp, self.V = mesh.coord("pp"), mesh.axis_size("pp"), schedule.virtual_stages
+        self.virtual = [schedule.stage_of(self.rank, c) for c in range(schedule.chunks)]
+        self.embed_names, self.head_names = set(st.embed_leaves(cfg)), set(st.head_leaves(cfg))
+        self.tied = sorted(self.embed_names & self.head_names) if self.pp > 1 else []
+        for name in self.shapes:
+            if name != st.layers and name not in self.embed_names | self.head_names:
+                raise StepError(f"model '{model.name}': its staged form does not say which stage holds leaf "
+                                f"'{name}' (Stages.embed_leaves / head_leaves)")
+
+    def holds(self, path: tuple) -> bool:
+        """Whether this rank holds the leaf at ``path`` (a path of the model's parameter tree)."""
+        top = _key(path[0])
+        if top == self.stages.layers:
+            i = _key(path[1])
+            return any(i in self.ranges[v] for v in self.virtual)
+        return (top in self.embed_names and 0 in self.virtual) or (top in self.head_names and self.V - 1 in self.virtual)
+
+    def holds_path(self, path: str) -> bool:
+        """:meth:`holds` for a dotted path string (``"layers.3.wq"``)."""
+        parts = path.split(".")
+        return self.holds(tuple(int(p) if p.isdigit() else p for p in parts))
+
+    def select(self, tree: Any) -> Any:
+        """``tree`` (shaped like the model's parameters, or a stage tree) with ``None`` for the leaves this rank does
+        not hold; raises naming the first leaf it holds that ``tree`` lacks."""
+        def pick(path, x):
+            if not self.holds(path):
+                return None
+            if x is None:
+                raise StepError(f"pipeline stage {self.rank}: the parameters lack leaf "
+                                f"'{'.'.join(str(_key(k)) for k in path)}', which this stage holds")
+            return x
+
+        return optree.tree_map_with_path(pick, tree, none_is_leaf=True)
+
+    def describe(self) -> str:
+        """One line per rank: its virtual stages and their layers."""
+        lines = []
+        for r in range(self.pp):
+            parts = []
+            for c in range(self.schedule.chunks):
+                v = self.schedule.stage_of(r, c)
+                rg = self.ranges[v]
+                what = [f"layers {rg.start}-{rg.stop - 1}" if len(rg) > 1 else f"layer {rg.start}"]
+                what = (["embed"] if v == 0 else []) + what + (["head"] if v == self.V - 1 else [])
+                parts.append(f"stage {v}: " + " + ".join(what))
+            lines.append(f"pp rank {r}: " + "; ".join(parts))
+        return "\n".join(lines)
+
+
+def _signature(mb: Any) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype)) for x in optree.tree_leaves(mb) if isinstance(x, torch.Tensor))
+
+
+class Executor:
+    """Runs a :class:`StagePlan`'s schedule over one step's micro-batches on this rank (see the module docstring)."""
+
+    def __init__(self, plan: StagePlan, remat_blocks: bool = False):
+        self.plan, self.mesh, self.remat = plan, plan.mesh, remat_blocks
+        self._shapes: dict[tuple, tuple[torch.dtype, tuple[int, ...]]] = {}  # (v, batch signature) -> input
+        self.metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------- chunk passes
+    def _blocks(self, params: Any, x: torch.Tensor, v: int) -> torch.Tensor:
+        st, cfg, mesh = self.plan.stages, self.plan.cfg, self.mesh
+        for i in self.plan.ranges[v]:
+            fn = functools.partial(_block_call, st.block, i, cfg, mesh)
+            x = remat(fn)(params[st.layers][i], x) if self.remat else fn(params[st.layers][i], x)
+        return x
+
+    def _tag(self, kind: int, m: int, v: int) -> int:
+        return 3 * (m * self.plan.V + v) + kind
+
+    def _peer(self, v: int) -> int:
+        return v % self.plan.pp
+
+    def _recv_input(self, v: int, m: int, sig: tuple) -> torch.Tensor:
+        """The activation virtual stage ``v - 1`` sent for micro-batch ``m`` (its shape sent once per batch shape)."""
+        key = (v, sig)
+        if key not in self._shapes:
+            head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+            self._wait(p2p.irecv(head, self.mesh, "pp", self._peer(v - 1), self._tag(1, m, v - 1)))
+            n = int(head[1])
+            self._shapes[key] = (_DTYPES[int(head[0])], tuple(int(d) for d in head[2 : 2 + n]))
+        dtype, shape = self._shapes[key]
+        buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+        return self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v - 1), self._tag(0, m, v - 1)))
+
+    def _send_output(self, y: torch.Tensor, v: int, m: int, sig: tuple) -> None:
+        key = (v + 1, sig)
+        if key not in self._shapes:
+            if y.dtype not in _DTYPES or y.ndim > _MAX_DIMS:
+                raise StepError(f"pipeline stage {v}: the carry between stages is a {y.dtype} tensor of shape "
+                                f"{tuple(y.shape)}; stages exchange floating tensors of at most {_MAX_DIMS} dims")
+            head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+            head[0], head[1] = _DTYPES.index(y.dtype), y.ndim
+            head[2 : 2 + y.ndim] = torch.tensor(y.shape)
+            self._sends.append(p2p.isend(head, self.mesh, "pp", self._peer(v + 1), self._tag(1, m, v)))
+            self._shapes[key] = (y.dtype, tuple(y.shape))
+        self._sends.append(p2p.isend(y, self.mesh, "pp", self._peer(v + 1), self._tag(0, m, v)))
+
+    def _wait(self, pending: p2p.Pending) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = pending.wait()
+        self._waited += time.perf_counter() - t0
+        return out
+
+    def _forward(self, params, mb, v: int, m: int, weight: torch.Tensor | None):
+        st, cfg, mesh, last = self.plan.stages, self.plan.cfg, self.mesh, v == self.plan.V - 1
+        sig = _signature(mb)
+        x_in = None
+        if v == 0:
+            x = st.embed(params, mb, cfg, mesh)
+        else:
+            x_in = self._recv_input(v, m, sig).requires_grad_(True)
+            x = x_in
+        y = self._blocks(params, x, v)
+        if not last:
+            self._send_output(y.detach(), v, m, sig)
+            return x_in, y, None
+        loss = st.head(params, y, mb, cfg, mesh)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise StepError("the model's head must return a scalar loss")
+        return x_in, loss * weight if weight is not None else loss, loss.detach()
+
+    def _backward(self, x_in, y, v: int, m: int) -> None:
+        if v == self.plan.V - 1:
+            grad = None
+        else:
+            buf = torch.empty_like(y)
+            grad = self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v + 1), self._tag(2, m, v + 1)))
+        if y.requires_grad:
+            torch.autograd.backward(y, grad)
+        if x_in is not None:
+            g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+            self._sends.append(p2p.isend(g, self.mesh, "pp", self._peer(v - 1), self._tag(2, m, v)))
+
+    # ------------------------------------------------------------------------------------------------ a step
+    def run(self, params: Any, micro: list, shares: list[float], scale: torch.Tensor
+            ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Gradients of ``scale * sum_m shares[m] * loss_m`` for this rank's leaves (in ``params``' leaf order, tied
+        leaves summed over the first and last stage) and ``sum_m shares[m] * loss_m`` (on the last stage, else 0)."""
+        plan = self.plan
+        leaves, treedef = optree.tree_flatten(params)
+        leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+        tree = optree.tree_unflatten(treedef, leaves)
+        self._sends, self._waited = [], 0.0
+        held: dict[tuple[int, int], tuple] = {}
+        peak, loss_sum = 0, torch.zeros((), dtype=torch.float64)
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            for a in plan.schedule.actions[plan.rank]:
+                v = plan.schedule.stage_of(plan.rank, a.chunk)
+                if a.kind == "F":
+                    weight = torch.tensor(shares[a.micro], dtype=torch.float32) * scale
+                    x_in, y, loss = self._forward(tree, micro[a.micro], v, a.micro, weight)
+                    held[(a.micro, a.chunk)] = (x_in, y)
+                    peak = max(peak, len(held))
+                    if loss is not None:
+                        loss_sum += loss.double().cpu() * shares[a.micro]
+                else:
+                    x_in, y = held.pop((a.micro, a.chunk))
+                    self._backward(x_in, y, v, a.micro)
+                    del x_in, y
+        for s in self._sends:
+            self._wait(s)
+        self._sends = []
+        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        self._sum_tied(params, grads)
+        total = time.perf_counter() - t0
+        self.metrics = {"bubble": self._waited / total if total > 0 else 0.0, "in_flight": peak}
+        return grads, loss_sum
+
+    def _sum_tied(self, params: Any, grads: list[torch.Tensor]) -> None:
+        """A leaf held by the first and the last stage (a tied embedding): both get the sum of their gradients."""
+        plan = self.plan
+        if not plan.tied or plan.rank not in (0, plan.pp - 1):
+            return
+        paths = [_key(p[0]) for p in optree.tree_paths(params)]
+        other = plan.pp - 1 if plan.rank == 0 else 0
+        for i, top in enumerate(paths):
+            if top in plan.tied:
+                theirs = torch.empty_like(grads[i])
+                p2p.sendrecv(self.mesh, "pp", sends=[(grads[i], other)], recvs=[(theirs, other)])
+                # a + b on one stage, b + a on the other: the same bits (float addition commutes)
+                grads[i] = grads[i] + theirs
+
+    def uncounted(self, params: Any) -> list[bool]:
+        """Per leaf of ``params``: whether its gradient norm is counted elsewhere (a tied leaf's copy on the last
+        stage, counted on the first)."""
+        return [bool(self.plan.tied) and self.plan.rank == self.plan.pp - 1 and _key(p[0]) in self.plan.tied
+                for p in optree.tree_paths(params)]
+
+    def evaluate(self, params: Any, batch: Any) -> torch.Tensor:
+        """The model's loss on ``batch`` (one micro-batch, forward only through every stage), on every pp rank."""
+        plan, sig = self.plan, _signature(batch)
+        self._sends, self._waited = [], 0.0
+        loss = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        with torch.no_grad():
+            for v in plan.virtual:
+                _, y, value = self._forward(params, batch, v, 0, None)
+                if value is not None:
+                    loss = value.float()
+        for s in self._sends:
+            s.wait()
+        self._sends = []
+        return C.all_reduce(loss, self.mesh, "pp")
+
+
+def _block_call(block: Callable, index: int, cfg: Any, mesh, lp: Any, x: torch.Tensor) -> torch.Tensor:
+    return block(lp, x, index, cfg, mesh)
