@@ -220,9 +220,15 @@ class Executor:
         self._sends = []
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
         self._sum_tied(params, grads)
-        total = time.perf_counter() - t0
-        self.metrics = {"bubble": self._waited / total if total > 0 else 0.0, "in_flight": peak}
+        self.metrics = {"bubble": self._bubble(time.perf_counter() - t0), "in_flight": peak}
         return grads, loss_sum
+
+    def _bubble(self, total: float) -> float:
+        """The share of the pipeline's rank-time spent idle: ``1 - sum(busy) / (pp * makespan)``, the makespan the
+        longest rank's walk through its actions (a rank done early idles until then), busy what it did not wait."""
+        longest = C.all_reduce(torch.tensor([total], dtype=torch.float64), self.mesh, "pp", "max").item()
+        busy = C.all_reduce(torch.tensor([total - self._waited], dtype=torch.float64), self.mesh, "pp").item()
+        return 1.0 - busy / (self.plan.pp * longest) if longest > 0 else 0.0
 
     def _sum_tied(self, params: Any, grads: list[torch.Tensor]) -> None:
         """A leaf held by the first and the last stage (a tied embedding): both get the sum of their gradients."""

@@ -5,14 +5,18 @@ tied-embedding Llama and GPT-2 (tied): per-step losses and the gathered paramete
 clipping) must equal the single-process run's.
 """
 
+import dataclasses
 import functools
 import math
+import statistics
+import time
 
 import pytest
 import torch
 
 import funcpar as fp
 import harness
+import tinylm
 from funcpar.models import gpt2, llama
 
 V, B, T, LAYERS = 96, 16, 8, 8
@@ -115,3 +119,118 @@ def test_every_schedule_trains_as_the_single_process_run(sizes):
         if pipeline == "gpipe":
             assert min(held) == micro
         assert all(0.0 <= b < 1.0 for b in bubbles), f"{what}: bubble {bubbles}"
+
+
+def _variants(runs):
+    mesh = harness.mesh(pp=2, dp=2)
+    out = []
+    for kw in runs:
+        kw = dict(kw)
+        losses, params, metrics = train(kw.pop("name", "llama"), mesh, kw.pop("micro", 4), kw.pop("pipeline", "1f1b"),
+                                        kw.pop("chunks", None), **kw)
+        out.append((losses, params, metrics[-1]))
+    return out if mesh.rank == 0 else None
+
+
+VARIANTS = [
+    {"zero": 0}, {"zero": 2}, {"remat": True}, {"name": "llama-tied", "remat": True, "pipeline": "interleaved", "chunks": 2},
+    {"parts": [1, 7]}, {"parts": [5, 3], "name": "llama-tied"},
+    {"pipeline": "interleaved", "chunks": 2, "parts": [1, 3, 3, 1]}, {"pipeline": "interleaved", "chunks": 4},
+    {"offload": "cpu"},
+]
+
+
+def test_zero_stages_remat_offload_and_uneven_parts_train_as_the_single_process_run():
+    results = harness.run(4, _variants, VARIANTS)[0]
+    for kw, (losses, params, _) in zip(VARIANTS, results):
+        ref = reference(kw.get("name", "llama"), kw.get("micro", 4))
+        assert_equal_runs((losses, params), ref, f"pp=2 dp=2 {kw}")
+
+
+MIXED = [{"param_dtype": torch.bfloat16}, {"param_dtype": torch.float16}]
+
+
+def test_mixed_precision_through_the_pipeline_tracks_the_single_process_run():
+    results = harness.run(4, _variants, MIXED)[0]
+    for kw, (losses, _, last) in zip(MIXED, results):
+        single, _, ms = train("llama", fp.Mesh(), 4, **kw)
+        for a, b in zip(losses, single):
+            assert abs(a - b) <= 5e-3 * b, (kw, losses, single)  # low-precision round-off, nothing more
+        assert "loss_scale" in last and (kw["param_dtype"] != torch.float16 or last["loss_scale"] > 1)
+
+
+def test_stage_plans_name_the_numbers_that_do_not_fit():
+    mesh = fp.Mesh.abstract(pp=2)
+    with pytest.raises(fp.StepError, match=r"parts \[3, 3\] sum to 6 but the model has 8 layers"):
+        make("llama", mesh, 4, parts=[3, 3])
+    with pytest.raises(fp.StepError, match=r"parts has 3 entries for 2 stages"):
+        make("llama", mesh, 4, parts=[3, 3, 2])
+    with pytest.raises(fp.StepError, match=r"stage 1 needs at least one layer"):
+        make("llama", mesh, 4, parts=[8, 0])
+    with pytest.raises(fp.StepError, match=r"16 pipeline stages but the model has only 8 layers"):
+        make("llama", mesh, 4, pipeline="interleaved", chunks=8)
+    with pytest.raises(fp.StepError, match=r"n_micro=3 is not a multiple of pp=2"):
+        make("llama", mesh, 3, pipeline="interleaved", chunks=2)
+    with pytest.raises(fp.StepError, match=r"unknown pipeline schedule 'zb'"):
+        make("llama", mesh, 4, pipeline="zb")
+    with pytest.raises(fp.StepError, match=r"zero=3"):
+        make("llama", mesh, 4, zero=3)
+    step, *_ = make("llama", fp.Mesh.abstract(pp=4), 4, parts=[1, 1, 1, 5])
+    assert step.pipe.plan.describe().splitlines() == [
+        "pp rank 0: stage 0: embed + layer 0", "pp rank 1: stage 1: layer 1", "pp rank 2: stage 2: layer 2",
+        "pp rank 3: stage 3: layers 3-7 + head"]
+
+
+class _Busy(torch.autograd.Function):
+    """Holds its rank for a fixed time, forward and (twice as long) backward, as a block's compute would: the measured
+    bubble then depends on the schedule alone, not on how busy the machine is."""
+
+    @staticmethod
+    def forward(x):
+        time.sleep(BUSY_S)
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(2 * BUSY_S)
+        return g
+
+
+BUSY_S = 0.006
+
+
+def _busy_block(lp, x, i, cfg, mesh):
+    return _Busy.apply(tinylm._block(lp, x, i, cfg, mesh))
+
+
+def _bubbles(micro):
+    mesh = harness.mesh(pp=2)
+    model = dataclasses.replace(tinylm.MODEL, name="busy", stages=dataclasses.replace(tinylm.MODEL.stages,
+                                                                                      block=_busy_block))
+    cfg = tinylm.Config(vocab_size=V, d_model=16, d_hidden=32, n_layers=LAYERS)
+    specs = model.specs(cfg, mesh)
+    ids = torch.randint(0, V, (micro, T), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for pipeline, chunks in SCHEDULES:
+        step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, accum_steps=micro, pipeline=pipeline,
+                               chunks=chunks)
+        state = step.init(fp.shard(model.init(cfg), specs, mesh))
+        measured = []
+        for _ in range(4):
+            state, m = step(state, {"input_ids": ids})
+            measured.append(m["bubble"])
+        out[pipeline] = statistics.median(measured[1:])
+    return out
+
+
+def test_the_measured_bubble_follows_the_schedule_and_interleaving_shrinks_it():
+    for micro in (4, 8):
+        measured = harness.run(2, _bubbles, micro)[0]
+        for pipeline, chunks in SCHEDULES:
+            planned = fp.pipeline.make_schedule(pipeline, 2, micro, chunks or 1).simulate()["bubble"]
+            assert abs(measured[pipeline] - planned) <= 0.05, (micro, pipeline, measured, planned)
+        assert measured["interleaved"] < measured["1f1b"] - 0.03, (micro, measured)
