@@ -345,7 +345,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per job")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per job")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per job (the first gives the first loss)")
     ap.add_argument("--repeats", type=int, default=2, help="jobs per configuration, in alternating order")
     ap.add_argument("--runs", default=None, help=f"comma-separated, of {', '.join(KINDS)} "
@@ -452,6 +452,10 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
         verdict = (f"MISMATCH in {', '.join(mismatch)} (tolerance {args.tol:.0e} relative)" if mismatch
                    else f"all agree within {args.tol:.0e}")
         print(f"first-step losses: max relative spread {worst:.2e}: {verdict}")
+        ref_losses = next(r["losses"] for r in rows if r["kind"] == ref_kind)
+        later = [abs(a - b) / abs(b) for r in rows if "losses" in r for a, b in zip(r["losses"], ref_losses)]
+        print(f"losses of every step (after the updates too) vs {ref_kind}: max relative difference {max(later):.2e} "
+              "(informational: the same optimizer from the same state should keep them close)")
     for row in rows:
         if "losses" in row:
             print(f"  losses {row['kind']:<18} " + " ".join(f"{x:.4f}" for x in row["losses"]))

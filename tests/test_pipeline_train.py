@@ -233,4 +233,4 @@ def test_the_measured_bubble_follows_the_schedule_and_interleaving_shrinks_it():
         for pipeline, chunks in SCHEDULES:
             planned = fp.pipeline.make_schedule(pipeline, 2, micro, chunks or 1).simulate()["bubble"]
             assert abs(measured[pipeline] - planned) <= 0.05, (micro, pipeline, measured, planned)
-        assert measured["interleaved"] < measured["1f1b"] - 0.03, (micro, measured)
+        assert measured["interleaved"] < measured["1f1b"] - 0.01, (micro, measured)
