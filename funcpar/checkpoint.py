@@ -53,12 +53,15 @@ def _opt_param_index(opt_state: Any, params: Any) -> list[int | None]:
     """For each optimizer-state leaf: the index of the parameter it shadows, i.e. its position in a subtree shaped
     like the params (``None`` where a masked optimizer keeps no state for a frozen leaf); ``None`` otherwise."""
     p_treedef = optree.tree_structure(params, none_is_leaf=True)
+    # a pipeline stage's params hold None for the leaves other stages hold: positions -> layout leaf indices
+    held = [i for i, x in enumerate(optree.tree_leaves(params, none_is_leaf=True)) if x is not None]
+    index = {pos: k for k, pos in enumerate(held)}
     out: list[int | None] = []
 
     def walk(node):
         if optree.tree_structure(node, none_is_leaf=True) == p_treedef:
             vals = optree.tree_leaves(node, none_is_leaf=True)
-            out.extend(i for i, v in enumerate(vals) if v is not None)
+            out.extend(index[i] for i, v in enumerate(vals) if v is not None)
         elif optree.treespec_is_leaf(optree.tree_structure(node)):
             out.append(None)
         else:
@@ -123,26 +126,31 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
         from safetensors.torch import save_file
 
         tensors: dict[str, torch.Tensor] = {}
-        params_meta.extend(_param_pieces(state, layout, mesh, fname, tensors))
-        opt_meta = _opt_pieces(state, layout, mesh, params_meta, fname, tensors)
+        # a pipeline's tied leaf is held by two stages: the first writes it
+        elsewhere = step.pipe.uncounted(state.params) if getattr(step, "pipe", None) is not None else None
+        params_meta.extend(_param_pieces(state, layout, mesh, fname, tensors, elsewhere))
+        opt_meta = _opt_pieces(state, layout, mesh, params_meta, fname, tensors, elsewhere)
         rng, state_bytes = f"rng/torch/{mesh.rank}", torch.get_rng_state()
         n = state_bytes.numel()
         tensors[rng] = (state_bytes, [_piece(rng, fname, state_bytes, [[0, n]], [0, n])])
         save_file({k: t for k, (t, _) in tensors.items()}, str(tmp / fname), metadata={"format": FORMAT})
         pieces = [pc for _, pcs in tensors.values() for pc in pcs]
-        (tmp / f"rank-{mesh.rank:05d}.json").write_text(json.dumps({"pieces": pieces, "opt": opt_meta}))
+        (tmp / f"rank-{mesh.rank:05d}.json").write_text(json.dumps({"pieces": pieces, "opt": opt_meta,
+                                                                     "params": params_meta}))
 
     def finalize(tmp: Path) -> None:
-        all_pieces, opt_meta = [], None
+        # every rank's view (pipeline stages hold different leaves), merged by path in rank (= stage) order
+        all_pieces, opt_meta, params_meta = [], {}, {}
         for r in range(mesh.size):
             side = tmp / f"rank-{r:05d}.json"
             got = json.loads(side.read_text())
             all_pieces += got["pieces"]
-            opt_meta = got["opt"] if r == 0 else opt_meta
+            opt_meta |= {o["path"]: o for o in got["opt"] if o["path"] not in opt_meta}
+            params_meta |= {p["path"]: p for p in got["params"] if p["path"] not in params_meta}
             side.unlink()
         meta = {
             "format": FORMAT, "complete": True, "step": int(state.step), "mesh": mesh.shape, "zero": layout.zero,
-            "world": mesh.size, "params": params_meta, "opt": opt_meta,
+            "world": mesh.size, "params": list(params_meta.values()), "opt": list(opt_meta.values()),
             "optimizer": _state_types(state.opt_state), "pieces": all_pieces, "extra": extra,
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
@@ -161,22 +169,25 @@ def _piece(key: str, fname: str, t: torch.Tensor, block: list, flat: list[int]) 
     return {"tensor": key, "file": fname, "key": key, "block": block, "flat": flat, "crc": _crc(t)}
 
 
-def _param_pieces(state: TrainState, layout: ZeroLayout, mesh: Mesh, fname: str, tensors: dict) -> list[dict]:
+def _param_pieces(state: TrainState, layout: ZeroLayout, mesh: Mesh, fname: str, tensors: dict,
+                  elsewhere: list[bool] | None) -> list[dict]:
     """Each parameter's metadata; the blocks this rank owns (one replica writes a replicated block; at ``zero=3``
-    each rank its part) into ``tensors`` as ``key -> (flat tensor, [piece])``."""
+    each rank its part; ``elsewhere[i]``: another pipeline stage writes leaf ``i``) into ``tensors`` as
+    ``key -> (flat tensor, [piece])``."""
     meta, parts = [], layout.leaf_parts()
     for i, (p, x, spec) in enumerate(zip(layout.paths, layout.treedef.flatten_up_to(state.params), layout.specs)):
         gshape = list(global_shape(spec, layout.shapes[i], mesh))
         meta.append({"path": p, "shape": gshape, "dtype": _dtype_name(x.dtype), "spec": list(spec.dims)})
         a, z, copies = parts[i] if layout.zero == 3 else (0, x.numel(), tuple(a for a in mesh.axis_names
-                                                                              if a not in spec.axes))
-        if z > a and _owner(mesh, copies + ("pp",)):
+                                                                              if a not in spec.axes + ("pp",)))
+        if z > a and _owner(mesh, copies) and not (elsewhere and elsewhere[i]):
             key, t = f"param/{p}", x.detach().reshape(-1).contiguous().cpu()
             tensors[key] = (t, [_piece(key, fname, t, _block(spec, gshape, mesh), [a, z])])
     return meta
 
 
-def _opt_pieces(state, layout: ZeroLayout, mesh: Mesh, params_meta: list[dict], fname: str, tensors: dict):
+def _opt_pieces(state, layout: ZeroLayout, mesh: Mesh, params_meta: list[dict], fname: str, tensors: dict,
+                elsewhere: list[bool] | None):
     """Each optimizer-state leaf's metadata; this rank's ZeRO parts (one replica of each) into ``tensors``."""
     meta, parts = [], layout.leaf_parts()
     index = _opt_param_index(state.opt_state, state.params)
@@ -189,7 +200,7 @@ def _opt_pieces(state, layout: ZeroLayout, mesh: Mesh, params_meta: list[dict], 
             continue
         a, z, copies = parts[i]
         meta.append({"path": op, "param": layout.paths[i], "dtype": _dtype_name(x.dtype)})
-        if z > a and _owner(mesh, copies + ("pp",)):
+        if z > a and _owner(mesh, copies) and not (elsewhere and elsewhere[i]):
             block = _block(layout.specs[i], params_meta[i]["shape"], mesh)
             tensors[key] = (t, [_piece(key, fname, t, block, [a, z])])
     return meta
@@ -212,7 +223,9 @@ def _apply_keep(current: Path, keep: int) -> None:
 # ---------------------------------------------------------------------------------------------------- load
 
 
-def _check_params(src: _Source, paths: list[str], gshapes: list[list[int]]) -> dict:
+def _check_params(src: _Source, paths: list[str], gshapes: list[list[int]], known: list[str] | None = None) -> dict:
+    """The saved parameters' metadata by path, checked against the leaves to load (``paths`` of ``gshapes``) and
+    the model's whole set of leaves (``known``, default ``paths``: a pipeline stage loads some of them)."""
     saved = {p["path"]: p for p in src.meta["params"]}
     for p, g in zip(paths, gshapes):
         if p not in saved:
@@ -225,7 +238,7 @@ def _check_params(src: _Source, paths: list[str], gshapes: list[list[int]]) -> d
                 f"checkpoint {src.folder} is from another model: leaf '{p}' has shape {saved[p]['shape']} there, "
                 f"the model expects {list(g)}"
             )
-    extra = [p for p in saved if p not in set(paths)]
+    extra = [p for p in saved if p not in set(known or paths)]
     if extra:
         raise CheckpointError(f"checkpoint {src.folder} is from another model: it has leaf '{extra[0]}', which the model lacks")
     return saved
@@ -265,7 +278,8 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     src = _Source(path)
     lay = step.layout
     gshapes = [list(global_shape(spec, s, mesh)) for s, spec in zip(lay.shapes, lay.specs)]
-    saved = _check_params(src, list(lay.paths), gshapes)
+    known = [p for p, _ in leaves_with_path(step.pipe.plan.shapes)] if getattr(step, "pipe", None) else None
+    saved = _check_params(src, list(lay.paths), gshapes, known)
     leaves = []
     for p, spec, g, s in zip(lay.paths, lay.specs, gshapes, lay.shapes):
         t = src.assemble(f"param/{p}", _block(spec, g, mesh), 0, math.prod(s), getattr(torch, saved[p]["dtype"]))
@@ -275,7 +289,7 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     if not src.meta["opt"]:  # parameters only (e.g. from `funcpar convert`): a fresh optimizer
         opt_state = fresh.opt_state
     else:
-        opt_state = _load_opt(src, step.layout, fresh, gshapes, mesh)
+        opt_state = _load_opt(src, step.layout, fresh, gshapes, mesh, known is not None)
     if restore_rng:
         _restore_rng(src, mesh)
     if stats is not None:
@@ -284,11 +298,14 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     return TrainState(fresh.params, opt_state, int(src.meta["step"])), src.meta.get("extra")
 
 
-def _load_opt(src: _Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, mesh: Mesh) -> Any:
+def _load_opt(src: _Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, mesh: Mesh, staged: bool) -> Any:
     """This rank's ZeRO parts of the saved optimizer state, in the structure of ``fresh.opt_state``."""
     o_paths = _paths(fresh.opt_state)
     saved_opt = [o["path"] for o in src.meta["opt"]]
-    if saved_opt != o_paths:
+    # the same optimizer's state leaves (a pipeline stage loads its own leaves' state; saved across stages, the
+    # list is in stage order)
+    fits = set(o_paths) <= set(saved_opt) if staged else set(o_paths) == set(saved_opt)
+    if not fits:
         first = next((i for i, (x, y) in enumerate(zip(saved_opt, o_paths)) if x != y), min(len(saved_opt), len(o_paths)))
         have = saved_opt[first] if first < len(saved_opt) else "(absent)"
         want = o_paths[first] if first < len(o_paths) else "(absent)"

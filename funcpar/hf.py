@@ -33,8 +33,9 @@ from ._safetensors import _Tensor, read_block, read_header
 from .atomic import write_folder
 from .mesh import Mesh
 from .model import ModelSpec, get_model, known_models
-from .sharding import gather_leaf
+from .sharding import gathered_leaves
 from .spec import P, broadcast_specs, local_slice
+from .tree import leaves_with_path
 
 __all__ = ["load", "save", "auto_specs", "HFError"]
 
@@ -198,12 +199,15 @@ def load(
     specs: Any = None,
     dtype: torch.dtype | None = None,
     stats: dict | None = None,
+    keep: Any = None,
 ):
     """``(params, cfg)``: this rank's shards of the checkpoint in ``path``, as ``model`` lays them out.
 
     ``model`` (a :class:`funcpar.ModelSpec`, a model module or a registered name) defaults to the registered model
     of the folder's ``model_type``; ``specs`` to ``model.specs(cfg, mesh)``; ``dtype`` to the checkpoint's. Pass a
-    dict as ``stats`` to get ``bytes_read`` (tensor bytes this rank read).
+    dict as ``stats`` to get ``bytes_read`` (tensor bytes this rank read). ``keep(path) -> bool`` reads only the
+    leaves it accepts, the others are ``None``: a pipeline stage's with ``keep=step.holds`` (see
+    :meth:`funcpar.Step.holds`).
     """
     folder = Path(path)
     raw = _read_config(folder)
@@ -218,7 +222,8 @@ def load(
     plan = _plan(model, [p for p, _, _ in leaves], cfg)
     reader = _Reader(folder)
     _check(reader, folder, model, cfg, leaves, plan)
-    out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) for (p, spec, meta), mp in zip(leaves, plan)]
+    out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) if keep is None or keep(p) else None
+           for (p, spec, meta), mp in zip(leaves, plan)]
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
     return optree.tree_unflatten(optree.tree_structure(shapes), out), cfg
@@ -302,21 +307,25 @@ def save(
     """Write ``params`` (this rank's shards) as a transformers checkpoint folder; collective over the mesh.
 
     Rank 0 writes; the folder appears complete or not at all (:func:`funcpar.atomic.write_folder`: an existing one is
-    replaced only once the new one is fully written).
+    replaced only once the new one is fully written). On a pipeline mesh each rank passes its stage tree.
     """
     model = get_model(model)
     mesh = mesh or Mesh()
     cfg = cfg.with_mesh(mesh)
     limit = _parse_size(max_shard_size)
-    leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, params)
-    plan = _plan(model, [p for p, _, _ in leaves], cfg)
+    specs = model.specs(cfg, mesh) if specs is None else specs
+    paths = [p for p, _ in leaves_with_path(model.init(cfg, device="meta"))]
+    plan = dict(zip(paths, _plan(model, paths, cfg)))
 
     def write(tmp: Path) -> None:
         writer = _ShardWriter(tmp, limit) if mesh.rank == 0 else None
         error: BaseException | None = None
         pending: dict[str, dict[int, torch.Tensor]] = {}
-        for (p, spec, x), mp in zip(leaves, plan):
-            g = gather_leaf(x, spec, mesh, dst=0, path=p)  # collective: every rank takes part, even after an error
+        # collective, leaf by leaf: every rank takes part, even after an error
+        for p, spec, g in gathered_leaves(params, specs, mesh, dst=0):
+            mp = plan.get(p)
+            if mp is None and error is None:
+                error = HFError(f"leaf '{p}' is not a parameter of model '{model.name}'")
             if writer is not None and error is None:
                 try:
                     _add_leaf(writer, pending, g, mp)

@@ -252,7 +252,7 @@ class Executor:
 
     def evaluate(self, params: Any, batch: Any) -> torch.Tensor:
         """The model's loss on ``batch`` (one micro-batch, forward only through every stage), on every pp rank."""
-        plan, sig = self.plan, _signature(batch)
+        plan = self.plan
         self._sends, self._waited = [], 0.0
         loss = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         with torch.no_grad():

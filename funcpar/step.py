@@ -292,6 +292,11 @@ class Step:
             out = self._objective(params, batch)
         return out[0] if self.has_aux else out
 
+    def holds(self, path: str) -> bool:
+        """Whether this rank holds the parameter at ``path`` (a pipeline stage holds its layers' only; for
+        ``fp.hf.load(..., keep=step.holds)``)."""
+        return self.pipe is None or self.pipe.plan.holds_path(path)
+
     def gather_params(self, state: TrainState) -> Any:
         """Whole local leaves of ``state``'s parameters: ``state.params`` itself, except at ``zero=3``, where they are
         all-gathered from the parts (collective; for export and evaluation: ``fp.hf.save(out,

@@ -234,3 +234,48 @@ def test_the_measured_bubble_follows_the_schedule_and_interleaving_shrinks_it():
             planned = fp.pipeline.make_schedule(pipeline, 2, micro, chunks or 1).simulate()["bubble"]
             assert abs(measured[pipeline] - planned) <= 0.05, (micro, pipeline, measured, planned)
         assert measured["interleaved"] < measured["1f1b"] - 0.01, (micro, measured)
+
+
+def _reshard(folder, first, then, pipeline, chunks):
+    """Train 3 steps on mesh ``first`` (saving after step 2 and exporting to HF at the end); resume step 3 on each
+    mesh of ``then`` from the checkpoint."""
+    mesh = harness.mesh(**first)
+    step, specs, model, cfg = make("llama-tied", mesh, 4, pipeline if first.get("pp", 1) > 1 else "1f1b",
+                                   chunks if first.get("pp", 1) > 1 else None)
+    state = step.init(fp.shard(model.init(cfg, seed=0), specs, mesh))
+    losses = []
+    for i, b in enumerate(batches(3)):
+        state, m = step(state, local(b, mesh))
+        losses.append(m["loss"])
+        if i == 1:
+            step.save(folder, state)
+    fp.hf.save(folder + "-hf", state.params, model, cfg, mesh)
+    out = {"uninterrupted": losses[-1], "whole": fp.gather(state.params, specs, mesh)}
+    for sizes in then:
+        m2 = harness.mesh(**sizes)
+        staged = sizes.get("pp", 1) > 1
+        s2, specs2, _, _ = make("llama-tied", m2, 4, pipeline if staged else "1f1b", chunks if staged else None)
+        s2.init(fp.shard(model.init(cfg, seed=1), specs2, m2))
+        st, _ = s2.load(folder)
+        st, m = s2(st, local(batches(3)[2], m2))
+        out[str(sizes)] = (m["loss"], fp.gather(st.params, specs2, m2))
+    return out
+
+
+RESHARD = [({"pp": 2, "dp": 2}, [{"dp": 4}, {"pp": 4}], "1f1b", None),
+           ({"dp": 4}, [{"pp": 2, "dp": 2}], "interleaved", 2),
+           ({"pp": 4}, [{"pp": 2, "dp": 2}, {"pp": 2, "tp": 2}], "gpipe", None)]
+
+
+@pytest.mark.parametrize("first, then, pipeline, chunks", RESHARD, ids=lambda x: str(x))
+def test_checkpoints_reshard_across_pipeline_stages_and_export_to_hf(tmp_path, first, then, pipeline, chunks):
+    folder = str(tmp_path / "ckpt")
+    out = harness.run(4, _reshard, folder, first, then, pipeline, chunks)[0]
+    _, ref_after = reference("llama-tied", 4)
+    for sizes in then:
+        loss, params = out[str(sizes)]
+        assert abs(loss - out["uninterrupted"]) <= 1e-5 * out["uninterrupted"], sizes
+        assert_equal_runs(([loss], params), ([out["uninterrupted"]], ref_after), f"{first} -> {sizes}")
+    back, _ = fp.hf.load(folder + "-hf", llama)
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(back), fp.tree.leaves_with_path(out["whole"])):
+        assert torch.equal(x, y), p
