@@ -22,7 +22,7 @@ import torch
 
 import funcpar as fp
 from funcpar.generate import show_arithmetic
-from funcpar.options import build_model, build_step, datasets, model_config, parse_mesh, read_options
+from funcpar.options import build_params, build_step, datasets, model_config, parse_mesh, read_options
 from funcpar.planning import params_like, print_plan, print_ranking, rank_meshes, sharding_table
 from funcpar.plot import plot_metrics
 
@@ -73,10 +73,11 @@ def _setup_run(opts, sizes) -> _Run:
     """Build the mesh, model, data, train step, its initial state and the data loader."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     mesh = fp.Mesh(**sizes)
-    model, cfg, params, specs = build_model(opts, mesh)
+    model, cfg = model_config(opts["model"], mesh)
+    specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
     step = build_step(opts, model, cfg, mesh, specs)
-    state = step.init(params)
+    state = step.init(build_params(opts, model, cfg, specs, mesh, keep=step.holds))  # a stage reads its leaves
     loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
     return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader)
 
@@ -103,10 +104,14 @@ def _announce(run: _Run) -> None:
           f"{len(run.train_data)} train rows x {opts['seq_len']} tokens, {len(run.eval_data)} held-out rows"
           + (f", {run.data.truncated} samples truncated" if run.data.truncated else ""), flush=True)
     print(sharding_table(params_like(run.model, run.cfg), run.specs, mesh), flush=True)
+    if run.step.pipe is not None:
+        print(run.step.pipe.plan.describe(), flush=True)
 
 
-def _evaluate(model, cfg, params, data, mesh, global_batch) -> float:
-    """Mean held-out token loss over the whole eval set, split over dp."""
+def _evaluate(run: _Run, data, global_batch) -> float:
+    """Mean held-out token loss over the whole eval set, split over dp (through the pipeline's stages on pp)."""
+    model, cfg, mesh = run.model, run.cfg, run.mesh
+    params = run.step.gather_params(run.state)
     dp = mesh.axis_size("dp")
     gb = max(dp, min(global_batch, len(data)) // dp * dp)
     loader = fp.data.Loader(data, mesh, gb, shuffle=False)
@@ -114,8 +119,10 @@ def _evaluate(model, cfg, params, data, mesh, global_batch) -> float:
     with torch.no_grad():
         for _ in range(max(1, len(data) // gb)):
             b = next(loader)
-            loss = model.loss(params, b, cfg=cfg, mesh=mesh, reduction="sum").item()
-            total += torch.tensor([loss, fp.layers.count_targets(b)], dtype=torch.float64)
+            n = fp.layers.count_targets(b)
+            loss = (run.step.loss(run.state, b).item() * n if run.step.pipe is not None else
+                    model.loss(params, b, cfg=cfg, mesh=mesh, reduction="sum").item())
+            total += torch.tensor([loss, n], dtype=torch.float64)
     total = fp.collectives.all_reduce(total, mesh, "dp")
     return (total[0] / total[1].clamp(min=1)).item()
 
@@ -123,10 +130,11 @@ def _evaluate(model, cfg, params, data, mesh, global_batch) -> float:
 def _metrics_row(run: _Run, m: dict) -> dict:
     """The metrics.jsonl row of the step just taken, with the held-out loss on eval steps."""
     opts = run.opts
-    row = {k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "skipped") if k in m}
+    row = {k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "skipped", "bubble")
+           if k in m}
     row["truncated"] = run.data.truncated
     if opts["eval_every"] and (run.state.step % opts["eval_every"] == 0 or run.state.step == opts["steps"]):
-        ev = _evaluate(run.model, run.cfg, run.step.gather_params(run.state), run.eval_data, run.mesh, opts["global_batch"])
+        ev = _evaluate(run, run.eval_data, opts["global_batch"])
         row |= {"eval_loss": ev, "eval_ppl": math.exp(min(ev, 50))}
     return row
 

@@ -18,7 +18,7 @@ from funcpar.assets import ARITHMETIC
 DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "model": "llama-tiny", "mesh": "tp=2,dp=2", "data": "builtin:arithmetic", "tokenizer": "byte", "seq_len": 64,
     "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
-    "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
+    "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
     "remat": False, "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "seed": 0,
 }
@@ -96,17 +96,14 @@ def model_config(name: str, mesh):
     return model, model.config(raw, mesh)
 
 
-def build_model(opts, mesh):
-    """``(model, cfg, params, specs)``: a built-in model freshly initialised, or an HF folder's weights."""
+def build_params(opts, model, cfg, specs, mesh, keep=None):
+    """This rank's parameters: a built-in model freshly initialised, or an HF folder's weights (only the leaves
+    ``keep(path)`` accepts are read: a pipeline stage's, with ``keep=step.holds``)."""
     name = opts["model"]
     if name not in BUILTIN_MODELS and Path(name).is_dir():
-        params, cfg = fp.hf.load(name, mesh=mesh)
-        model = fp.get_model(cfg.model_type)
-        return model, cfg, params, model.specs(cfg, mesh)
-    model, cfg = model_config(name, mesh)  # a built-in one (or a SystemExit naming them)
-    specs = model.specs(cfg, mesh)
+        return fp.hf.load(name, model=model, mesh=mesh, keep=keep)[0]
     torch.manual_seed(opts["seed"])
-    return model, cfg, fp.shard(model.init(cfg, seed=opts["seed"]), specs, mesh), specs
+    return fp.shard(model.init(cfg, seed=opts["seed"]), specs, mesh)
 
 
 def datasets(opts, cfg):
@@ -145,6 +142,8 @@ def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
     if opts["remat"] and not model.remat:
         raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
                          f"checkpointing); train it without --remat")
+    parts = [int(p) for p in str(opts["parts"]).replace(" ", "").split(",") if p] or None
     return fp.compile_step(model.loss_fn(cfg, mesh, remat=opts["remat"]), specs, mesh=mesh,
                            optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
-                           clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]])
+                           clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]],
+                           pipeline=opts["pipeline"], chunks=opts["chunks"] or None, parts=parts)

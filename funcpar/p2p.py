@@ -57,6 +57,10 @@ def sendrecv(
     Coordinates are positions along ``axis`` (pipeline stage numbers for ``"pp"``). Receives fill their buffers in
     place. Batching both directions in one call cannot deadlock the way blocking send-then-recv pairs can.
     """
+    if mesh.simulated:  # planning: count what would be sent; receive buffers keep what they hold
+        for t, _ in sends:
+            _simulated(mesh, axis, 2 * t.numel() * t.element_size())
+        return
     ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
     ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
     if not ops:
@@ -109,7 +113,7 @@ def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int) -> Pendi
     returned :class:`Pending` has been waited for (it keeps a reference)."""
     x = x.detach().contiguous()
     if mesh.simulated:
-        _simulated(mesh, axis, 2 * x.numel() * x.element_size())  # (n-1)/n of twice the bytes: the bytes, at n=2
+        _simulated(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
         return Pending(None, x, mesh, axis, "send")
     peer = _peer(mesh, axis, dst, "send")
     return Pending(dist.isend(x, peer, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")

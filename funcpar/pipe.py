@@ -130,6 +130,8 @@ class Executor:
     def _recv_input(self, v: int, m: int, sig: tuple) -> torch.Tensor:
         """The activation virtual stage ``v - 1`` sent for micro-batch ``m`` (its shape sent once per batch shape)."""
         key = (v, sig)
+        if self.mesh.simulated and key not in self._shapes:  # planning: no peer; the carry is as this rank's own
+            self._shapes[key] = self._shapes[(self.plan.virtual[0] + 1, sig)]
         if key not in self._shapes:
             head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
             self._wait(p2p.irecv(head, self.mesh, "pp", self._peer(v - 1), self._tag(1, m, v - 1)))

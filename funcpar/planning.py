@@ -103,13 +103,18 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     like, specs = params_like(model, cfg), step.specs
     print(f"{cfg.model_type} on {mesh!r}: {sum(x.numel() for _, x in leaves_with_path(like)):,} parameters")
     print(sharding_table(like, specs, mesh))
-    mem = memory_plan(like, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
+    if step.pipe is not None:  # this rank's stage
+        print(step.pipe.plan.describe())
+        print(f"{step.pipe.plan.schedule.name} over {step.accum_steps} micro-batches: planned bubble "
+              f"{step.pipe.plan.schedule.simulate()['bubble']:.1%}; memory below for pp rank 0")
+    stage = like if step.pipe is None else step.pipe.plan.select(like)
+    mem = memory_plan(stage, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
     print(f"per rank (zero={zero}, {optimizer}): params {mem['params']:.2f} MiB, grads "
           f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
     t = trace_plan(model, cfg, step, rows, seq_len, like)
     host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
-    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): activations "
-          f"{_mib(t['activations'])} per micro-batch; peak {_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])}"
+    acts = f"activations {_mib(t['activations'])} per micro-batch; " if step.pipe is None else ""
+    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): {acts}peak {_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])}"
           f" per rank; sends {_traffic(t['traffic'])} per step")
 
 

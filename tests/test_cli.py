@@ -241,3 +241,20 @@ def test_zero3_from_the_command_line_gives_the_zero1_losses_and_exports(tmp_path
     import transformers as tf
 
     tf.AutoModelForCausalLM.from_pretrained(os.path.join(outs["3"], "hf"))  # exported from the zero=3 parts
+
+
+def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, tmp_path, capsys):
+    out, _ = bare_run
+    out2 = str(tmp_path / "pp")
+    stdout = run(["-m", "funcpar", "train", *TINY, "--mesh", "pp=2,tp=2", "--micro-batches", "2", "--steps", "3",
+                  "--out", out2])
+    assert "pp rank 0: stage 0: embed + layer 0" in stdout and "pp rank 1: stage 1: layer 1 + head" in stdout
+    rows = [json.loads(line) for line in open(os.path.join(out2, "metrics.jsonl"))]
+    assert all(0 <= r["bubble"] < 1 for r in rows)
+    stdout = run(["-m", "funcpar", "train", *TINY, "--mesh", "tp=2,dp=2", "--steps", "6", "--out", out2, "--resume"])
+    assert "at step 3" in stdout
+    for a, b in zip(losses(out2), losses(out)):  # the same batches through stages: the tp=2,dp=2 run's losses
+        assert abs(a - b) <= 1e-5 * abs(b)
+    cli.main(["plan", "--mesh", "pp=2,tp=2", "--model", "llama-tiny", "--micro-batches", "4"])
+    text = capsys.readouterr().out
+    assert "pp rank 1: stage 1: layers 2-3 + head" in text and "1f1b over 4 micro-batches: planned bubble 20.0%" in text

@@ -16,6 +16,7 @@ import torch
 
 import funcpar as fp
 import harness
+import hf_fixtures
 import tinylm
 from funcpar.models import gpt2, llama
 
@@ -279,3 +280,33 @@ def test_checkpoints_reshard_across_pipeline_stages_and_export_to_hf(tmp_path, f
     back, _ = fp.hf.load(folder + "-hf", llama)
     for (p, x), (_, y) in zip(fp.tree.leaves_with_path(back), fp.tree.leaves_with_path(out["whole"])):
         assert torch.equal(x, y), p
+
+
+def _hf_stage(folder, kind):
+    import json
+    import pathlib
+
+    mesh = harness.mesh(pp=2)
+    model = fp.get_model("gpt2" if kind == "gpt2" else "llama")
+    cfg = model.config(json.loads((pathlib.Path(folder) / "config.json").read_text()), mesh)
+    step = fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), mesh=mesh, accum_steps=2)
+    stats = {}
+    params, _ = fp.hf.load(folder, model, mesh, keep=step.holds, stats=stats)
+    held = [p for p, _ in fp.tree.leaves_with_path(params)]
+    state = step.init(params)
+    return step.loss(state, hf_fixtures.batch()).item(), stats["bytes_read"], held
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_stage_reads_only_its_tensors_of_an_hf_checkpoint(tmp_path, kind):
+    folder = str(tmp_path / kind)
+    ref = hf_fixtures.make_checkpoint(kind, folder)
+    b = hf_fixtures.batch()
+    with torch.no_grad():
+        want = ref(input_ids=b["input_ids"], labels=b["labels"]).loss.item()
+    total = sum(p.numel() * 4 for p in ref.state_dict().values() if p.is_floating_point()) - (
+        ref.lm_head.weight.numel() * 4 if ref.config.tie_word_embeddings else 0)
+    (l0, read0, held0), (l1, read1, held1) = harness.run(2, _hf_stage, folder, kind)
+    assert abs(l0 - want) <= 1e-5 * want and l0 == l1  # the loss through both stages, on both
+    assert not set(held0) & set(held1) - {"wte", "embed"}  # disjoint but for a tied embedding
+    assert read0 < 0.7 * total and read1 < 0.7 * total, (read0, read1, total)
