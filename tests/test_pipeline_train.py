@@ -310,3 +310,18 @@ def test_a_stage_reads_only_its_tensors_of_an_hf_checkpoint(tmp_path, kind):
     assert abs(l0 - want) <= 1e-5 * want and l0 == l1  # the loss through both stages, on both
     assert not set(held0) & set(held1) - {"wte", "embed"}  # disjoint but for a tied embedding
     assert read0 < 0.7 * total and read1 < 0.7 * total, (read0, read1, total)
+
+
+def _mismatched_batches():
+    mesh = harness.mesh(pp=2)
+    step, specs, model, cfg = make("llama", mesh, 2, check=True)
+    state = step.init(fp.shard(model.init(cfg), specs, mesh))
+    b = batches(2)[mesh.coord("pp")]  # each stage fed another batch
+    with pytest.raises(fp.StepError) as e:
+        step(state, b)
+    return str(e.value)
+
+
+def test_check_names_stages_fed_different_batches():
+    for msg in harness.run(2, _mismatched_batches):
+        assert "differs across mesh axis 'pp'" in msg and "feed every pp rank the same batch" in msg
