@@ -37,12 +37,15 @@ too (stage 0: embedding + the first N/2 blocks, stage 1: the rest + norm + head)
 micro-batch losses; as every micro-batch has the same number of target tokens (no -100 labels in the data) that
 is the global token mean, as transformers' loss of the whole batch and funcpar's token-weighted mean are.
 
-Printed: one table, per configuration, of the median s/step over all timed steps of all repeats (and the spread of
-the per-job medians), tokens/s (global batch tokens / median s/step), the peak RSS of each rank in MB
-(``ru_maxrss``, the largest over the repeats), the first-step loss (the loss of the initial weights on batch 0, so it
-must agree across implementations: a relative difference above ``--tol``, default 1e-4, is flagged MISMATCH), and
-for funcpar pp the measured bubble (``metrics["bubble"]``: the share of rank-time spent waiting for the peer stage,
-the median over the timed steps); then one JSON line with everything. A benchmark, not a test: nothing is
+Printed: one table, per configuration, of the median s/step over all timed steps of all repeats; each job's own
+median with, in parentheses, the machine's 1-minute load average over the second half of that job (about 2 is this
+benchmark alone; more means something else competed for the cores and that job's times are inflated: a warning is
+printed, and the per-job medians of quiet jobs are the ones to compare); tokens/s (global batch tokens / median
+s/step); the peak RSS of each rank in MB (``ru_maxrss``, the largest over the repeats); the first-step loss (the
+loss of the initial weights on batch 0, so it must agree across implementations: a relative difference above
+``--tol``, default 1e-4, is flagged MISMATCH); and for funcpar pp the measured bubble (``metrics["bubble"]``: the
+share of rank-time spent waiting for the peer stage, the median over the timed steps). Then the losses of every
+step of each configuration's first job, and one JSON line with everything. A benchmark, not a test: nothing is
 asserted; a configuration that fails is reported with the tail of its stderr and the others still run.
 
 DeepSpeed on CPU, notes. ``deepspeed.init_distributed(dist_backend="gloo")`` (the CPU accelerator would pick oneCCL
@@ -62,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -322,17 +326,29 @@ def launch(kind: str, args, env: dict) -> dict:
            os.path.abspath(__file__), "--only", kind, "--weights", args.weights] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
         for k in ("hidden", "layers", "vocab", "seq", "global_batch", "micro_batches", "steps", "warmup")]
+    loads, done = [], threading.Event()
+
+    def sample():  # the machine's 1-minute load average while the job runs (the job itself adds about 2)
+        while not done.wait(2.0):
+            loads.append(os.getloadavg()[0])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
     except subprocess.TimeoutExpired as e:
         return {"kind": kind, "error": f"timed out after {args.timeout} s\n{(e.stderr or b'')[-2000:]!s}"}
+    finally:
+        done.set()
+        sampler.join()
     wall = time.perf_counter() - t
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
         return {"kind": kind, "error": f"exit {p.returncode}\n" + (p.stderr[-3000:] or p.stdout[-3000:])}
     out = json.loads(lines[-1][len("RESULT "):])
     out["wall_s"] = wall
+    out["load"] = statistics.mean(loads[len(loads) // 2:]) if loads else os.getloadavg()[0]  # its second half
     return out
 
 
@@ -402,7 +418,8 @@ def main() -> None:
                       flush=True)
             else:
                 print(f"  [{r + 1}/{args.repeats}] {kind}: median {statistics.median(out['times']):.3f} s/step, "
-                      f"first loss {out['losses'][0]:.6f}, job {out['wall_s']:.0f} s", flush=True)
+                      f"first loss {out['losses'][0]:.6f}, job {out['wall_s']:.0f} s, load {out['load']:.1f}",
+                      flush=True)
     report(results, runs, args, tokens, notes)
 
 
@@ -416,7 +433,8 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
             med = statistics.median(times)
             job_meds = [statistics.median(o["times"]) for o in ok]
             bubbles = [b for o in ok for b in o["bubbles"]]
-            row |= {"s_per_step": med, "job_medians": job_meds, "tokens_per_s": tokens / med,
+            row |= {"s_per_step": med, "job_medians": job_meds, "job_loads": [o["load"] for o in ok],
+                    "tokens_per_s": tokens / med,
                     "rss_mb": [max(o["rss_mb"][i] for o in ok) for i in range(len(ok[0]["rss_mb"]))],
                     "first_loss": ok[0]["losses"][0], "first_loss_repeats": [o["losses"][0] for o in ok],
                     "losses": ok[0]["losses"], "bubble": statistics.median(bubbles) if bubbles else None}
@@ -427,8 +445,8 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
     ref_kind = next(iter(firsts), None)
     ref = firsts.get(ref_kind)
     print()
-    print(f"| configuration | s/step (median) | per-job medians | tokens/s | peak RSS MB r0 / r1 | first-step loss "
-          f"| rel. diff vs {ref_kind} | bubble |")
+    print(f"| configuration | s/step (median) | per-job medians (load) | tokens/s | peak RSS MB r0 / r1 | "
+          f"first-step loss | rel. diff vs {ref_kind} | bubble |")
     print("|---|---|---|---|---|---|---|---|")
     mismatch = []
     for row in rows:
@@ -442,7 +460,8 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
             flag = " MISMATCH"
             mismatch.append(row["kind"])
         bubble = f"{row['bubble']:.1%}" if row["bubble"] is not None else "-"
-        print(f"| {row['name']} | {row['s_per_step']:.3f} | {', '.join(f'{m:.3f}' for m in row['job_medians'])} | "
+        per_job = ", ".join(f"{m:.3f} ({x:.1f})" for m, x in zip(row["job_medians"], row["job_loads"]))
+        print(f"| {row['name']} | {row['s_per_step']:.3f} | {per_job} | "
               f"{row['tokens_per_s']:.0f} | {' / '.join(f'{x:.0f}' for x in row['rss_mb'])} | "
               f"{row['first_loss']:.6f} | {rel:.1e}{flag} | {bubble} |")
     print()
@@ -462,6 +481,12 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
     for row in rows:
         if "error" in row:
             print(f"\n{row['kind']} failed:\n{row['error']}")
+    cores = os.cpu_count() or 1
+    busy = [(k, o["load"]) for k in runs for o in results[k] if "load" in o and o["load"] > max(2, cores) + 1]
+    if busy:
+        print(f"WARNING: the machine was busy during {len(busy)} job(s) (1-minute load average up to "
+              f"{max(x for _, x in busy):.1f} on {cores} cores; the benchmark itself accounts for 2): their timings "
+              "include waiting for the CPU; compare the per-job medians of quiet jobs, or rerun on an idle machine")
     for n in notes:
         print(f"note: {n}")
     print(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "only"}, "rows": rows}))

@@ -295,15 +295,8 @@ class _ShardWriter:
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def save(
-    path: str | os.PathLike,
-    params: Any,
-    model: Any,
-    cfg: Any,
-    mesh: Mesh | None = None,
-    specs: Any = None,
-    max_shard_size: int | str = "2GB",
-) -> None:
+def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh | None = None, specs: Any = None,
+         max_shard_size: int | str = "2GB") -> None:
     """Write ``params`` (this rank's shards) as a transformers checkpoint folder; collective over the mesh.
 
     Rank 0 writes; the folder appears complete or not at all (:func:`funcpar.atomic.write_folder`: an existing one is

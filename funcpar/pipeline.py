@@ -18,7 +18,7 @@ gives each rank several thin chunks so the pipeline fills and drains in smaller 
 
 This module only plans. :meth:`Schedule.validate` checks a plan is complete and well ordered,
 :meth:`Schedule.simulate` runs it as a discrete-event simulation (zero communication latency) and reports the bubble
-and the activation memory, and ``str(schedule)`` draws the timeline. The executor (issue 11) will walk
+and the activation memory, and ``str(schedule)`` draws the timeline. The executor (:mod:`funcpar.pipe`) walks
 ``schedule.actions[rank]`` in order: for ``F`` receive the input activation from the rank holding ``v-1`` (or take
 the micro-batch), run chunk ``c``'s blocks, keep what the backward needs and send the output to the rank holding
 ``v+1``; for ``B`` receive the output gradient from ``v+1`` (or start from the loss), run the backward of chunk ``c``,
