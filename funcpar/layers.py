@@ -7,7 +7,7 @@ materialise full-vocabulary tensors. At ``Mesh()`` they are the plain ``F.embedd
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
+__all__ = ["check_sizes", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
            "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
 
 IGNORE_INDEX = -100
@@ -34,6 +34,15 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
         return vocab_size
     m = math.lcm(128, tp)
     return -(-vocab_size // m) * m
+
+
+def check_sizes(cfg: Any, *names: str) -> None:
+    """Raise a ValueError naming the field unless each of ``cfg``'s fields ``names`` is a positive int (a model
+    config's ``__post_init__`` calls it, so that no path builds a config with sizes no model has)."""
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{type(cfg).__module__}.{type(cfg).__name__}: {name}={v!r}, expected a positive int")
 
 
 class VocabPadding:

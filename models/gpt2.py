@@ -37,6 +37,16 @@ class Config(L.VocabPadding):
     vocab_rows: int | None = None  # rows of wte when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
 
+    def __post_init__(self):
+        """Validated however it was built."""
+        L.check_sizes(self, "vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
+        if self.n_inner is not None:
+            L.check_sizes(self, "n_inner")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"gpt2.Config: n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
+        if not self.layer_norm_epsilon > 0:
+            raise ValueError(f"gpt2.Config: layer_norm_epsilon={self.layer_norm_epsilon} must be positive")
+
     @property
     def inner(self) -> int:
         return self.n_inner or 4 * self.n_embd

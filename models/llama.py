@@ -49,6 +49,22 @@ class Config(L.VocabPadding):
     vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
 
+    def __post_init__(self):
+        """Validated and completed however it was built: per-layer fields sized to the layer count."""
+        L.check_sizes(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"llama.Config: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        n, windows = self.num_hidden_layers, tuple(self.sliding_windows) or (None,) * self.num_hidden_layers
+        if len(windows) != n or any(w is not None and (not isinstance(w, int) or w < 1) for w in windows):
+            raise ValueError(f"llama.Config: sliding_windows={self.sliding_windows!r} must give each of the {n} "
+                             f"layers a window (a positive int) or None")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(f"llama.Config: rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} "
+                             f"must be positive")
+        object.__setattr__(self, "sliding_windows", windows)
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
         mt = d.get("model_type", "llama")
