@@ -21,6 +21,7 @@ A step reads as accumulate -> reduce -> update -> gather:
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -33,14 +34,13 @@ from .batching import batch_items, check_consistency, rows as _rows, split as _s
 from .layout import ZeroLayout
 from .mesh import Mesh
 from .buffers import StateBuffers
-from .model import carried_weight, model_of_loss
-from .pipe import Executor, StagePlan
-from .pipeline import PipelineError, make_schedule
+from .model import carried_weight
 from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
+from .step_options import pipeline_executor, validate_options, zero3_model
 from .zero3 import Zero3Loss, gather_params, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
@@ -65,12 +65,16 @@ class Step:
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[int] | None = None):
+                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20):
         mesh = mesh if mesh is not None else Mesh.current()
+        if nonfinite not in ("error", "skip") or not isinstance(max_skips, int) or max_skips < 0:
+            raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got {nonfinite!r}, "
+                            f"{max_skips!r}")
+        self.nonfinite, self.max_skips, self._skips = nonfinite, max_skips, 0
         if offload not in (None, "cpu"):
             raise StepError(f"offload must be None or 'cpu', got {offload!r}")
         self.offload = offload
-        _validate(mesh, zero, accum_steps, data_axes, param_dtype, loss_scale)
+        validate_options(mesh, zero, accum_steps, data_axes, param_dtype, loss_scale)
         self.loss_fn, self.specs, self.mesh = loss_fn, specs, mesh
         self.zero, self.accum_steps, self.clip_norm = zero, accum_steps, clip_norm
         self.has_aux, self.check, self.donate = has_aux, check, donate
@@ -96,8 +100,8 @@ class Step:
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
-        self._staged = _zero3_model(loss_fn, zero, param_dtype, offload)
-        self.pipe = _pipeline(loss_fn, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
+        self._staged = zero3_model(loss_fn, zero, param_dtype, offload)
+        self.pipe = pipeline_executor(loss_fn, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
         self._checked = False
 
     def _scaled_loss(self, params, batch, scale):
@@ -158,6 +162,9 @@ class Step:
         if self.loss_scale is not None:
             parts = [p.div_(scale.to(p.device)) for p in parts]
         grad_norm, loss_value, finite = self._statistics(parts, loss_sum)
+        skip = self._nonfinite(state, inner, loss_value, grad_norm.item(), finite)
+        if skip is not None:
+            return skip
         lay, slices = self.layout, self.buffers.part_slices()
         parts = [p.to(s.device) for p, s in zip(parts, slices)]  # offload: the gradient parts to the host
         g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
@@ -170,6 +177,7 @@ class Step:
             metrics |= {"grad_norm": float("inf"), "lr": float("nan"), "tokens": 0, "tokens_per_s": 0.0,
                         "skipped": True, "loss_scale": loss_scale(inner).item()}
             return self.buffers.state(inner, state.step), metrics
+        self._skips = 0
         self._apply(slices, updates)
         del updates
         self.buffers.publish()
@@ -189,6 +197,36 @@ class Step:
         return self.buffers.state(inner, state.step + 1), metrics
 
     # --------------------------------------------------------------------------------------------- parts
+    def _nonfinite(self, state, inner, loss: float, norm: float, finite: bool):
+        """The non-finite policy, decided alike on every rank (the values are global). A step whose loss or
+        gradient norm is not finite updates nothing; by default (``nonfinite="error"``) it raises, the state before
+        it kept as the error's ``.state``; ``"skip"`` skips it, and so does loss scaling when it overflows, up to
+        ``max_skips`` in a row. Returns ``(state, metrics)`` of a skipped step, or ``None`` to go on."""
+        lr = self.schedule(state.step) if self.schedule else 0.0
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):  # before the update touches anything
+            e = StepError(f"step {state.step + 1}: the learning rate schedule gives {lr!r}, not a finite number >= 0; "
+                          f"nothing was updated")
+            e.state = self.buffers.state(inner, state.step)
+            raise e
+        bad = "loss" if not math.isfinite(loss) else "gradient norm" if not math.isfinite(norm) else None
+        if bad is None and finite:
+            return None
+        self._skips += 1
+        kept = self.buffers.state(inner, state.step)
+        what = f"the {bad} is {loss if bad == 'loss' else norm}" if bad else "the gradients overflow"
+        if self.loss_scale is None and self.nonfinite == "error" or self._skips > self.max_skips:
+            why = (f"{self._skips} steps in a row skipped (max_skips={self.max_skips}"
+                   + (f", loss scale now {loss_scale(inner).item():g})" if self.loss_scale is not None else ")")
+                   if self._skips > 1 or self.nonfinite == "skip" else "nonfinite='error'")
+            e = StepError(f"step {state.step + 1}: {what}; nothing was updated and training stops ({why}): lower "
+                          f"the learning rate, check the data and the weights, or resume from the last checkpoint")
+            e.state = kept
+            raise e
+        if self.loss_scale is not None:
+            return None  # the loss-scaling wrapper skips the update and adapts the scale
+        return kept, {"loss": loss, "step": state.step, "grad_norm": norm, "lr": float("nan"), "tokens": 0,
+                      "tokens_per_s": 0.0, "skipped": True}
+
     def _data_size(self) -> int:
         n = 1
         for a in self.data_axes:
@@ -311,57 +349,6 @@ class Step:
         return rows * self._data_size() * (first.numel() // max(1, first.shape[0]) if first.ndim > 1 else 1)
 
 
-def _zero3_model(loss_fn: Callable, zero: int, param_dtype, offload):
-    """``(model, cfg, mesh)`` for ``zero=3``, which runs the model's staged form (else ``None``)."""
-    if zero != 3:
-        return None
-    found = model_of_loss(loss_fn)
-    if found is None or found[0].stages is None:
-        raise StepError("zero=3 gathers the model block by block through its staged form: build the loss with "
-                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
-    if param_dtype is not None or offload:
-        raise StepError("zero=3 trains in float32 without offload for now: drop param_dtype / offload, or use zero=2")
-    return found
-
-
-def _pipeline(loss_fn: Callable, mesh: Mesh, zero, accum_steps, has_aux, compile, name, chunks, parts):
-    """The executor of this rank's pipeline stage when ``mesh`` has ``pp > 1`` (else ``None``)."""
-    pp = mesh.axis_size("pp")
-    if pp == 1:
-        return None
-    found = model_of_loss(loss_fn)
-    if found is None or found[0].stages is None:
-        raise StepError(f"{mesh!r}: pipeline stages cut the model through its staged form: build the loss with "
-                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
-    for bad, what in ((zero == 3, "zero=3 (use zero=1 or 2: stages already split the parameters)"),
-                      (has_aux, "has_aux"), (compile, "compile=True")):
-        if bad:
-            raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
-    model, cfg, _ = found
-    try:
-        sched = make_schedule(name, pp, accum_steps, chunks if chunks is not None else (2 if name == "interleaved" else 1))
-        plan = StagePlan(model, cfg, mesh, sched.validate(), parts)
-    except PipelineError as e:
-        raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None
-    return Executor(plan, remat_blocks=getattr(loss_fn, "remat", False))
-
-
-def _validate(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss_scale) -> None:
-    if zero not in (0, 1, 2, 3):
-        raise StepError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-    if not isinstance(accum_steps, int) or accum_steps < 1:
-        raise StepError(f"accum_steps must be a positive int, got {accum_steps!r}")
-    for a in data_axes:
-        if a not in mesh.axis_names or a == "pp":
-            raise StepError(f"data_axes names '{a}', which is not a data axis of {mesh!r}")
-    if param_dtype is not None and not param_dtype.is_floating_point:
-        raise StepError(f"param_dtype must be a floating dtype, got {param_dtype}")
-    if loss_scale is not None and param_dtype is None:
-        raise StepError("loss_scale needs mixed precision: pass param_dtype=torch.float16 (or bfloat16)")
-    if isinstance(loss_scale, str) and loss_scale != "dynamic":
-        raise StepError(f"loss_scale must be 'dynamic', a number or None, got {loss_scale!r}")
-
-
 def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  optimizer: GradientTransformation | None = None, zero: int = 1, accum_steps: int = 1,
                  clip_norm: float | None = None, has_aux: bool = False, check: bool = False,
@@ -369,7 +356,7 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[int] | None = None) -> Step:
+                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -391,10 +378,12 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     host is the device: the same code path). On a mesh with ``pp > 1`` the model's staged form is cut into
     pipeline stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline``
     (``"1f1b"``, ``"gpipe"`` or ``"interleaved"``), ``chunks`` (virtual stages per rank, interleaved; default 2),
-    ``parts`` (layers per virtual stage; default balanced).
+    ``parts`` (layers per virtual stage; default balanced). ``nonfinite``: a step whose loss or gradient norm is
+    not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``) or is
+    skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or by loss scaling.
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
                 bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
                 growth_interval=growth_interval, donate=donate, offload=offload,
-                pipeline=pipeline, chunks=chunks, parts=parts)
+                pipeline=pipeline, chunks=chunks, parts=parts, nonfinite=nonfinite, max_skips=max_skips)

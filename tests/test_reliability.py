@@ -1,9 +1,11 @@
 """Issue 12, class by class: bad input gets a clear error and nothing trains silently."""
 
+import optree
 import pytest
 import torch
 
 import funcpar as fp
+import harness
 from funcpar.models import gpt2, llama
 
 SMALL = {
@@ -41,3 +43,116 @@ def test_a_config_no_model_has_is_refused_at_construction(name, kw, message):
     with pytest.raises(ValueError) as e:
         SMALL[name](**kw)
     assert message in str(e.value)
+
+
+# ------------------------------------------------------------------------------ class 1: non-finite training
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: fp.optim.adamw(float("nan")), "scale_by_learning_rate: lr=nan is not a finite number in [0, inf)"),
+    (lambda: fp.optim.adamw(-1e-3), "scale_by_learning_rate: lr=-0.001 is not a finite number in [0, inf)"),
+    (lambda: fp.optim.adamw(1e-3, b1=2.0), "scale_by_adam: b1=2.0 is not a finite number in [0, 1)"),
+    (lambda: fp.optim.adamw(fp.optim.warmup_cosine(float("inf"), 10, 100)),
+     "warmup_cosine: peak=inf is not a finite number in [0, inf)"),
+    (lambda: fp.optim.clip_by_global_norm(-1.0), "clip_by_global_norm: max_norm=-1.0 is not a finite number in (0, inf)"),
+    (lambda: fp.optim.sgd(0.1, momentum=-0.5), "trace: decay (momentum)=-0.5 is not a finite number in [0, 1]"),
+    (lambda: fp.optim.lion(1e-4, weight_decay=-0.1),
+     "add_decayed_weights: weight_decay=-0.1 is not a finite number in [0, inf)"),
+])
+def test_optimizer_hyper_parameters_are_checked_at_construction(make, message):
+    with pytest.raises(ValueError) as e:
+        make()
+    assert str(e.value) == message
+
+
+def _tiny_step(mesh, **kw):
+    cfg = SMALL["llama"]()
+    model = fp.get_model("llama")
+    specs = model.specs(cfg, mesh)
+    kw.setdefault("optimizer", fp.optim.adamw(1e-3))
+    step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, **kw)
+    return step, step.init(fp.shard(model.init(cfg, seed=0), specs, mesh))
+
+
+def _ids(seed=0):
+    return {"input_ids": torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(seed))}
+
+
+def _poison(step, state, leaf="layers.1.wq"):
+    """NaN into one weight, in the step's own buffers (what a bad update or a corrupt load would leave)."""
+    dict(fp.tree.leaves_with_path(state.params))[leaf].view(-1)[0] = float("nan")
+
+
+def test_a_non_finite_loss_stops_training_with_nothing_updated():
+    step, state = _tiny_step(fp.Mesh())
+    state, m = step(state, _ids(0))
+    before = {p: x.clone() for p, x in fp.tree.leaves_with_path(state.params)}
+    _poison(step, state)
+    with pytest.raises(fp.StepError) as e:
+        step(state, _ids(1))
+    assert str(e.value).startswith("step 2: the loss is nan; nothing was updated and training stops "
+                                   "(nonfinite='error'): lower the learning rate")
+    kept = e.value.state  # the state before the step, live: it can be saved or inspected
+    assert kept.step == 1
+    for p, x in fp.tree.leaves_with_path(kept.params):
+        assert torch.equal(x, before[p]) or p == "layers.1.wq", p
+
+
+def test_skip_policy_and_loss_scaling_stop_after_max_skips():
+    step, state = _tiny_step(fp.Mesh(), nonfinite="skip", max_skips=2)
+    _poison(step, state)
+    for k in range(2):
+        state, m = step(state, _ids(k))
+        assert m["skipped"] and state.step == 0
+    with pytest.raises(fp.StepError, match=r"step 1: the loss is nan; nothing was updated and training stops \(3 "
+                                           r"steps in a row skipped \(max_skips=2\)\)"):
+        step(state, _ids(2))
+    step, state = _tiny_step(fp.Mesh(), param_dtype=torch.float16, max_skips=3)
+    _poison(step, state)
+    for k in range(3):
+        state, m = step(state, _ids(k))
+        assert m["skipped"]
+    with pytest.raises(fp.StepError, match=r"step 1: the loss is nan; nothing was updated and training stops \(4 "
+                                           r"steps in a row skipped \(max_skips=3, loss scale now 8192\)\)"):
+        step(state, _ids(3))
+
+
+def _one_rank_goes_bad():
+    mesh = harness.mesh(dp=2)
+    step, state = _tiny_step(mesh)
+    if mesh.rank == 1:  # one replica's weights only: every rank hears of it through the statistics' all-reduce
+        _poison(step, state)
+    try:
+        step(state, _ids(mesh.rank))
+    except fp.StepError as e:
+        return str(e)
+
+
+def test_every_rank_stops_at_the_same_step_when_one_goes_non_finite():
+    msgs = harness.run(2, _one_rank_goes_bad)
+    assert msgs[0] == msgs[1] and msgs[0].startswith("step 1: the loss is nan; nothing was updated")
+
+
+def test_a_schedule_that_goes_non_finite_stops_before_updating():
+    step, state = _tiny_step(fp.Mesh(), optimizer=fp.optim.adamw(lambda k: 1e-3 if k == 0 else float("nan")))
+    state, _ = step(state, _ids(0))
+    before = [x.clone() for x in optree.tree_leaves((state.params, state.opt_state))]
+    with pytest.raises(fp.StepError, match=r"step 2: the learning rate schedule gives nan, not a finite number >= 0; "
+                                           r"nothing was updated") as e:
+        step(state, _ids(1))
+    after = optree.tree_leaves((e.value.state.params, e.value.state.opt_state))
+    assert len(after) == len(before) and all(torch.equal(x, y) for x, y in zip(after, before))  # moments too
+
+
+def test_the_command_line_refuses_a_non_finite_learning_rate_before_writing_anything(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--mesh", "1", "--lr", "nan",
+                        "--steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode != 0 and "warmup_cosine: peak=nan is not a finite number in [0, inf)" in p.stderr
+    assert not out.exists()

@@ -16,10 +16,13 @@ from typing import Any, NamedTuple
 import torch
 
 from .base import GradientTransformation, fresh_protocol, leaves, mask_list, unflatten_like
-from .schedules import Schedule, constant
+from .schedules import Schedule, check_hyper, constant
 
 
 def _sched(lr: float | Schedule) -> Schedule:
+    """``lr`` as a schedule; a number is checked here (finite, not negative), a schedule's values as used."""
+    if not callable(lr):
+        check_hyper("scale_by_learning_rate", "lr", lr)
     return lr if callable(lr) else constant(lr)
 
 
@@ -80,6 +83,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     The norm is ``extra["global_norm"]`` when the caller passes it (a sharded step does, over every shard), else
     the norm of the leaves given.
     """
+    check_hyper("clip_by_global_norm", "max_norm", max_norm, lo_open=True)
 
     def init(params):
         return ClipState()
@@ -128,7 +132,10 @@ def scale_by_learning_rate(lr: float | Schedule) -> GradientTransformation:
         new = ScaleByLearningRateState(state.count + 1)
         if not xs:
             return grads, new
-        return unflatten_like(grads, _mul(xs, -schedule(_count(state.count)), _fresh)), new
+        k = _count(state.count)
+        lr = schedule(k)
+        check_hyper("scale_by_learning_rate", f"the schedule's lr at step {k}", lr)
+        return unflatten_like(grads, _mul(xs, -lr, _fresh)), new
 
     return GradientTransformation(init, fresh_protocol(update, _always), schedule)
 
@@ -141,6 +148,7 @@ def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransf
     """``u + weight_decay * p`` on the leaves where ``mask`` is True (a bool tree like the params, ``None`` leaves
     included, or a single bool; ``None`` = every leaf). The one implementation of masked weight decay; needs
     ``params``."""
+    check_hyper("add_decayed_weights", "weight_decay", weight_decay)
     all_leaves = mask is None or mask is True
 
     def init(params):
@@ -179,6 +187,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     Computed as ``m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1)``, the same quantity with one pass fewer.
     """
+    for name, b in (("b1", b1), ("b2", b2)):
+        check_hyper("scale_by_adam", name, b, hi=1.0, hi_open=True)
+    check_hyper("scale_by_adam", "eps", eps, lo_open=True)
 
     def init(params):
         return ScaleByAdamState(_zero_count(), _zeros_like(params), _zeros_like(params))
@@ -223,6 +234,8 @@ class ScaleByLionState(NamedTuple):
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     """Lion's direction (Chen et al. 2023): ``sign(lerp(mu, g, 1-b1))``; then ``mu = lerp(mu, g, 1-b2)``."""
+    for name, b in (("b1", b1), ("b2", b2)):
+        check_hyper("scale_by_lion", name, b, hi=1.0)
 
     def init(params):
         return ScaleByLionState(_zeros_like(params))
@@ -248,6 +261,7 @@ class TraceState(NamedTuple):
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     """Momentum as ``torch.optim.SGD`` computes it with dampening 0: ``buf = decay * buf + u``; the update is
     ``buf``, or ``u + decay * buf`` with ``nesterov`` (the zero initial buffer makes the first ``buf`` equal ``u``)."""
+    check_hyper("trace", "decay (momentum)", decay, hi=1.0)
 
     def init(params):
         return TraceState(_zeros_like(params))

@@ -1,0 +1,63 @@
+"""What ``compile_step``'s options build before any step runs: their validation, the model behind a ``zero=3``
+loss, and the pipeline executor of a ``pp`` mesh. Private to :mod:`funcpar.step`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .mesh import Mesh
+from .model import model_of_loss
+from .pipe import Executor, StagePlan
+from .pipeline import PipelineError, make_schedule
+from .state import StepError
+
+
+def zero3_model(loss_fn: Callable, zero: int, param_dtype, offload):
+    """``(model, cfg, mesh)`` for ``zero=3``, which runs the model's staged form (else ``None``)."""
+    if zero != 3:
+        return None
+    found = model_of_loss(loss_fn)
+    if found is None or found[0].stages is None:
+        raise StepError("zero=3 gathers the model block by block through its staged form: build the loss with "
+                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
+    if param_dtype is not None or offload:
+        raise StepError("zero=3 trains in float32 without offload for now: drop param_dtype / offload, or use zero=2")
+    return found
+
+
+def pipeline_executor(loss_fn: Callable, mesh: Mesh, zero, accum_steps, has_aux, compile, name, chunks, parts):
+    """The executor of this rank's pipeline stage when ``mesh`` has ``pp > 1`` (else ``None``)."""
+    pp = mesh.axis_size("pp")
+    if pp == 1:
+        return None
+    found = model_of_loss(loss_fn)
+    if found is None or found[0].stages is None:
+        raise StepError(f"{mesh!r}: pipeline stages cut the model through its staged form: build the loss with "
+                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
+    for bad, what in ((zero == 3, "zero=3 (use zero=1 or 2: stages already split the parameters)"),
+                      (has_aux, "has_aux"), (compile, "compile=True")):
+        if bad:
+            raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
+    model, cfg, _ = found
+    try:
+        sched = make_schedule(name, pp, accum_steps, chunks if chunks is not None else (2 if name == "interleaved" else 1))
+        plan = StagePlan(model, cfg, mesh, sched.validate(), parts)
+    except PipelineError as e:
+        raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None
+    return Executor(plan, remat_blocks=getattr(loss_fn, "remat", False))
+
+
+def validate_options(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss_scale) -> None:
+    if zero not in (0, 1, 2, 3):
+        raise StepError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if not isinstance(accum_steps, int) or accum_steps < 1:
+        raise StepError(f"accum_steps must be a positive int, got {accum_steps!r}")
+    for a in data_axes:
+        if a not in mesh.axis_names or a == "pp":
+            raise StepError(f"data_axes names '{a}', which is not a data axis of {mesh!r}")
+    if param_dtype is not None and not param_dtype.is_floating_point:
+        raise StepError(f"param_dtype must be a floating dtype, got {param_dtype}")
+    if loss_scale is not None and param_dtype is None:
+        raise StepError("loss_scale needs mixed precision: pass param_dtype=torch.float16 (or bfloat16)")
+    if isinstance(loss_scale, str) and loss_scale != "dynamic":
+        raise StepError(f"loss_scale must be 'dynamic', a number or None, got {loss_scale!r}")
