@@ -62,7 +62,12 @@ def check_consistency(mesh, specs, params: Any | None, batch: Any, batch_axes: t
             )
 
 
-def _checksums(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().double().reshape(-1)
-    w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(7.0).add_(1.0)
-    return torch.stack([x.sum(), (x * w).sum()])
+def _checksums(x: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """Two float64 sums (plain, and position-weighted) of ``x``, a chunk at a time (no whole float64 copy)."""
+    x = x.detach().reshape(-1)
+    out = torch.zeros(2, dtype=torch.float64, device=x.device)
+    for i in range(0, x.numel(), chunk):
+        c = x[i : i + chunk].double()
+        w = torch.arange(i + 1, i + c.numel() + 1, dtype=torch.float64, device=x.device).remainder_(7.0).add_(1.0)
+        out += torch.stack([c.sum(), (c * w).sum()])
+    return out

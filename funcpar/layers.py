@@ -17,7 +17,7 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["check_sizes", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
+__all__ = ["check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
            "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
 
 IGNORE_INDEX = -100
@@ -181,3 +181,20 @@ def count_targets(batch: dict) -> int:
     """How many tokens :func:`causal_lm_loss` averages over in ``batch``."""
     targets = shifted_targets(batch.get("labels", batch["input_ids"]), batch.get("loss_mask"))
     return int((targets != IGNORE_INDEX).sum().item())
+
+
+def token_range_errors(batch: dict, cfg: Any) -> list[str]:
+    """What is out of range in a language-model batch: ``input_ids`` outside ``[0, cfg.vocab_size)`` (which a
+    vocab-parallel embedding would silently embed as zeros), ``labels`` outside it other than -100 (which the loss
+    would train on). One message per entry, naming the value, where it is and the vocabulary size."""
+    out = []
+    for name in ("input_ids", "labels"):
+        x = batch.get(name)
+        if not isinstance(x, torch.Tensor) or x.numel() == 0:
+            continue
+        bad = ((x < 0) | (x >= cfg.vocab_size)) & ((x != IGNORE_INDEX) if name == "labels" else True)
+        if bool(bad.any()):
+            at = [int(i) for i in bad.nonzero()[0]]
+            out.append(f"batch['{name}'] holds {int(x[tuple(at)])} at {at} ({int(bad.sum())} such entries), outside "
+                       f"the vocabulary [0, {cfg.vocab_size})" + (" (and not -100)" if name == "labels" else ""))
+    return out

@@ -19,6 +19,8 @@ inside a model module; everything it needs is named here:
                    (:func:`funcpar.layers.count_targets` for a token-mean loss); ``None`` weighs rows
 ``remat``          capability: ``loss(..., remat=True)`` recomputes each block in the backward pass
 ``stages``         capability: the staged form pipeline stages need (:class:`Stages`), or ``None``
+``check_batch``    ``check_batch(batch, cfg) -> [messages]``: what is wrong with a batch (out-of-range token ids:
+                   :func:`funcpar.layers.token_range_errors`); the step checks every batch with it
 =================  =====================================================================================
 
 A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
@@ -35,7 +37,7 @@ import types
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["ModelSpec", "HFNames", "Stages", "ModelError", "register_model", "get_model", "known_models",
-           "carried_weight", "model_of_loss"]
+           "carried_weight", "carried_check", "model_of_loss"]
 
 
 class ModelError(ValueError):
@@ -105,6 +107,7 @@ class ModelSpec:
     batch_weight: Callable[[Any], float] | None = None
     remat: bool = False
     stages: Stages | None = None
+    check_batch: Callable[[Any, Any], list] | None = None
 
     def __post_init__(self):
         for attr in ("from_hf",):
@@ -135,6 +138,7 @@ class _ModelLoss:
     def __init__(self, model: ModelSpec, fn: Callable, cfg: Any, mesh: Any, remat: bool = False):
         self.model, self.fn, self.cfg, self.mesh, self.remat = model, fn, cfg, mesh, remat
         self.batch_weight = model.batch_weight
+        self.check_batch = functools.partial(model.check_batch, cfg=cfg) if model.check_batch else None
 
     def __call__(self, params, batch):
         return self.fn(params, batch)
@@ -170,6 +174,15 @@ def carried_weight(loss_fn: Callable) -> Callable | None:
             return owner.batch_weight
         fn = getattr(fn, "func", None)  # functools.partial
     return None
+
+
+def carried_check(loss_fn: Callable) -> Callable | None:
+    """``check(batch) -> [messages]``: the batch check of the model behind ``loss_fn`` (see ``check_batch``)."""
+    check = getattr(loss_fn, "check_batch", None)
+    found = model_of_loss(loss_fn) if check is None else None
+    if found is not None and found[0].check_batch is not None:
+        check = functools.partial(found[0].check_batch, cfg=found[1])
+    return check
 
 
 # -------------------------------------------------------------------------------------------------- registry

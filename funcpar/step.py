@@ -34,7 +34,7 @@ from .batching import batch_items, check_consistency, rows as _rows, split as _s
 from .layout import ZeroLayout
 from .mesh import Mesh
 from .buffers import StateBuffers
-from .model import carried_weight
+from .model import carried_check, carried_weight
 from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
@@ -60,7 +60,7 @@ class Step:
 
     def __init__(self, loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  optimizer: GradientTransformation | None = None, zero: int = 1, accum_steps: int = 1,
-                 clip_norm: float | None = None, has_aux: bool = False, check: bool = False,
+                 clip_norm: float | None = None, has_aux: bool = False, check: bool = True,
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
@@ -79,6 +79,7 @@ class Step:
         self.zero, self.accum_steps, self.clip_norm = zero, accum_steps, clip_norm
         self.has_aux, self.check, self.donate = has_aux, check, donate
         self.weight_fn = weight_fn if weight_fn is not None else carried_weight(loss_fn)
+        self.check_batch = carried_check(loss_fn)  # a model's range checks, on every batch
         self.data_axes = tuple(data_axes)
         self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in self.data_axes)
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -255,7 +256,13 @@ class Step:
         micro = _split(batch, self.accum_steps)
         w = torch.tensor([self.weight_fn(mb) if self.weight_fn else float(_rows(mb)) for mb in micro],
                          dtype=torch.float64)
-        total = C.all_reduce(w.sum(), mesh, self.data_axes).item()
+        problems = self.check_batch(batch) if self.check_batch else []
+        # the batch's problems ride on the weights' all-reduce: every data rank hears of any
+        total, bad = C.all_reduce(torch.stack([w.sum(), torch.tensor(float(len(problems)), dtype=torch.float64)]),
+                                  mesh, self.data_axes).tolist()
+        if bad:
+            raise StepError(problems[0] if problems else f"{int(bad)} problem(s) in another data-parallel rank's "
+                            f"batch (its error names them)")
         if total <= 0:
             raise StepError("the global batch has no targets to train on (every label is -100 or masked)")
         acc: list = [None] * len(lay.buckets)
@@ -351,7 +358,7 @@ class Step:
 
 def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  optimizer: GradientTransformation | None = None, zero: int = 1, accum_steps: int = 1,
-                 clip_norm: float | None = None, has_aux: bool = False, check: bool = False,
+                 clip_norm: float | None = None, has_aux: bool = False, check: bool = True,
                  weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
@@ -362,8 +369,8 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
     ``optimizer``: default :func:`default_optimizer` (``adamw(1e-3, weight_decay=0.01)``, torch's AdamW defaults).
     ``zero`` (0, 1, 2); ``accum_steps`` (micro-batches per step); ``clip_norm`` (clip by the global gradient norm);
-    ``has_aux`` (``loss_fn`` returns ``(loss, aux)``); ``check`` (verify on the first step that the batch and the
-    replicated leaves agree across ranks); ``weight_fn`` (a micro-batch's weight in the global mean; default the
+    ``has_aux`` (``loss_fn`` returns ``(loss, aux)``); ``check`` (default True: verify on the first step that the
+    batch and the replicated leaves agree across ranks; a model's ``check_batch`` runs on every batch regardless); ``weight_fn`` (a micro-batch's weight in the global mean; default the
     ``batch_weight`` the loss function carries, as ``ModelSpec.loss_fn`` and the models' ``loss`` do: target tokens,
     else rows); ``data_axes`` (the mesh axes the batch is split over: gradients are summed and ZeRO-partitioned over
     them); ``bucket_mb`` (largest gradient bucket); ``compile`` (``torch.compile`` the per-micro-batch gradient);

@@ -230,7 +230,7 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> tor
 
 MODEL = fp.register_model(fp.ModelSpec(
     name="gpt2", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, remat=False,
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=False,
     stages=fp.Stages(_embed, _stage_block, _head, embed_leaves=lambda cfg: ["wte", "wpe"],
                      head_leaves=lambda cfg: ["ln_f_w", "ln_f_b", "wte"]),
 ))

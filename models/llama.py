@@ -405,7 +405,7 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat:
 
 MODEL = fp.register_model(fp.ModelSpec(
     name="llama", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, remat=True,
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True,
     stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
                      head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"]),
 ))

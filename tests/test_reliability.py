@@ -120,17 +120,18 @@ def test_skip_policy_and_loss_scaling_stop_after_max_skips():
 def _one_rank_goes_bad():
     mesh = harness.mesh(dp=2)
     step, state = _tiny_step(mesh)
+    state, _ = step(state, _ids(mesh.rank))  # the first step checks that replicas agree; after it, one goes bad
     if mesh.rank == 1:  # one replica's weights only: every rank hears of it through the statistics' all-reduce
         _poison(step, state)
     try:
-        step(state, _ids(mesh.rank))
+        step(state, _ids(2 + mesh.rank))
     except fp.StepError as e:
         return str(e)
 
 
 def test_every_rank_stops_at_the_same_step_when_one_goes_non_finite():
     msgs = harness.run(2, _one_rank_goes_bad)
-    assert msgs[0] == msgs[1] and msgs[0].startswith("step 1: the loss is nan; nothing was updated")
+    assert msgs[0] == msgs[1] and msgs[0].startswith("step 2: the loss is nan; nothing was updated")
 
 
 def test_a_schedule_that_goes_non_finite_stops_before_updating():
@@ -156,3 +157,47 @@ def test_the_command_line_refuses_a_non_finite_learning_rate_before_writing_anyt
                         "--steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode != 0 and "warmup_cosine: peak=nan is not a finite number in [0, inf)" in p.stderr
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------ class 3: out-of-range ids and labels
+
+
+def _bad_token(entry, value, tp):
+    mesh = harness.mesh(tp=tp, dp=2) if tp > 1 else harness.mesh(dp=2)
+    step, state = _tiny_step(mesh)
+    before = [x.clone() for x in optree.tree_leaves(state.params)]
+    batch = _ids(mesh.coord("dp"))
+    batch["labels"] = batch["input_ids"].clone()
+    if mesh.coord("dp") == 1:
+        batch[entry][1, 3] = value
+    with pytest.raises(fp.StepError) as e:
+        step(state, batch)
+    same = all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(state.params), before))
+    return str(e.value), same
+
+
+@pytest.mark.parametrize("entry, value, tp", [("input_ids", 64, 2), ("input_ids", -1, 1), ("labels", 70, 2)])
+def test_out_of_range_ids_and_labels_stop_every_rank_with_the_value_named(entry, value, tp):
+    out = harness.run(2 * tp, _bad_token, entry, value, tp)
+    for rank, (msg, unchanged) in enumerate(out):
+        assert unchanged
+        dp = rank // tp
+        if dp == 1:
+            assert msg == (f"batch['{entry}'] holds {value} at [1, 3] (1 such entries), outside the vocabulary [0, 64)"
+                           + (" (and not -100)" if entry == "labels" else ""))
+        else:
+            assert msg == "1 problem(s) in another data-parallel rank's batch (its error names them)"
+
+
+def test_tp_ranks_fed_different_batches_are_caught_on_the_first_step_by_default():
+    msgs = harness.run(2, _tp_mismatch)
+    assert all("Data inconsistency within the TP group: batch['input_ids'] differs across mesh axis 'tp'" in m
+               for m in msgs)
+
+
+def _tp_mismatch():
+    mesh = harness.mesh(tp=2)
+    step, state = _tiny_step(mesh)  # check is not passed: it is on for the first step by default
+    with pytest.raises(fp.StepError) as e:
+        step(state, _ids(mesh.coord("tp")))
+    return str(e.value)
