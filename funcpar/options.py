@@ -47,6 +47,8 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not key.isidentifier() or not val.strip().isdigit():
             raise SystemExit(f"funcpar: bad --mesh '{text}': expected e.g. 'tp=2,dp=2' or 'dp=2,ep=2,tp=2' "
                              f"(axis=size pairs; axes pp, dp, tp or any other name)")
+        if key in out:
+            raise SystemExit(f"funcpar: bad --mesh '{text}': axis '{key}' is given twice")
         out[key] = int(val)
     return out
 
@@ -78,7 +80,30 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
             raise SystemExit(f"funcpar: unknown option(s) in {args.config}: {', '.join(unknown)}")
         opts.update(cfg)
     opts.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+    _check_options(opts, args.config)
     return opts
+
+
+_AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,
+             "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
+             "eval_fraction": 0, "lr": 0}
+_AT_MOST = {"zero": 3, "eval_fraction": 0.5}
+
+
+def _check_options(opts: dict[str, Any], config: str | None) -> None:
+    """Every option of the type its default has, and numbers in their ranges: one clear line otherwise."""
+    where = f" (from {config} or the command line)" if config else ""
+    for key, default in DEFAULTS.items():
+        v, kind = opts[key], type(default)
+        ok = isinstance(v, bool) if kind is bool else (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+            if kind in (int, float) else isinstance(v, str))
+        if not ok:
+            raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: expected {kind.__name__}")
+        if key in _AT_LEAST and not (v >= _AT_LEAST[key] and v <= _AT_MOST.get(key, float("inf"))):
+            hi = f" and at most {_AT_MOST[key]}" if key in _AT_MOST else ""
+            raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: must be a number at least "
+                             f"{_AT_LEAST[key]}{hi}")
 
 
 # ------------------------------------------------------------------------------------------ model, data, step

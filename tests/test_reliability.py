@@ -155,7 +155,7 @@ def test_the_command_line_refuses_a_non_finite_learning_rate_before_writing_anyt
     env.pop("RANK", None)
     p = subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--mesh", "1", "--lr", "nan",
                         "--steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode != 0 and "warmup_cosine: peak=nan is not a finite number in [0, inf)" in p.stderr
+    assert p.returncode != 0 and "funcpar: --lr nan: must be a number at least 0" in p.stderr
     assert not out.exists()
 
 
@@ -201,3 +201,33 @@ def _tp_mismatch():
     with pytest.raises(fp.StepError) as e:
         step(state, _ids(mesh.coord("tp")))
     return str(e.value)
+
+
+# --------------------------------------------------------------------------- class 6: errors a user can act on
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "0"], "funcpar: --seq-len 0: must be a number at least 1"),
+    (["--global-batch", "0"], "funcpar: --global-batch 0: must be a number at least 1"),
+    (["--steps", "-1"], "funcpar: --steps -1: must be a number at least 0"),
+    (["--zero", "4"], "funcpar: --zero 4: must be a number at least 0 and at most 3"),
+])
+def test_command_line_numbers_out_of_range_are_named(argv, message):
+    from funcpar import options
+
+    with pytest.raises(SystemExit) as e:
+        options.read_options(argv, "train")
+    assert str(e.value) == message
+
+
+def test_config_file_values_of_the_wrong_type_and_repeated_mesh_axes_are_named(tmp_path):
+    from funcpar import options
+
+    f = tmp_path / "run.json"
+    f.write_text('{"seq_len": "1024"}')
+    with pytest.raises(SystemExit) as e:
+        options.read_options(["--config", str(f)], "train")
+    assert str(e.value) == f"funcpar: --seq-len '1024' (from {f} or the command line): expected int"
+    with pytest.raises(SystemExit) as e:
+        options.parse_mesh("tp=2,tp=1")
+    assert str(e.value) == "funcpar: bad --mesh 'tp=2,tp=1': axis 'tp' is given twice"
