@@ -227,27 +227,16 @@ def specs(cfg: Config, mesh=None):
 
 # transformers name <-> pytree path: a literal table ({i} = layer index); this model stores weights as HF does,
 # so it has no transposes and no splits
-HF_NAMES = [
-    ("embed", "model.embed_tokens.weight"),
-    ("norm", "model.norm.weight"),
-    ("lm_head", "lm_head.weight"),
-    ("layers.{i}.attn_norm", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.mlp_norm", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.wq", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.wk", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.wv", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.wo", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.bq", "model.layers.{i}.self_attn.q_proj.bias"),
-    ("layers.{i}.bk", "model.layers.{i}.self_attn.k_proj.bias"),
-    ("layers.{i}.bv", "model.layers.{i}.self_attn.v_proj.bias"),
-    ("layers.{i}.bo", "model.layers.{i}.self_attn.o_proj.bias"),
-    ("layers.{i}.w_gate", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.w_up", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.w_down", "model.layers.{i}.mlp.down_proj.weight"),
-    ("layers.{i}.b_gate", "model.layers.{i}.mlp.gate_proj.bias"),
-    ("layers.{i}.b_up", "model.layers.{i}.mlp.up_proj.bias"),
-    ("layers.{i}.b_down", "model.layers.{i}.mlp.down_proj.bias"),
-]
+_LAYER_HF = {  # pytree key in a layer -> transformers name under model.layers.{i}
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias", "bo": "self_attn.o_proj.bias", "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight", "b_gate": "mlp.gate_proj.bias",
+    "b_up": "mlp.up_proj.bias", "b_down": "mlp.down_proj.bias",
+}
+HF_NAMES = [("embed", "model.embed_tokens.weight"), ("norm", "model.norm.weight"), ("lm_head", "lm_head.weight")] + [
+    (f"layers.{{i}}.{k}", f"model.layers.{{i}}.{v}") for k, v in _LAYER_HF.items()]
 HF = fp.HFNames(
     HF_NAMES,
     vocab_padded=["embed", "lm_head"],  # rows beyond the real vocabulary are padding (absent from checkpoints)
