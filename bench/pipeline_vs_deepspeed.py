@@ -48,6 +48,15 @@ share of rank-time spent waiting for the peer stage, the median over the timed s
 step of each configuration's first job, and one JSON line with everything. A benchmark, not a test: nothing is
 asserted; a configuration that fails is reported with the tail of its stderr and the others still run.
 
+DeepSpeed's gradient clipping under the pipe engine (0.19.8) is not by the global norm: ``clip_fp32_gradients``
+calls ``deepspeed.runtime.utils.clip_grad_norm_`` with ``mpu`` = the pipe grid, which counts a parameter only on
+model-parallel rank 0 (unless the parameter is marked ``model_parallel``), and the grid's model-parallel group spans
+the pipeline stages: only stage 0's gradients enter the norm, and both stages are scaled by that. The first-step
+loss is not affected (it precedes any update); the later losses drift slightly (Adam is nearly invariant to a
+per-step gradient scale). The script prints, for the warm-up steps, the global gradient norm next to the norm the
+clipping used; ``--ds-global-clip`` replaces DeepSpeed's clipping of ``ds-pipe`` by one over the global norm (the
+sum of squares all-reduced over the stages), after which its losses follow funcpar's step for step.
+
 DeepSpeed on CPU, notes. ``deepspeed.init_distributed(dist_backend="gloo")`` (the CPU accelerator would pick oneCCL
 if installed). The pipe engine's point-to-point messages are blocking ``dist.send``/``dist.recv``, which gloo
 supports. Its ``train_batch`` returns the loss already averaged over the micro-batches and broadcast from the last
@@ -211,7 +220,7 @@ def worker(kind: str, args) -> None:
     if world != 2:
         raise SystemExit(f"this benchmark runs 2 ranks, got WORLD_SIZE={world}")
     A = args.micro_batches
-    losses, bubbles = [], []
+    losses, bubbles, norms = [], [], []  # norms: the gradient norm of the first steps (what clipping used)
 
     if kind.startswith("fp-"):
         import funcpar as fp
@@ -236,6 +245,8 @@ def worker(kind: str, args) -> None:
             if dp > 1:
                 ids = ids.chunk(dp)[mesh.coord("dp")]
             box["state"], m = step(box["state"], {"input_ids": ids, "labels": ids})
+            if i < args.warmup:
+                norms.append({"clip_norm_used": m["grad_norm"], "global_norm": m["grad_norm"]})
             return m["loss"], m.get("bubble")
 
     elif kind == "ds-pipe":
@@ -261,9 +272,33 @@ def worker(kind: str, args) -> None:
         engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
                                           config=config)
 
+        from deepspeed.runtime import engine as ds_engine
+
+        def clip_and_record():  # engine.clip_fp32_gradients, plus the norms it sees (warm-up steps only)
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            sq = torch.stack([g.float().norm() ** 2 for g in grads]).sum().reshape(1)
+            dist.all_reduce(sq)  # every stage's gradients: the global norm (dp=1: the world is the pipeline)
+            used = clip_global() if args.ds_global_clip else ds_engine.clip_grad_norm_(
+                parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+            norms.append({"clip_norm_used": float(used), "global_norm": float(sq.sqrt())})
+
+        def clip_global():  # --ds-global-clip: clip by the norm over every stage's gradients, as torch would
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            sq = torch.stack([g.float().norm() ** 2 for g in grads]).sum()
+            dist.all_reduce(sq, group=engine.mpu.get_model_parallel_group())  # the stages of this pipeline
+            norm = sq.sqrt()
+            coef = torch.clamp(CLIP / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+            return norm
+
         def run(i):
             ids = global_batch(args, i)
             micro = iter([(x, x) for x in ids.chunk(A)])  # (inputs, labels) per micro-batch, in row order
+            engine.__dict__.pop("clip_fp32_gradients", None)
+            if args.ds_global_clip:
+                engine.clip_fp32_gradients = clip_global
+            if i < args.warmup:
+                engine.clip_fp32_gradients = clip_and_record
             return engine.train_batch(data_iter=micro).item(), None
 
     elif kind == "ds-dp":
@@ -292,6 +327,10 @@ def worker(kind: str, args) -> None:
                 engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
                 total += loss.detach()
             dist.all_reduce(total)  # the mean over micro-batches and ranks (equal token counts)
+            if i < args.warmup:
+                g = engine.get_global_grad_norm()
+                norms.append({"clip_norm_used": float(g) if g is not None else float("nan"),
+                              "global_norm": float(g) if g is not None else float("nan")})
             return total.item() / (2 * A), None
 
     else:
@@ -313,7 +352,7 @@ def worker(kind: str, args) -> None:
     dist.all_gather_object(peaks, _peak_mb())
     if rank == 0:
         print("RESULT " + json.dumps({"kind": kind, "times": times, "losses": losses, "bubbles": bubbles,
-                                      "rss_mb": peaks}), flush=True)
+                                      "rss_mb": peaks, "norms": norms}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -325,7 +364,8 @@ def launch(kind: str, args, env: dict) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.abspath(__file__), "--only", kind, "--weights", args.weights] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("hidden", "layers", "vocab", "seq", "global_batch", "micro_batches", "steps", "warmup")]
+        for k in ("hidden", "layers", "vocab", "seq", "global_batch", "micro_batches", "steps", "warmup")] + (
+        ["--ds-global-clip"] if args.ds_global_clip else [])
     loads, done = [], threading.Event()
 
     def sample():  # the machine's 1-minute load average while the job runs (the job itself adds about 2)
@@ -369,15 +409,16 @@ def main() -> None:
     ap.add_argument("--tol", type=float, default=1e-4, help="relative first-step loss difference flagged")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per job")
     ap.add_argument("--weights", help="an HF Llama folder to use (default: a fresh one in a temporary folder)")
+    ap.add_argument("--ds-global-clip", action="store_true",
+                    help="ds-pipe: clip by the norm over both stages' gradients instead of DeepSpeed's own clipping "
+                         "(which counts stage 0's only; see the docstring)")
     ap.add_argument("--only", choices=sorted(KINDS), help=argparse.SUPPRESS)  # one job, here, under torchrun
+    if ap.parse_known_args()[0].quick:  # smaller defaults; flags given explicitly still win
+        ap.set_defaults(hidden=128, layers=4, vocab=1024, seq=64, steps=3, warmup=1, repeats=1)
     args = ap.parse_args()
     if args.only:
         worker(args.only, args)
         return
-    if args.quick:
-        for k, v in dict(hidden=128, layers=4, vocab=1024, seq=64, steps=3, warmup=1, repeats=1).items():
-            if getattr(args, k) == ap.get_default(k):
-                setattr(args, k, v)
     if args.global_batch % args.micro_batches:
         sys.exit(f"--global-batch {args.global_batch} must be a multiple of --micro-batches {args.micro_batches}")
     runs = (args.runs or ",".join(DEFAULT_RUNS)).split(",")
@@ -414,8 +455,9 @@ def main() -> None:
             out = launch(kind, args, env)
             results[kind].append(out)
             if "error" in out:
-                print(f"  [{r + 1}/{args.repeats}] {kind}: FAILED ({out['error'].strip().splitlines()[-1][:200]})",
-                      flush=True)
+                lines = out["error"].strip().splitlines()
+                why = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1])
+                print(f"  [{r + 1}/{args.repeats}] {kind}: FAILED ({why.strip()[:200]})", flush=True)
             else:
                 print(f"  [{r + 1}/{args.repeats}] {kind}: median {statistics.median(out['times']):.3f} s/step, "
                       f"first loss {out['losses'][0]:.6f}, job {out['wall_s']:.0f} s, load {out['load']:.1f}",
@@ -437,7 +479,8 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
                     "tokens_per_s": tokens / med,
                     "rss_mb": [max(o["rss_mb"][i] for o in ok) for i in range(len(ok[0]["rss_mb"]))],
                     "first_loss": ok[0]["losses"][0], "first_loss_repeats": [o["losses"][0] for o in ok],
-                    "losses": ok[0]["losses"], "bubble": statistics.median(bubbles) if bubbles else None}
+                    "losses": ok[0]["losses"], "bubble": statistics.median(bubbles) if bubbles else None,
+                    "warmup_grad_norms": ok[0].get("norms", [])}
             firsts[kind] = row["first_loss"]
         else:
             row["error"] = results[kind][0]["error"]
@@ -478,6 +521,22 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
     for row in rows:
         if "losses" in row:
             print(f"  losses {row['kind']:<18} " + " ".join(f"{x:.4f}" for x in row["losses"]))
+    print("gradient norm of the warm-up steps (before clipping at 1.0): global / the one clipping used")
+    off = []
+    for row in rows:
+        if row.get("warmup_grad_norms"):
+            print(f"  {row['kind']:<18} " + "  ".join(f"{n['global_norm']:.6f} / {n['clip_norm_used']:.6f}"
+                                                    for n in row["warmup_grad_norms"]))
+            if any(abs(n["clip_norm_used"] - n["global_norm"]) > 1e-4 * n["global_norm"]
+                   for n in row["warmup_grad_norms"]):
+                off.append(row["kind"])
+    if off:
+        print(f"note: {', '.join(off)} clipped by a norm other than the global one. For ds-pipe this is DeepSpeed's "
+              "clip_grad_norm_ (runtime/utils.py) with mpu = the pipe grid: it counts a parameter only on "
+              "model-parallel rank 0 unless the parameter is marked model-parallel, and the grid's model-parallel "
+              "group spans the pipeline stages, so only stage 0's gradients enter the norm. The updates then differ "
+              "(slightly: Adam is nearly invariant to a per-step gradient scale) and the later losses drift; "
+              "--ds-global-clip clips ds-pipe by the global norm instead")
     for row in rows:
         if "error" in row:
             print(f"\n{row['kind']} failed:\n{row['error']}")

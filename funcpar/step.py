@@ -242,7 +242,7 @@ class Step:
                 f"the global batch of {rows * dp} rows ({rows} on this {d} rank x {d}={dp}) is not divisible by "
                 f"{d} x accum_steps = {dp * A}: make it a multiple of {dp * A}"
             )
-        if self.check and not self._checked:
+        if self.check and not self._checked and not self.mesh.simulated:  # (a plan's meta batch holds no values)
             params = None if self.zero == 3 else state.params  # (zero=3 parts differ across the data axes)
             pp = ("pp",) if self.pipe is not None else ()
             check_consistency(self.mesh, self.specs, params, batch, self.model_axes + pp,
@@ -256,7 +256,7 @@ class Step:
         micro = _split(batch, self.accum_steps)
         w = torch.tensor([self.weight_fn(mb) if self.weight_fn else float(_rows(mb)) for mb in micro],
                          dtype=torch.float64)
-        problems = self.check_batch(batch) if self.check_batch else []
+        problems = self.check_batch(batch) if self.check_batch and not mesh.simulated else []
         # the batch's problems ride on the weights' all-reduce: every data rank hears of any
         total, bad = C.all_reduce(torch.stack([w.sum(), torch.tensor(float(len(problems)), dtype=torch.float64)]),
                                   mesh, self.data_axes).tolist()
