@@ -135,8 +135,16 @@ def load_samples(path: str | os.PathLike) -> list[tuple[dict, str]]:
     if not path.exists():
         raise DataError(f"data file {path} does not exist")
     out = []
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # name the line and column, not just a byte offset
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {col}); save the file "
+                        f"as UTF-8") from None
     if path.suffix == ".txt":
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
         line = 1
         for doc in text.split("\n\n"):
             if doc.strip():

@@ -231,3 +231,16 @@ def test_config_file_values_of_the_wrong_type_and_repeated_mesh_axes_are_named(t
     with pytest.raises(SystemExit) as e:
         options.parse_mesh("tp=2,tp=1")
     assert str(e.value) == "funcpar: bad --mesh 'tp=2,tp=1': axis 'tp' is given twice"
+
+
+@pytest.mark.parametrize("suffix, content, where", [
+    (".jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8 text (byte 0xe9 at column 14)"),
+    (".txt", b"first doc\n\nsecond \xff doc\n", ":3: not UTF-8 text (byte 0xff at column 8)"),
+    (".jsonl", b"\xfe\xff{}\n", ":1: not UTF-8 text (byte 0xfe at column 1)"),
+])
+def test_data_that_is_not_utf8_is_named_by_file_and_line(tmp_path, suffix, content, where):
+    f = tmp_path / f"data{suffix}"
+    f.write_bytes(content)
+    with pytest.raises(fp.data.DataError) as e:
+        fp.data.load_samples(f)
+    assert str(e.value) == f"{f}{where}; save the file as UTF-8"
