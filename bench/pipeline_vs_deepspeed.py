@@ -54,8 +54,10 @@ model-parallel rank 0 (unless the parameter is marked ``model_parallel``), and t
 the pipeline stages: only stage 0's gradients enter the norm, and both stages are scaled by that. The first-step
 loss is not affected (it precedes any update); the later losses drift slightly (Adam is nearly invariant to a
 per-step gradient scale). The script prints, for the warm-up steps, the global gradient norm next to the norm the
-clipping used; ``--ds-global-clip`` replaces DeepSpeed's clipping of ``ds-pipe`` by one over the global norm (the
-sum of squares all-reduced over the stages), after which its losses follow funcpar's step for step.
+clipping used (funcpar: ``metrics["grad_norm"]``, which is both), and how far the first step's norms of the
+configurations are apart (they are the norm of the same gradient); ``--ds-global-clip`` replaces DeepSpeed's
+clipping of ``ds-pipe`` by one over the global norm (the sum of squares all-reduced over the stages), after which
+its losses follow funcpar's step for step.
 
 DeepSpeed on CPU, notes. ``deepspeed.init_distributed(dist_backend="gloo")`` (the CPU accelerator would pick oneCCL
 if installed). The pipe engine's point-to-point messages are blocking ``dist.send``/``dist.recv``, which gloo
@@ -530,6 +532,14 @@ def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) 
             if any(abs(n["clip_norm_used"] - n["global_norm"]) > 1e-4 * n["global_norm"]
                    for n in row["warmup_grad_norms"]):
                 off.append(row["kind"])
+    norms0 = {r["kind"]: r["warmup_grad_norms"][0]["global_norm"] for r in rows if r.get("warmup_grad_norms")}
+    if len(norms0) > 1:
+        mid = statistics.median(norms0.values())
+        odd = {k: v / mid - 1 for k, v in norms0.items() if abs(v / mid - 1) > args.tol}
+        spread = (max(norms0.values()) - min(norms0.values())) / mid
+        print(f"first-step global gradient norms: max relative spread {spread:.2e}"
+              + ("; off the median by more than the tolerance: "
+                 + ", ".join(f"{k} {d:+.1e}" for k, d in odd.items()) if odd else ""))
     if off:
         print(f"note: {', '.join(off)} clipped by a norm other than the global one. For ds-pipe this is DeepSpeed's "
               "clip_grad_norm_ (runtime/utils.py) with mpu = the pipe grid: it counts a parameter only on "

@@ -108,21 +108,24 @@ def gather_blocks_to(
     return None
 
 
-def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int) -> Pending:
+def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int, channel: int = 0) -> Pending:
     """Start sending ``x`` to coordinate ``dst`` along ``axis`` under ``tag``; ``x`` must not change until the
-    returned :class:`Pending` has been waited for (it keeps a reference)."""
+    returned :class:`Pending` has been waited for (it keeps a reference). ``channel`` 0 goes over the default
+    group, 1 over the axis's own group: two communicators, so that two streams of messages between the same ranks
+    keep their own order where the backend matches by order rather than by tag (NCCL)."""
     x = x.detach().contiguous()
     if mesh.simulated:
         _simulated(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
         return Pending(None, x, mesh, axis, "send")
-    peer = _peer(mesh, axis, dst, "send")
-    return Pending(dist.isend(x, peer, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")
+    peer, group = _peer(mesh, axis, dst, "send"), mesh.group(axis) if channel else None
+    return Pending(dist.isend(x, peer, group=group, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")
 
 
-def irecv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int) -> Pending:
+def irecv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int, channel: int = 0) -> Pending:
     """Start receiving into ``buf`` (the sender's shape and dtype) from coordinate ``src`` along ``axis`` under
-    ``tag``."""
+    ``tag``, on ``channel`` (see :func:`isend`)."""
     if mesh.simulated:
         return Pending(None, buf, mesh, axis, "recv")
-    peer = _peer(mesh, axis, src, "recv")
-    return Pending(dist.irecv(buf, peer, tag=tag), buf, mesh, axis, f"receive from {axis}={src} (tag {tag})")
+    peer, group = _peer(mesh, axis, src, "recv"), mesh.group(axis) if channel else None
+    return Pending(dist.irecv(buf, peer, group=group, tag=tag), buf, mesh, axis,
+                   f"receive from {axis}={src} (tag {tag})")

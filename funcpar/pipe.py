@@ -14,7 +14,9 @@ the chunk's blocks with autograd recording, keeps the input and the output, and 
 parameter's ``.grad`` accumulates over micro-batches; the saved activations are freed as they are used), and sends
 the input's gradient back. Gradients are those of ``sum_m w_m loss_m``, as the unpipelined step computes them. Sends
 are asynchronous and every message is tagged (:mod:`funcpar.p2p`); a rank waits only where its next action needs
-data. The executor measures the time it spends waiting (the *bubble*) and the most micro-batches it holds.
+data. Activations and gradients travel on two channels (communicators): each stream is posted in the same order by
+sender and receiver (every rank walks the same forward order and the same backward order), so a backend that matches
+messages by order (NCCL) pairs them as the tags do on gloo. The executor measures the time it spends waiting (the *bubble*) and the most micro-batches it holds.
 """
 
 from __future__ import annotations
@@ -183,12 +185,12 @@ class Executor:
             grad = None
         else:
             buf = torch.empty_like(y)
-            grad = self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v + 1), self._tag(2, m, v + 1)))
+            grad = self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v + 1), self._tag(2, m, v + 1), channel=1))
         if y.requires_grad:
             torch.autograd.backward(y, grad)
         if x_in is not None:
             g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-            self._sends.append(p2p.isend(g, self.mesh, "pp", self._peer(v - 1), self._tag(2, m, v)))
+            self._sends.append(p2p.isend(g, self.mesh, "pp", self._peer(v - 1), self._tag(2, m, v), channel=1))
 
     # ------------------------------------------------------------------------------------------------ a step
     def run(self, params: Any, micro: list, shares: list[float], scale: torch.Tensor
