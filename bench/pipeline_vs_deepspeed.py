@@ -24,7 +24,7 @@ Every configuration trains the same global batch (``--global-batch`` rows of ``-
 DeepSpeed's ``gradient_accumulation_steps``; DeepSpeed pipe: ``train_micro_batch_size_per_gpu`` = global batch /
 micro-batches, ``train_batch_size`` = global batch), fp32, with AdamW(lr 1e-3, weight decay 0.01, torch's betas
 and eps) and clipping of the global gradient norm at 1.0. Each job runs ``--warmup`` untimed steps, then
-``--steps`` timed ones (a barrier before and after each step; the time of the slowest rank).
+``--steps`` timed ones (rank 0's clock between a barrier before and one after each step: the slower rank's time).
 
 The DeepSpeed pipeline is built from the checkpoint's transformers modules, one pipe layer per piece, each reading
 only its own tensors from the safetensors file (``LayerSpec``, so a stage never holds the other stage's weights):
@@ -59,10 +59,11 @@ configurations are apart (they are the norm of the same gradient); ``--ds-global
 clipping of ``ds-pipe`` by one over the global norm (the sum of squares all-reduced over the stages), after which
 its losses follow funcpar's step for step.
 
-DeepSpeed on CPU, notes. ``deepspeed.init_distributed(dist_backend="gloo")`` (the CPU accelerator would pick oneCCL
-if installed). The pipe engine's point-to-point messages are blocking ``dist.send``/``dist.recv``, which gloo
-supports. Its ``train_batch`` returns the loss already averaged over the micro-batches and broadcast from the last
-stage to every rank. ``steps_per_print`` is set very large so that its logging does not run inside timed steps.
+DeepSpeed on CPU, notes (no workaround was needed with deepspeed 0.19.8 and torch 2.13).
+``deepspeed.init_distributed(dist_backend="gloo")`` (the CPU accelerator would pick oneCCL if installed). The pipe
+engine's point-to-point messages are blocking ``dist.send``/``dist.recv``, which gloo supports. Its ``train_batch``
+returns the loss already averaged over the micro-batches and broadcast from the last stage to every rank.
+``steps_per_print`` is set very large so that its logging does not run inside timed steps.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -436,7 +438,8 @@ def main() -> None:
             runs.remove(k)
             notes.append(f"{k} skipped: the global batch {args.global_batch} is not divisible by dp=2 x "
                          f"{args.micro_batches} micro-batches")
-    if args.weights is None:
+    created = args.weights is None
+    if created:
         import torch
         import transformers
 
@@ -450,7 +453,8 @@ def main() -> None:
     print(f"Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} ({n_params / 1e6:.1f}M params, fp32), "
           f"seq={args.seq}, global batch={args.global_batch} ({tokens} tokens), {args.micro_batches} micro-batches, "
           f"AdamW lr={LR} wd={WD}, clip {CLIP}; {args.warmup} warm-up + {args.steps} timed steps x {args.repeats} "
-          f"repeats per configuration; 2 ranks, OMP_NUM_THREADS=1; weights {args.weights}", flush=True)
+          f"repeats per configuration; 2 ranks, OMP_NUM_THREADS=1; weights {args.weights}"
+          + (" (temporary)" if created else ""), flush=True)
     results: dict[str, list[dict]] = {k: [] for k in runs}
     for r in range(args.repeats):
         for kind in (runs if r % 2 == 0 else runs[::-1]):
@@ -465,6 +469,8 @@ def main() -> None:
                       f"first loss {out['losses'][0]:.6f}, job {out['wall_s']:.0f} s, load {out['load']:.1f}",
                       flush=True)
     report(results, runs, args, tokens, notes)
+    if created:
+        shutil.rmtree(args.weights, ignore_errors=True)
 
 
 def report(results: dict, runs: list[str], args, tokens: int, notes: list[str]) -> None:

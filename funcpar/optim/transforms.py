@@ -61,13 +61,23 @@ def _on_leaves(update):
     return wrapped
 
 
+def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """``(x ** 2).sum()`` accumulated in float64, a chunk at a time: a float32 norm of a million-element tensor
+    on CPU is off by ~1e-5 relative (measured: 1.04854 vs 1.04855), enough to move clipping off the single-process
+    run's; chunks bound the float64 copy."""
+    x = x.detach().reshape(-1)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    return torch.stack([torch.linalg.vector_norm(x[i : i + chunk], dtype=torch.float64) ** 2
+                        for i in range(0, x.numel(), chunk)]).sum()
+
+
 def global_norm(tree: Any) -> torch.Tensor:
-    """The 2-norm of all leaves together (float32)."""
+    """The 2-norm of all leaves together (float32, accumulated in float64)."""
     xs = leaves(tree)
     if not xs:
         return torch.zeros(())
-    norms = torch._foreach_norm([x.float() for x in xs])
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return torch.stack([sum_of_squares(x) for x in xs]).sum().sqrt().float()
 
 
 _tree_norm = global_norm
