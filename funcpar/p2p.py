@@ -21,7 +21,30 @@ from .collectives import CollectiveError, _simulated, _wait
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["send", "recv", "sendrecv", "isend", "irecv", "Pending", "gather_blocks_to"]
+__all__ = ["send", "recv", "sendrecv", "isend", "irecv", "Pending", "gather_blocks_to", "describe", "described"]
+
+
+# a tensor's dtype and shape as a few int64s, so that a peer can allocate the buffer it will receive
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.int8, torch.int16]
+MAX_DIMS = 8
+
+
+def describe(x: torch.Tensor) -> torch.Tensor:
+    """``[dtype code, ndim, dims..., -1...]`` (``2 + MAX_DIMS`` int64s) of ``x``."""
+    if x.dtype not in DTYPES or x.ndim > MAX_DIMS:
+        raise CollectiveError(f"a {x.dtype} tensor of shape {tuple(x.shape)} cannot be described to a peer "
+                              f"(dtypes {', '.join(map(str, DTYPES))}; at most {MAX_DIMS} dims)")
+    out = torch.full((2 + MAX_DIMS,), -1, dtype=torch.int64)
+    out[0], out[1] = DTYPES.index(x.dtype), x.ndim
+    out[2 : 2 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    return out
+
+
+def described(d: torch.Tensor | list) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The ``(dtype, shape)`` :func:`describe` wrote."""
+    d = [int(v) for v in d]
+    return DTYPES[d[0]], tuple(d[2 : 2 + d[1]])
 
 
 class Pending:

@@ -36,8 +36,6 @@ from .state import StepError
 
 __all__ = ["StagePlan", "Executor"]
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-_MAX_DIMS = 8
 
 
 def _key(entry: Any) -> Any:
@@ -135,10 +133,9 @@ class Executor:
         if self.mesh.simulated and key not in self._shapes:  # planning: no peer; the carry is as this rank's own
             self._shapes[key] = self._shapes[(self.plan.virtual[0] + 1, sig)]
         if key not in self._shapes:
-            head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+            head = torch.empty(2 + p2p.MAX_DIMS, dtype=torch.int64)
             self._wait(p2p.irecv(head, self.mesh, "pp", self._peer(v - 1), self._tag(1, m, v - 1)))
-            n = int(head[1])
-            self._shapes[key] = (_DTYPES[int(head[0])], tuple(int(d) for d in head[2 : 2 + n]))
+            self._shapes[key] = p2p.described(head)
         dtype, shape = self._shapes[key]
         buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
         return self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v - 1), self._tag(0, m, v - 1)))
@@ -146,12 +143,7 @@ class Executor:
     def _send_output(self, y: torch.Tensor, v: int, m: int, sig: tuple) -> None:
         key = (v + 1, sig)
         if key not in self._shapes:
-            if y.dtype not in _DTYPES or y.ndim > _MAX_DIMS:
-                raise StepError(f"pipeline stage {v}: the carry between stages is a {y.dtype} tensor of shape "
-                                f"{tuple(y.shape)}; stages exchange floating tensors of at most {_MAX_DIMS} dims")
-            head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-            head[0], head[1] = _DTYPES.index(y.dtype), y.ndim
-            head[2 : 2 + y.ndim] = torch.tensor(y.shape)
+            head = p2p.describe(y)
             self._sends.append(p2p.isend(head, self.mesh, "pp", self._peer(v + 1), self._tag(1, m, v)))
             self._shapes[key] = (y.dtype, tuple(y.shape))
         self._sends.append(p2p.isend(y, self.mesh, "pp", self._peer(v + 1), self._tag(0, m, v)))

@@ -91,10 +91,6 @@ class _Absent:
     shape = ()
 
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
-           torch.bool, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2]
-
-
 def gathered_leaves(tree: Any, specs: Any, mesh: "Mesh", dst: int | None = None):
     """Yield ``(path, spec, global tensor)`` for every leaf of the global tree, one at a time (the tensor only on
     ``dst`` when given, else on every rank). ``tree`` may be a pipeline stage tree: a leaf another stage holds is
@@ -106,18 +102,17 @@ def gathered_leaves(tree: Any, specs: Any, mesh: "Mesh", dst: int | None = None)
         for p, s, x in matched:
             yield p, s, gather_leaf(x, s, mesh, dst, p)
         return
-    desc = torch.full((len(leaves), 3 + 8), -1, dtype=torch.int64)
+    desc = torch.full((len(leaves), 3 + P2P.MAX_DIMS), -1, dtype=torch.int64)  # the holding stage, dtype, shape
     for i, x in enumerate(leaves):
         if x is not None:
-            desc[i, :3] = torch.tensor([mesh.coord("pp"), _DTYPES.index(x.dtype), x.ndim])
-            desc[i, 3 : 3 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+            desc[i, 0], desc[i, 1:] = mesh.coord("pp"), P2P.describe(x)
     desc = C.all_reduce(desc.to(mesh.device), mesh, "pp", "max").cpu()  # the last stage holding a leaf sends it
     for (p, s, x), d in zip(matched, desc.tolist()):
         if d[0] < 0:
             raise ShardingError(f"gather: no pipeline stage holds leaf '{p}'")
         whole = gather_leaf(x, s, mesh, None, p) if x is not None and d[0] == mesh.coord("pp") else None
         if whole is None:
-            gshape = global_shape(s, d[3 : 3 + d[2]], mesh)
-            whole = torch.empty(gshape, dtype=_DTYPES[d[1]], device=mesh.device)
+            dtype, shape = P2P.described(d[1:])
+            whole = torch.empty(global_shape(s, shape, mesh), dtype=dtype, device=mesh.device)
         whole = C.broadcast(whole, mesh, "pp", src=d[0])
         yield p, s, whole if dst is None or mesh.rank == dst else None
