@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ._safetensors import read_block, read_header
+from ._safetensors import read_block, read_header, within
 
 FORMAT = "funcpar-checkpoint/1"
 
@@ -33,7 +33,7 @@ def resolve(path: str | os.PathLike) -> Path:
         return path
     latest = path / "latest"
     if latest.exists():
-        target = path / latest.read_text().strip()
+        target = within(path, latest.read_text().strip(), str(latest), CheckpointError)
         if (target / "meta.json").exists():
             return target
         raise CheckpointError(f"{latest} names {target.name}, which is not a complete checkpoint")
@@ -60,7 +60,8 @@ class _Source:
     def _read(self, pc: dict) -> torch.Tensor:
         f = pc["file"]
         if f not in self._headers:
-            file = self.folder / f
+            file = within(self.folder, f, f"{self.folder / 'meta.json'} (a piece of '{pc.get('tensor')}')",
+                          CheckpointError)
             if not file.exists():
                 raise CheckpointError(f"checkpoint {self.folder} is missing {f} (a rank's file)")
             self._headers[f] = read_header(file, CheckpointError)

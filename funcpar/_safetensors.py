@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,3 +115,12 @@ def _product(ranges):
     for i in ranges[0]:
         for rest in _product(ranges[1:]):
             yield (i, *rest)
+
+
+def within(folder: Path, name: Any, what: str, error: type[Exception]) -> Path:
+    """``folder / name`` for a file name read from a file (an index, metadata, ``latest``): a plain name in
+    ``folder``, never a path that leads out of it (``../x``, ``/etc/x``, ``a/../../x``) or a non-string."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise error(f"{what} names {name!r}, which is not a file name inside {folder}: refusing to open it")
+    return folder / name
+

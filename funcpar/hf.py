@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import optree
 import torch
 
-from ._safetensors import _Tensor, read_block, read_header
+from ._safetensors import _Tensor, read_block, read_header, within
 from .atomic import write_folder
 from .mesh import Mesh
 from .model import ModelSpec, get_model, known_models
@@ -58,7 +58,9 @@ class _Reader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise HFError(f"corrupt index {index}: {e!r}") from None
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(map(str, weight_map.values())), key=str)
+            for f in weight_map.values():
+                within(folder, f, f"index {index}", HFError)
             headers = {f: read_header(folder / f, HFError) for f in files}
             for name, f in weight_map.items():
                 if name not in headers[f]:

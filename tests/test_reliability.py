@@ -273,3 +273,59 @@ def test_the_global_gradient_norm_is_exact_over_large_buckets():
     want = math.sqrt(sum((g.double() ** 2).sum().item() for g in optree.tree_leaves(grads)))
     for got in harness.run(2, _big_bucket_norm):  # each rank's part of the 4.2M-element bucket is 2.1M elements
         assert abs(got - want) <= 2e-6 * want, (got, want)
+
+
+# ----------------------------------------------------------------- class 4: paths read from files stay inside
+
+
+def _snapshot(root):
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors"])
+def test_checkpoint_metadata_cannot_name_files_outside_the_checkpoint(tmp_path, name):
+    import json
+
+    step, state = _tiny_step(fp.Mesh())
+    step.save(tmp_path / "run" / "step-0", state)
+    (tmp_path / "outside.safetensors").write_bytes(b"not for you")
+    meta_file = tmp_path / "run" / "step-0" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["pieces"][0]["file"] = name
+    meta_file.write_text(json.dumps(meta))
+    before = _snapshot(tmp_path)
+    with pytest.raises(fp.checkpoint.CheckpointError) as e:
+        step.load(tmp_path / "run")
+    assert f"names {name!r}, which is not a file name inside {tmp_path / 'run' / 'step-0'}: refusing" in str(e.value)
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("target", ["../other-run/step-3", "/tmp", ".."])
+def test_latest_cannot_point_outside_its_folder(tmp_path, target):
+    step, state = _tiny_step(fp.Mesh())
+    step.save(tmp_path / "run" / "step-0", state)
+    (tmp_path / "run" / "latest").write_text(target + "\n")
+    before = _snapshot(tmp_path)
+    with pytest.raises(fp.checkpoint.CheckpointError, match=f"{tmp_path / 'run' / 'latest'} names {target!r}, which "
+                                                           "is not a file name inside"):
+        step.load(tmp_path / "run")
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["../evil.safetensors", "/abs/model.safetensors", 7])
+def test_an_hf_index_cannot_name_files_outside_the_model_folder(tmp_path, name):
+    import json
+
+    import hf_fixtures
+
+    folder = tmp_path / "model"
+    hf_fixtures.make_checkpoint("llama", str(folder), max_shard_size="100KB")
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][next(iter(data["weight_map"]))] = name
+    index.write_text(json.dumps(data))
+    before = _snapshot(tmp_path)
+    with pytest.raises(fp.hf.HFError) as e:
+        fp.hf.load(folder)
+    assert f"index {index} names {name!r}, which is not a file name inside {folder}: refusing to open it" == str(e.value)
+    assert _snapshot(tmp_path) == before
