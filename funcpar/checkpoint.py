@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,8 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
     except TypeError as e:
         raise CheckpointError(f"save: extra must be JSON-serialisable: {e}") from None
     path = Path(path)
+    # the run this checkpoint belongs to (kept across resumes: load adopts it), so that keep prunes only its own
+    run = step.run_id = getattr(step, "run_id", None) or uuid.uuid4().hex
     fname = f"rank-{mesh.rank:05d}.safetensors"
     params_meta: list[dict] = []
 
@@ -149,7 +152,7 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
             params_meta |= {p["path"]: p for p in got["params"] if p["path"] not in params_meta}
             side.unlink()
         meta = {
-            "format": FORMAT, "complete": True, "step": int(state.step), "mesh": mesh.shape, "zero": layout.zero,
+            "format": FORMAT, "complete": True, "step": int(state.step), "run": run, "mesh": mesh.shape, "zero": layout.zero,
             "world": mesh.size, "params": list(params_meta.values()), "opt": list(opt_meta.values()),
             "optimizer": _state_types(state.opt_state), "pieces": all_pieces, "extra": extra,
         }
@@ -160,7 +163,7 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
         latest_tmp.write_text(path.name + "\n")
         os.replace(latest_tmp, path.parent / "latest")
         if keep is not None:
-            _apply_keep(path, keep)
+            _apply_keep(path, keep, run)
 
     write_folder(path, mesh, write, finalize=finalize, publish=publish, error=CheckpointError)
 
@@ -206,13 +209,16 @@ def _opt_pieces(state, layout: ZeroLayout, mesh: Mesh, params_meta: list[dict], 
     return meta
 
 
-def _apply_keep(current: Path, keep: int) -> None:
+def _apply_keep(current: Path, keep: int, run: str) -> None:
+    """Delete all but the ``keep`` newest checkpoints of this run beside ``current`` (another run's are not ours)."""
     found = []
     for d in current.parent.iterdir():
         if d.is_dir() and not d.name.startswith(".") and (d / "meta.json").exists():
             try:
-                found.append((json.loads((d / "meta.json").read_text())["step"], d.name, d))
-            except (ValueError, KeyError):
+                meta = json.loads((d / "meta.json").read_text())
+                if meta.get("run") == run:
+                    found.append((int(meta["step"]), d.name, d))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
     found.sort()
     for _, _, d in found[: max(0, len(found) - max(keep, 1))]:
@@ -276,6 +282,7 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     if step.layout is None:
         raise CheckpointError("load: call step.init(params) first (params of the right shapes; values are replaced)")
     src = _Source(path)
+    step.run_id = src.meta.get("run")  # saving on continues this run (keep prunes its checkpoints)
     lay = step.layout
     gshapes = [list(global_shape(spec, s, mesh)) for s, spec in zip(lay.shapes, lay.specs)]
     known = [p for p, _ in leaves_with_path(step.pipe.plan.shapes)] if getattr(step, "pipe", None) else None

@@ -105,6 +105,7 @@ class Step:
         self._staged = zero3_model(loss_fn, zero, param_dtype, offload)
         self.pipe = pipeline_executor(loss_fn, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
         self._checked = False
+        self.run_id: str | None = None  # the run its checkpoints belong to (see funcpar.checkpoint.save)
 
     def _scaled_loss(self, params, batch, scale):
         out = self._objective(params, batch)

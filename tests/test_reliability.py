@@ -329,3 +329,27 @@ def test_an_hf_index_cannot_name_files_outside_the_model_folder(tmp_path, name):
         fp.hf.load(folder)
     assert f"index {index} names {name!r}, which is not a file name inside {folder}: refusing to open it" == str(e.value)
     assert _snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------- class 2: keep prunes only its own run's checkpoints
+
+
+def test_keep_prunes_only_its_own_runs_checkpoints_and_a_resumed_run_is_the_same_run(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    other, other_state = _tiny_step(fp.Mesh())
+    other.save(ckpts / "other-1", other_state)  # another run's checkpoint beside ours
+    other_files = _snapshot(ckpts / "other-1")
+    step, state = _tiny_step(fp.Mesh())
+    for k in range(3):
+        state, _ = step(state, _ids(k))
+        step.save(ckpts / f"step-{k + 1}", state, keep=2)
+    names = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
+    assert names == ["other-1", "step-2", "step-3"]  # ours pruned to 2; the other run's untouched
+    assert _snapshot(ckpts / "other-1") == other_files
+    resumed, _ = _tiny_step(fp.Mesh())
+    state, _ = resumed.load(ckpts)  # latest: step-3
+    state, _ = resumed(state, _ids(3))
+    resumed.save(ckpts / "step-4", state, keep=1)  # the resumed run is the same run: its older checkpoints go
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["other-1", "step-4"]
+    other.save(ckpts / "other-2", other_state, keep=1)  # and the other run prunes only its own
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["other-2", "step-4"]
