@@ -110,7 +110,8 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
     which part of each leaf this rank's optimizer state covers) to ``path``; collective over the mesh.
 
     ``extra``: anything JSON-serialisable (data position, config, ...), returned by :func:`load`.
-    ``keep``: after saving, delete all but the ``keep`` newest checkpoints beside ``path``.
+    ``keep``: after saving, delete all but the ``keep`` newest checkpoints of this run beside ``path`` (a run's
+    checkpoints carry its id; :func:`load` adopts it, so a resumed run is the same run; another run's stay).
     """
     layout: ZeroLayout | None = getattr(step, "layout", None)
     if layout is None:
