@@ -204,3 +204,35 @@ def mesh(**sizes):
     if key not in _MESHES:
         _MESHES[key] = fp.Mesh(**sizes)
     return _MESHES[key]
+
+
+def token_batches(n: int, vocab: int, rows: int, seq: int, seed: int, masked: int) -> list[dict]:
+    """``n`` global batches of random token ids (labels = ids), batch ``s`` with the first ``masked`` labels of row
+    ``s`` ignored: uneven targets over micro-batches and ranks."""
+    import torch
+
+    out = []
+    for s in range(n):
+        ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed + s))
+        labels = ids.clone()
+        labels[s, :masked] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def dp_share(batch: dict, mesh) -> dict:
+    """This rank's share of a global batch: its block of rows along ``dp``."""
+    dp, k = mesh.axis_size("dp"), mesh.coord("dp")
+    return {n: x.chunk(dp)[k] for n, x in batch.items()}
+
+
+def train_saving(step, state, batches: list, mesh, folder: str, save_after: int = 1):
+    """Run ``step`` over ``batches`` (this rank's dp share of each), saving a checkpoint to ``folder`` after batch
+    ``save_after``; returns the final state and the losses."""
+    losses = []
+    for i, b in enumerate(batches):
+        state, m = step(state, dp_share(b, mesh))
+        losses.append(m["loss"])
+        if i == save_after:
+            step.save(folder, state)
+    return state, losses

@@ -36,18 +36,10 @@ def config(name):
 
 
 def batches(n=3):
-    out = []
-    for s in range(n):
-        ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(70 + s))
-        labels = ids.clone()
-        labels[s, :5] = -100  # uneven targets over micro-batches and ranks
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return harness.token_batches(n, V, B, T, seed=70, masked=5)
 
 
-def local(batch, mesh):
-    dp, k = mesh.axis_size("dp"), mesh.coord("dp")
-    return {n: x.chunk(dp)[k] for n, x in batch.items()}
+local = harness.dp_share
 
 
 def make(name, mesh, micro, pipeline="1f1b", chunks=None, **kw):
@@ -248,12 +240,7 @@ def _reshard(folder, first, then, pipeline, chunks):
     step, specs, model, cfg = make("llama-tied", mesh, 4, pipeline if first.get("pp", 1) > 1 else "1f1b",
                                    chunks if first.get("pp", 1) > 1 else None)
     state = step.init(fp.shard(model.init(cfg, seed=0), specs, mesh))
-    losses = []
-    for i, b in enumerate(batches(3)):
-        state, m = step(state, local(b, mesh))
-        losses.append(m["loss"])
-        if i == 1:
-            step.save(folder, state)
+    state, losses = harness.train_saving(step, state, batches(3), mesh, folder)
     fp.hf.save(folder + "-hf", state.params, model, cfg, mesh)
     out = {"uninterrupted": losses[-1], "whole": fp.gather(state.params, specs, mesh)}
     for sizes in then:

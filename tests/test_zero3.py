@@ -19,13 +19,7 @@ def config():
 
 
 def batches(n=3):
-    out = []
-    for s in range(n):
-        ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(90 + s))
-        labels = ids.clone()
-        labels[s, :6] = -100  # uneven targets over micro-batches and ranks
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return harness.token_batches(n, V, B, T, seed=90, masked=6)
 
 
 def make(mesh, zero):
@@ -37,9 +31,7 @@ def make(mesh, zero):
     return step, specs, cfg
 
 
-def local(batch, mesh):
-    dp, k = mesh.axis_size("dp"), mesh.coord("dp")
-    return {n: x.chunk(dp)[k] for n, x in batch.items()}
+local = harness.dp_share
 
 
 def train(mesh, zero, steps=3):
@@ -81,12 +73,7 @@ def _resume(folder):
     mesh = harness.mesh(tp=2, dp=2)
     step, specs, _ = make(mesh, 3)
     state = step.init(fp.shard(llama.init(config(), seed=0), specs, mesh))
-    losses = []
-    for i, b in enumerate(batches(3)):
-        state, m = step(state, local(b, mesh))
-        losses.append(m["loss"])
-        if i == 1:
-            step.save(folder, state)
+    state, losses = harness.train_saving(step, state, batches(3), mesh, folder)
     fp.hf.save(folder + "-hf", step.gather_params(state), llama, config(), mesh)
     whole = fp.gather(step.gather_params(state), specs, mesh)
     out = {"uninterrupted": losses[-1], "whole": whole}
