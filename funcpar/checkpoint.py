@@ -120,11 +120,8 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
         json.dumps(extra)
     except TypeError as e:
         raise CheckpointError(f"save: extra must be JSON-serialisable: {e}") from None
-    path = Path(path)
-    # the run this checkpoint belongs to (kept across resumes: load adopts it), so that keep prunes only its own
-    run = step.run_id = getattr(step, "run_id", None) or uuid.uuid4().hex
-    fname = f"rank-{mesh.rank:05d}.safetensors"
-    params_meta: list[dict] = []
+    path, fname, params_meta = Path(path), f"rank-{mesh.rank:05d}.safetensors", []
+    run = step.run_id = getattr(step, "run_id", None) or uuid.uuid4().hex  # the run (see keep)
 
     def write(tmp: Path) -> None:
         from safetensors.torch import save_file
