@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ._safetensors import read_block, read_header, within
+from .atomic import recover
 
 FORMAT = "funcpar-checkpoint/1"
 
@@ -28,12 +29,12 @@ def _crc(t: torch.Tensor) -> int:
 
 def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint folder: ``path`` itself, or the one its ``latest`` file names."""
-    path = Path(path)
+    path = recover(path)
     if (path / "meta.json").exists():
         return path
     latest = path / "latest"
     if latest.exists():
-        target = within(path, latest.read_text().strip(), str(latest), CheckpointError)
+        target = recover(within(path, latest.read_text().strip(), str(latest), CheckpointError))
         if (target / "meta.json").exists():
             return target
         raise CheckpointError(f"{latest} names {target.name}, which is not a complete checkpoint")

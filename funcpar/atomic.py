@@ -1,14 +1,23 @@
-"""Folders that appear complete or not at all, written by the ranks of a mesh together.
+"""Folders that appear complete or not at all, written by the ranks of a mesh together, and only where funcpar may.
 
 One protocol serves HF exports and checkpoints: rank 0 makes a temporary folder ``.NAME.tmp`` beside ``NAME``;
 every rank runs ``write(tmp)`` (collectives allowed); the ranks agree whether every write succeeded; only then rank 0
-runs ``finalize(tmp)`` (e.g. merging metadata), renames the folder into place (an existing ``NAME`` is replaced only
-now) and runs ``publish(path)`` (e.g. pointing ``latest`` at it); the ranks agree once more. On any failure, anywhere,
-the temporary folder is removed, ``NAME`` is as it was, and every rank raises.
+runs ``finalize(tmp)`` (e.g. merging metadata), puts the folder in place (an existing ``NAME`` is replaced only now)
+and runs ``publish(path)`` (e.g. pointing ``latest`` at it); the ranks agree once more. On any failure, anywhere,
+the temporary folder is removed, ``NAME`` is as it was, and every rank raises the first failing rank's message.
+
+Ownership: every folder written here carries a marker file ``.funcpar``. An existing ``NAME`` is replaced only if it
+is empty or carries the marker (or with ``overwrite=True``): funcpar never deletes what it did not write.
+
+Crash safety: an existing ``NAME`` is replaced by one atomic exchange of the two folders (``renameat2`` with
+``RENAME_EXCHANGE`` on Linux), after which the old contents sit in ``.NAME.tmp`` and are deleted. Where the exchange
+is unavailable, ``NAME`` is first renamed to ``.NAME.old``; a crash between the two renames leaves it there, and
+:func:`recover` (run before every write, and by checkpoint loading) puts it back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from pathlib import Path
@@ -21,24 +30,81 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["write_folder", "swap_into_place"]
+__all__ = ["write_folder", "swap_into_place", "recover", "agree", "MARKER"]
+
+MARKER = ".funcpar"  # in every folder funcpar writes: what may be replaced without overwrite=True
+_MESSAGE_BYTES = 2048
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the folders ``a`` and ``b``; False where the system cannot (not Linux, old kernel, fs)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _old(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.old"
+
+
+def recover(dest: str | os.PathLike) -> Path:
+    """``dest``, put back from ``.NAME.old`` if a crash mid-replacement left it there (see the module docstring)."""
+    dest = Path(dest)
+    if not dest.exists() and _old(dest).is_dir():
+        try:
+            os.rename(_old(dest), dest)
+        except FileNotFoundError:  # another rank recovered it first
+            pass
+    return dest
 
 
 def swap_into_place(tmp: Path, dest: Path) -> None:
-    """Put the completed folder ``tmp`` at ``dest``; an existing ``dest`` is replaced only now, and then deleted."""
+    """Put the completed folder ``tmp`` at ``dest``; an existing ``dest`` is replaced only now (atomically where the
+    system allows), then deleted."""
+    recover(dest)
     if not dest.exists():
         os.rename(tmp, dest)
         return
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
+    if _exchange(tmp, dest):
+        shutil.rmtree(tmp)  # now the old contents
+        return
+    old = _old(dest)
+    if old.exists():  # left by a crash after both renames: dest is complete
+        shutil.rmtree(old)
     os.rename(dest, old)
     os.rename(tmp, dest)
     shutil.rmtree(old)
 
 
-def _any_failed(error: BaseException | None, mesh: "Mesh") -> bool:
+def check_owned(path: Path, overwrite: bool, error: type[Exception] = FileExistsError) -> None:
+    """Refuse to replace ``path`` unless it is absent, an empty folder, a folder funcpar wrote, or ``overwrite``."""
+    if overwrite or not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir() or path.is_symlink():
+        raise error(f"{path} exists and is not a folder: refusing to replace it; choose another path "
+                              "(or pass overwrite=True / --overwrite)")
+    if any(path.iterdir()) and not (path / MARKER).is_file():
+        raise error(
+            f"{path} exists and was not written by funcpar (it has no {MARKER} marker): refusing to replace what is "
+            "in it; choose another folder, empty it, or pass overwrite=True (--overwrite on the command line)")
+
+
+def agree(error: BaseException | None, mesh: "Mesh") -> str | None:
+    """Collective: ``None`` if no rank has an error, else the first failing rank's message, on every rank."""
     flag = torch.tensor([0.0 if error is None else 1.0], device=mesh.device)
-    return bool(C.all_reduce(flag, mesh, mesh.axis_names, "max").item())
+    if not C.all_reduce(flag, mesh, mesh.axis_names, "max").item():
+        return None
+    rows = torch.zeros(mesh.size, _MESSAGE_BYTES, dtype=torch.int32, device=mesh.device)
+    if error is not None:
+        text = f"{error}".encode()[: _MESSAGE_BYTES - 1] or type(error).__name__.encode()
+        rows[mesh.rank, : len(text)] = torch.tensor(list(text), dtype=torch.int32)
+    rows = C.all_reduce(rows, mesh, mesh.axis_names, "sum").cpu()
+    first = next(r for r in range(mesh.size) if rows[r, 0])
+    return bytes(rows[first][rows[first] > 0].tolist()).decode(errors="replace")
 
 
 def _attempt(fn: Callable[[], None], error: BaseException | None) -> BaseException | None:
@@ -59,32 +125,38 @@ def write_folder(
     finalize: Callable[[Path], None] | None = None,
     publish: Callable[[Path], None] | None = None,
     error: type[Exception] = RuntimeError,
+    overwrite: bool = False,
 ) -> None:
     """Write the folder ``path`` atomically with every rank of ``mesh`` (see the module docstring); collective.
 
     ``write`` runs on every rank and must issue the same collectives on every rank even when it fails part-way
-    (catch, keep going, raise at the end); ``finalize`` and ``publish`` run on rank 0 only.
+    (catch, keep going, raise at the end); ``finalize`` and ``publish`` run on rank 0 only. ``overwrite``: replace
+    an existing folder funcpar did not write (its contents are deleted).
     """
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
-    rank0 = mesh.rank == 0
+    rank0, made = mesh.rank == 0, []
 
     def make_tmp():
+        check_owned(recover(path), overwrite, error)
+        made.append(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        (tmp / MARKER).write_text("written by funcpar; a folder without this file is never replaced\n")
 
     err = _attempt(make_tmp, None) if rank0 else None
-    if not _any_failed(err, mesh):
+    if agree(err, mesh) is None:
         err = _attempt(lambda: write(tmp), err)
-        if not _any_failed(err, mesh) and rank0:
+        if agree(err, mesh) is None and rank0:
             err = _attempt(lambda: (finalize or (lambda t: None))(tmp), err)
             err = _attempt(lambda: swap_into_place(tmp, path), err)
             err = _attempt(lambda: (publish or (lambda p: None))(path), err)
-    failed = _any_failed(err, mesh)
-    if not failed:
+    message = agree(err, mesh)
+    if message is None:
         return
-    if rank0:
+    if made:
         shutil.rmtree(tmp, ignore_errors=True)
     if err is not None:
         raise err
-    raise error(f"writing {path} failed on another rank; nothing was written and what was there is unchanged")
+    raise error(f"writing {path} failed on another rank ({message}); nothing was written and what was there is "
+                "unchanged")

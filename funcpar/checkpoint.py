@@ -105,13 +105,15 @@ def _owner(mesh: Mesh, axes: tuple[str, ...]) -> bool:
 # ---------------------------------------------------------------------------------------------------- save
 
 
-def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: int | None = None) -> None:
+def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: int | None = None,
+         overwrite: bool = False) -> None:
     """Write the whole train state of ``step`` (a :class:`funcpar.Step`, whose :class:`funcpar.ZeroLayout` says
     which part of each leaf this rank's optimizer state covers) to ``path``; collective over the mesh.
 
     ``extra``: anything JSON-serialisable (data position, config, ...), returned by :func:`load`.
     ``keep``: after saving, delete all but the ``keep`` newest checkpoints of this run beside ``path`` (a run's
     checkpoints carry its id; :func:`load` adopts it, so a resumed run is the same run; another run's stay).
+    ``overwrite``: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder).
     """
     layout: ZeroLayout | None = getattr(step, "layout", None)
     if layout is None:
@@ -163,7 +165,7 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
         if keep is not None:
             _apply_keep(path, keep, run)
 
-    write_folder(path, mesh, write, finalize=finalize, publish=publish, error=CheckpointError)
+    write_folder(path, mesh, write, finalize=finalize, publish=publish, error=CheckpointError, overwrite=overwrite)
 
 
 def _piece(key: str, fname: str, t: torch.Tensor, block: list, flat: list[int]) -> dict:

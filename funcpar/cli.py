@@ -66,7 +66,8 @@ class _Run:
         """A checkpoint of the state and the data position at the current step (keeping the last ``--keep``)."""
         extra = {"model": self.cfg.model_type, "config": self.cfg.to_hf(), "tokenizer": self.opts["tokenizer"],
                  "data": self.loader.state_dict()}
-        self.step.save(self.ckpts / f"step-{self.state.step}", self.state, extra=extra, keep=self.opts["keep"])
+        self.step.save(self.ckpts / f"step-{self.state.step}", self.state, extra=extra, keep=self.opts["keep"],
+                       overwrite=self.opts["overwrite"])
 
 
 def _setup_run(opts, sizes) -> _Run:
@@ -178,7 +179,8 @@ def _loop(run: _Run) -> float | None:
 def _finish(run: _Run, first_loss: float | None) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
-    fp.hf.save(run.out / "hf", run.step.gather_params(run.state), run.model, run.cfg, run.mesh, specs=run.specs)
+    fp.hf.save(run.out / "hf", run.step.gather_params(run.state), run.model, run.cfg, run.mesh, specs=run.specs,
+               overwrite=run.opts["overwrite"])
     if not run.rank0:
         return
     plot_metrics(run.metrics_file, run.out / "loss.png")
@@ -234,24 +236,25 @@ def plan(argv: list[str]) -> None:
     print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len)
 
 
-def _to_checkpoint(src: Path, dst: str, mesh) -> str:
+def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:
     """An HF folder's weights as a parameters-only funcpar checkpoint (a fresh optimizer on resume)."""
     params, cfg = fp.hf.load(src, mesh=mesh)
     model = fp.get_model(cfg.model_type)
     step = fp.compile_step(lambda p, b: 0.0, model.specs(cfg, mesh), mesh=mesh, optimizer=fp.optim.sgd(0.0))
     step.init(params)
     fp.checkpoint.save(dst, fp.TrainState(params, None, 0), mesh,
-                       extra={"model": cfg.model_type, "config": cfg.to_hf()}, step=step)
+                       extra={"model": cfg.model_type, "config": cfg.to_hf()}, step=step, overwrite=overwrite)
     return "funcpar checkpoint"
 
 
-def _to_hf(src: Path, dst: str, mesh, max_shard_size) -> str:
+def _to_hf(src: Path, dst: str, mesh, max_shard_size, overwrite: bool) -> str:
     """A funcpar checkpoint (one that records its model config) exported as a transformers folder."""
     extra = json.loads((fp.checkpoint.resolve(src) / "meta.json").read_text()).get("extra") or {}
     if "config" not in extra:
         raise SystemExit(f"funcpar: {src} does not record its model config (saved by funcpar train/convert?)")
     model = fp.get_model(extra["model"])
-    fp.checkpoint.export_hf(src, dst, model, model.config(extra["config"], mesh), mesh, max_shard_size=max_shard_size)
+    fp.checkpoint.export_hf(src, dst, model, model.config(extra["config"], mesh), mesh, max_shard_size=max_shard_size,
+                            overwrite=overwrite)
     return "transformers folder"
 
 
@@ -262,15 +265,16 @@ def convert(argv: list[str]) -> None:
     ap.add_argument("dst")
     ap.add_argument("--mesh", default="1")
     ap.add_argument("--max-shard-size", default="2GB")
+    ap.add_argument("--overwrite", action="store_true", help="replace DST even if funcpar did not write it")
     args = ap.parse_args(argv)
     sizes = parse_mesh(args.mesh)
     if _launch_if_needed(["convert", *argv], math.prod(sizes.values()) if sizes else 1):
         return
     mesh, src = fp.Mesh(**sizes), Path(args.src)
     if (src / "config.json").exists():
-        what = _to_checkpoint(src, args.dst, mesh)
+        what = _to_checkpoint(src, args.dst, mesh, args.overwrite)
     else:
-        what = _to_hf(src, args.dst, mesh, args.max_shard_size)
+        what = _to_hf(src, args.dst, mesh, args.max_shard_size, args.overwrite)
     if mesh.rank == 0:
         print(f"wrote {what} {args.dst}")
 

@@ -298,11 +298,12 @@ class _ShardWriter:
 
 
 def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh | None = None, specs: Any = None,
-         max_shard_size: int | str = "2GB") -> None:
+         max_shard_size: int | str = "2GB", overwrite: bool = False) -> None:
     """Write ``params`` (this rank's shards) as a transformers checkpoint folder; collective over the mesh.
 
     Rank 0 writes; the folder appears complete or not at all (:func:`funcpar.atomic.write_folder`: an existing one is
-    replaced only once the new one is fully written). On a pipeline mesh each rank passes its stage tree.
+    replaced only once the new one is fully written, and only if funcpar wrote it or ``overwrite``). On a pipeline
+    mesh each rank passes its stage tree.
     """
     model = get_model(model)
     mesh = mesh or Mesh()
@@ -332,7 +333,7 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
             writer.finish()
             (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
 
-    write_folder(path, mesh, write, error=HFError)
+    write_folder(path, mesh, write, error=HFError, overwrite=overwrite)
 
 
 def _add_leaf(writer: _ShardWriter, pending: dict, g: torch.Tensor, mp: _Map) -> None:

@@ -20,7 +20,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
     "remat": False, "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
-    "log_every": 20, "out": "out", "resume": False, "seed": 0,
+    "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
 }
 
 _LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,

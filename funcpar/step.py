@@ -116,9 +116,9 @@ class Step:
         return loss * scale, ((loss.detach(), aux) if self.has_aux else loss.detach())
 
     # ----------------------------------------------------------------------------------------------- API
-    def save(self, path, state: TrainState, extra: Any = None, keep: int | None = None) -> None:
+    def save(self, path, state: TrainState, extra: Any = None, keep: int | None = None, overwrite=False) -> None:
         """:func:`funcpar.checkpoint.save` for a state of this step."""
-        checkpoint.save(path, state, self.mesh, extra, step=self, keep=keep)
+        checkpoint.save(path, state, self.mesh, extra, step=self, keep=keep, overwrite=overwrite)
 
     def load(self, path) -> tuple[TrainState, Any]:
         """:func:`funcpar.checkpoint.load` onto this step's mesh and layout; returns ``(state, extra)``."""

@@ -353,3 +353,108 @@ def test_keep_prunes_only_its_own_runs_checkpoints_and_a_resumed_run_is_the_same
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["other-1", "step-4"]
     other.save(ckpts / "other-2", other_state, keep=1)  # and the other run prunes only its own
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["other-2", "step-4"]
+
+
+# --------------------------------------------- class 2: funcpar replaces only folders it wrote, and crash-safely
+
+
+def _hf_save(folder, **kw):
+    cfg, model = SMALL["llama"](), fp.get_model("llama")
+    fp.hf.save(folder, model.init(cfg, seed=0), model, cfg, **kw)
+
+
+def _ckpt_save(folder, **kw):
+    step, state = _tiny_step(fp.Mesh())
+    step.save(folder, state, **kw)
+
+
+def _user_files(folder):
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("my notes")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "data.bin").write_bytes(b"\x00\x01")
+
+
+@pytest.mark.parametrize("save, error", [(_hf_save, fp.hf.HFError), (_ckpt_save, fp.checkpoint.CheckpointError)])
+@pytest.mark.parametrize("prepare, why", [
+    (_user_files, "exists and was not written by funcpar (it has no .funcpar marker): refusing to replace what is in "
+                  "it; choose another folder, empty it, or pass overwrite=True (--overwrite on the command line)"),
+    (lambda f: f.write_text("a file"), "exists and is not a folder: refusing to replace it; choose another path "
+                                       "(or pass overwrite=True / --overwrite)"),
+])
+def test_saving_refuses_a_folder_funcpar_did_not_write_and_changes_nothing(tmp_path, save, error, prepare, why):
+    target = tmp_path / "out"
+    prepare(target)
+    before = _snapshot(tmp_path)
+    with pytest.raises(error) as e:
+        save(target)
+    assert str(e.value) == f"{target} {why}"
+    assert _snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("save", [_hf_save, _ckpt_save])
+def test_funcpar_replaces_its_own_folders_an_empty_one_or_any_with_overwrite(tmp_path, save):
+    (tmp_path / "empty").mkdir()
+    save(tmp_path / "empty")
+    assert (tmp_path / "empty" / ".funcpar").is_file()
+    first = _snapshot(tmp_path / "empty")
+    save(tmp_path / "empty")  # its own: replaced without asking
+    assert _snapshot(tmp_path / "empty").keys() == first.keys()
+    _user_files(tmp_path / "mine")
+    save(tmp_path / "mine", overwrite=True)
+    assert not (tmp_path / "mine" / "notes.txt").exists() and (tmp_path / "mine" / ".funcpar").is_file()
+
+
+def test_convert_refuses_a_destination_funcpar_did_not_write(tmp_path):
+    import subprocess
+    import sys
+
+    import hf_fixtures
+
+    hf_fixtures.make_checkpoint("llama", str(tmp_path / "model"))
+    _user_files(tmp_path / "dst")
+    before = _snapshot(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "funcpar", "convert", str(tmp_path / "model"), str(tmp_path / "dst")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and f"{tmp_path / 'dst'} exists and was not written by funcpar" in p.stderr
+    assert _snapshot(tmp_path) == before
+
+
+def _snap_params(state):
+    return {p: x.clone() for p, x in fp.tree.leaves_with_path(state.params)}
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_crash_while_replacing_a_checkpoint_leaves_one_whole_checkpoint(tmp_path, monkeypatch, exchange):
+    """Re-saving under an existing name: a process killed mid-swap leaves a complete checkpoint that loads: the new
+    one after the atomic exchange, the old one (put back from .NAME.old) between the fallback's two renames."""
+    from funcpar import atomic
+
+    step, state = _tiny_step(fp.Mesh())
+    old = _snap_params(state)
+    step.save(tmp_path / "step-1", state)
+    state, _ = step(state, _ids(0))
+    new = _snap_params(state)
+    step.save(tmp_path / "staging" / "step-1", state)
+    atomic.os.rename(tmp_path / "staging" / "step-1", tmp_path / ".step-1.tmp")  # a finished replacement
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    renames, real_rename = [], atomic.os.rename
+
+    def killed_on_second_rename(a, b):
+        renames.append((a, b))
+        if len(renames) == 2:
+            raise KeyboardInterrupt("killed")
+        real_rename(a, b)
+
+    monkeypatch.setattr(atomic.os, "rename", killed_on_second_rename)
+    monkeypatch.setattr(atomic.shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    with pytest.raises(KeyboardInterrupt):
+        atomic.swap_into_place(tmp_path / ".step-1.tmp", tmp_path / "step-1")
+    monkeypatch.undo()
+    assert (tmp_path / "step-1").exists() == exchange  # the fallback died with step-1 renamed away
+    loaded, _ = step.load(tmp_path)  # latest -> step-1: recovered from .step-1.old where needed
+    want = new if exchange else old
+    assert all(torch.equal(x, want[p]) for p, x in fp.tree.leaves_with_path(loaded.params))
+    step.save(tmp_path / "step-1", fp.TrainState(loaded.params, loaded.opt_state, 5))  # and saving goes on
+    assert step.load(tmp_path)[0].step == 5
