@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 import funcpar as fp
+from funcpar import lifeline
+from funcpar.atomic import agree
 from funcpar.generate import show_arithmetic
 from funcpar.options import build_params, build_step, datasets, model_config, parse_mesh, read_options
 from funcpar.planning import params_like, print_plan, print_ranking, rank_meshes, sharding_table
@@ -29,14 +32,51 @@ from funcpar.plot import plot_metrics
 
 
 def _launch_if_needed(argv: list[str], nproc: int) -> bool:
-    """Outside torchrun with a multi-rank mesh: run this same command under torch.distributed.run. True if done."""
+    """Outside torchrun with a multi-rank mesh: run this same command under torch.distributed.run. True if done.
+
+    The workers report why they ended through torchrun's error files (:func:`funcpar.lifeline.report`); a failed
+    job prints each distinct reason once, naming the ranks when not all of them gave it (``--debug``: torchrun's
+    own logs and the tracebacks too)."""
     if nproc <= 1 or "RANK" in os.environ:
         return False
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "funcpar", *argv])
+    os.environ[lifeline.LAUNCHER_ENV] = "1"
+    if not _debug():
+        for name in list(logging.root.manager.loggerDict):  # torchrun's own lines would bury the one that matters
+            if name.startswith("torch.distributed"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "funcpar", *argv]))
+    except ChildFailedError as e:
+        raise SystemExit(_failure_summary(e.failures, nproc)) from None
     return True
+
+
+def _failure_summary(failures: dict, world: int) -> str:
+    """One line per distinct reason the failed ranks gave (deaths by signal first, then in time order)."""
+    reasons: dict[str, list[int]] = {}
+    for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0])):
+        said = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+        if isinstance(said, str) and said.startswith("funcpar"):  # written by lifeline.report
+            reason = said
+        elif f.exitcode < 0:
+            reason = f"funcpar: rank {rank} was killed by {f.signal_name()}"
+        else:
+            reason = f"funcpar: rank {rank} exited with code {f.exitcode} (its output is above)"
+        reasons.setdefault(reason, []).append(rank)
+    lines = []
+    for reason, ranks in reasons.items():
+        who = "" if len(ranks) == world or f"rank {ranks[0]} " in reason else (
+            f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))})")
+        lines.append(reason + who)
+    return "\n".join(lines)
+
+
+def _debug() -> bool:
+    return os.environ.get("FUNCPAR_DEBUG") == "1"
 
 
 # ------------------------------------------------------------------------------------------------------ train
@@ -73,7 +113,7 @@ class _Run:
 def _setup_run(opts, sizes) -> _Run:
     """Build the mesh, model, data, train step, its initial state and the data loader."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    mesh = fp.Mesh(**sizes)
+    mesh = fp.Mesh(**sizes, heartbeat=opts["heartbeat"])
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
@@ -94,13 +134,25 @@ def _resume(run: _Run) -> None:
 
 def _announce(run: _Run) -> None:
     """Rank 0: trim metrics.jsonl to the steps done so far, print the run and its sharding table."""
+    opts, step, mesh = run.opts, run.state.step, run.mesh
+
+    def prepare():
+        run.out.mkdir(parents=True, exist_ok=True)
+        old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
+        kept = [line for line in old if json.loads(line).get("step", 0) <= step]
+        run.metrics_file.write_text("".join(line + "\n" for line in kept))
+
+    error = None
+    if run.rank0:
+        try:
+            prepare()
+        except OSError as e:
+            error = e
+    message = agree(error, mesh)  # the other ranks hear why, instead of waiting at the first collective
+    if message is not None:
+        raise OSError(f"cannot prepare the run folder {run.out}: {message}")
     if not run.rank0:
         return
-    opts, step, mesh = run.opts, run.state.step, run.mesh
-    run.out.mkdir(parents=True, exist_ok=True)
-    old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
-    kept = [line for line in old if json.loads(line).get("step", 0) <= step]
-    run.metrics_file.write_text("".join(line + "\n" for line in kept))
     print(f"funcpar train: {run.cfg.model_type} on {mesh!r} ({mesh.size} process(es), {mesh.device.type}), "
           f"{len(run.train_data)} train rows x {opts['seq_len']} tokens, {len(run.eval_data)} held-out rows"
           + (f", {run.data.truncated} samples truncated" if run.data.truncated else ""), flush=True)
@@ -279,21 +331,45 @@ def convert(argv: list[str]) -> None:
         print(f"wrote {what} {args.dst}")
 
 
+_USER_ERRORS = (ValueError, OSError, fp.MeshError, fp.CollectiveError)  # funcpar's own errors and the system's
+
+
+def _fail(message: str) -> None:
+    """End this process with ``message``: once per job (rank 0, or funcpar's launcher), never a traceback."""
+    if "RANK" in os.environ:
+        if os.environ.get("RANK") == "0" or os.environ.get(lifeline.LAUNCHER_ENV) == "1":
+            lifeline.report(message)
+        else:  # under a user's torchrun: only into torchrun's error file (rank 0 prints)
+            lifeline.report(message, echo=False)
+    else:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:  # tracebacks and torchrun's logs; the workers inherit it
+        argv.remove("--debug")
+        os.environ["FUNCPAR_DEBUG"] = "1"
     commands = {"train": train, "plan": plan, "convert": convert}
     if not argv or argv[0] not in commands:
         unknown = bool(argv) and argv[0] not in ("-h", "--help")
         if unknown:
             print(f"funcpar: unknown command '{argv[0]}'", file=sys.stderr)
-        print("usage: funcpar {train,plan,convert} [options]   (funcpar COMMAND --help for options)")
+        print("usage: funcpar {train,plan,convert} [options] [--debug]   (funcpar COMMAND --help for options)")
         if unknown:
             raise SystemExit(2)
         return
     try:
         commands[argv[0]](argv[1:])
-    except fp.ModelError as e:  # an unknown model_type, or a capability the model lacks
-        raise SystemExit(f"funcpar: {e}") from None
+    except SystemExit as e:
+        if not isinstance(e.code, str) or "RANK" not in os.environ:
+            raise
+        _fail(e.code)
+    except _USER_ERRORS as e:
+        if _debug():
+            raise
+        _fail(f"funcpar: {e}")
 
 
 if __name__ == "__main__":

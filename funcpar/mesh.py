@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import lifeline
+
 __all__ = ["Mesh", "MeshError", "STANDARD_AXES", "default_timeout"]
 
 STANDARD_AXES = ("pp", "dp", "tp")  # present on every mesh; pp outermost, tp innermost
@@ -59,6 +61,7 @@ def _destroy_process_groups() -> None:
     finalization (a handle outliving ``destroy_process_group`` keeps a group and its threads alive), those threads
     can still hold work whose tensors need the GIL, and the rank dies with SIGABRT ("terminate called without an
     active exception"; pytorch/pytorch#190489, #179291)."""
+    lifeline.stop()  # first: the peers stop watching this rank
     for mesh in list(_BUILT):
         mesh._groups, mesh.device_mesh = {}, None
     if dist.is_available() and dist.is_initialized():
@@ -100,6 +103,8 @@ class Mesh:
         timeout: seconds (or a ``timedelta``) any collective of this mesh may wait for a peer before it raises
             instead of hanging; default ``$FUNCPAR_TIMEOUT`` or 600 s.
         device: where tensors live; default ``cuda:$LOCAL_RANK`` when CUDA is available, else ``cpu``.
+        heartbeat: seconds without progress after which a peer reports a stopped or hung rank and ends the job
+            (:mod:`funcpar.lifeline`); default ``$FUNCPAR_HEARTBEAT`` or 60 s; 0 turns it off.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class Mesh:
         *,
         timeout: float | datetime.timedelta | None = None,
         device: str | torch.device | None = None,
+        heartbeat: float | None = None,
         **axes: int,
     ):
         self._sizes = _axis_sizes(axes)
@@ -142,6 +148,7 @@ class Mesh:
         self._coords = self.coords_of(self.rank)
         self._build_groups()
         _BUILT.add(self)
+        lifeline.start(self.rank, self.size, heartbeat)  # the process ends with its launcher; stuck peers reported
 
     @classmethod
     def abstract(cls, device: str | torch.device | None = None, **axes: int) -> "Mesh":

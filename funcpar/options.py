@@ -21,6 +21,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
     "remat": False, "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
+    "heartbeat": 60.0,
 }
 
 _LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -86,7 +87,7 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
 
 _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,
              "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
-             "eval_fraction": 0, "lr": 0}
+             "eval_fraction": 0, "lr": 0, "heartbeat": 0}
 _AT_MOST = {"zero": 3, "eval_fraction": 0.5}
 
 

@@ -1,0 +1,154 @@
+"""Issue 12, class 5: processes do not outlive their job, a stopped rank is reported within the heartbeat interval,
+errors before a barrier reach every rank, and the command line prints one line per reason, once."""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--eval-every", "0", "--save-every", "0"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
+
+
+class _Job:
+    """``funcpar train`` in the background, its merged output read line by line with the time each line came."""
+
+    def __init__(self, tmp_path, *args):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([*TRAIN, "--out", str(tmp_path / "out"), *args], cwd=tmp_path, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put((time.monotonic(), line.rstrip("\n")))
+        self.lines.put((time.monotonic(), None))
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                t, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+            if text in line:
+                return t
+        raise AssertionError(f"no line with {text!r} within {timeout} s; output:\n" + "\n".join(self.seen))
+
+    def workers(self) -> dict[int, int]:
+        return {_rank_of(pid): pid for pid in _children(self.proc.pid)}
+
+    def kill_all(self):
+        for pid in [*_children(self.proc.pid), self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_killing_the_launcher_ends_every_worker_within_10_s(tmp_path):
+    job = _Job(tmp_path, "--mesh", "dp=2", "--steps", "100000", "--log-every", "1")
+    try:
+        job.wait_for("step     1/", timeout=120)
+        workers = job.workers()
+        assert sorted(workers) == [0, 1]
+        os.kill(job.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while any(_alive(p) for p in workers.values()) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in workers.values()), "workers outlived their launcher by 10 s"
+    finally:
+        job.kill_all()
+
+
+def test_a_stopped_rank_is_reported_within_the_heartbeat_interval(tmp_path):
+    job = _Job(tmp_path, "--mesh", "dp=2", "--steps", "100000", "--log-every", "1", "--heartbeat", "3")
+    try:
+        job.wait_for("step     2/", timeout=120)
+        stopped = job.workers()[1]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        t = job.wait_for("has made no progress", timeout=30)
+        assert t - t0 <= 3 + 2, f"reported after {t - t0:.1f} s"
+        line = job.seen[-1]
+        assert line.startswith(f"funcpar: rank 1 ({os.uname().nodename} pid {stopped}) has made no progress for ")
+        assert line.endswith("rank 0 ends the job rather than wait out the collective timeout (heartbeat interval "
+                             "3 s: Mesh(heartbeat=...), $FUNCPAR_HEARTBEAT or --heartbeat; 0 turns it off)")
+        os.kill(stopped, signal.SIGKILL)  # torchrun would only after its 30 s grace period
+        assert job.proc.wait(timeout=60) == 1
+    finally:
+        job.kill_all()
+
+
+def _run(tmp_path, *args, timeout=180):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    t0 = time.monotonic()
+    p = subprocess.run([*TRAIN, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+def _snapshot(root):
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("mesh, setup, args, message", [
+    ("tp=2,dp=2", lambda d: (d / "bad.jsonl").write_text('{"text": "a"}\n{"text": oops}\n'),
+     ["--data", "bad.jsonl", "--out", "out"], "funcpar: bad.jsonl:2: not valid JSON (Expecting value at column 10)"),
+    ("dp=2", lambda d: (d / "afile").write_text("x"), ["--out", "afile/out"],
+     "funcpar: cannot prepare the run folder afile/out: [Errno 20] Not a directory: 'afile/out'"),
+    ("dp=2", lambda d: None, ["--data", "missing.jsonl", "--out", "out"],
+     "funcpar: data file missing.jsonl does not exist"),
+])
+def test_a_user_error_in_a_multi_rank_run_is_one_line_printed_once(tmp_path, mesh, setup, args, message):
+    """Every rank fails alike (or rank 0 fails before a barrier and the others hear why): one line, at once."""
+    setup(tmp_path)
+    before = _snapshot(tmp_path)
+    p, took = _run(tmp_path, "--mesh", mesh, "--steps", "3", *args)
+    assert p.returncode == 1
+    assert p.stderr == message + "\n" and p.stdout == ""
+    assert took < 60  # not the 600 s collective timeout
+    assert _snapshot(tmp_path) == before
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": oops}\n')
+    p, _ = _run(tmp_path, "--mesh", "1", "--steps", "1", "--data", "bad.jsonl", "--out", "out", "--debug")
+    assert p.returncode == 1 and "Traceback (most recent call last)" in p.stderr
+    assert "funcpar.data.DataError: bad.jsonl:1: not valid JSON" in p.stderr
