@@ -76,7 +76,26 @@ def read_header(file: Path, error: type[Exception] = ValueError) -> dict[str, _T
         if base + b > size:
             raise corrupt(f"tensor '{name}' ends at byte {base + b} but the file has {size} bytes (truncated?)")
         out[name] = _Tensor(file, dtype, shape, base + a, want)
+    _check_layout(out, base, size, corrupt)
     return out
+
+
+def _check_layout(tensors: dict[str, _Tensor], base: int, size: int, corrupt) -> None:
+    """The data as the format lays it out, as the ``safetensors`` library checks it: the tensors, in the order of
+    their offsets, one right after the other from the first data byte to the file's last byte. Two tensors that
+    share bytes would read as each other's data; bytes that belong to no tensor hide what no reader sees."""
+    end, prev = 0, ""
+    for name, t in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].nbytes, kv[0])):
+        a, b = t.start - base, t.start - base + t.nbytes
+        if a < end:
+            raise corrupt(f"tensors {prev} and '{name}' (data bytes {a}..{b}) overlap")
+        if a > end:
+            where = f"between tensors {prev} and '{name}' (data bytes {a}..{b})" if prev else f"before tensor '{name}'"
+            raise corrupt(f"data bytes {end}..{a} {where} belong to no tensor")
+        end, prev = b, f"'{name}' (data bytes {a}..{b})"
+    if base + end != size:
+        raise corrupt(f"its last {size - base - end} bytes, after {f'tensor {prev}' if prev else 'the header'}, "
+                      f"belong to no tensor")
 
 
 def read_block(t: _Tensor, region: tuple[slice, ...], error: type[Exception] = ValueError) -> torch.Tensor:

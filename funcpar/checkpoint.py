@@ -7,13 +7,14 @@ Layout of ``path/``:
 - ``meta.json``: format, step, the mesh it was saved on, every parameter's global shape, dtype and spec, the
   optimizer-state leaves and which parameter each one shadows, every piece (file, key, the global block it belongs
   to, the flat range of that block it covers, a CRC-32 of its bytes), the user's ``extra``, and
-  ``"complete": true``.
+  ``"complete": true``; ``meta.json.sha256``: the SHA-256 of its bytes.
 
 A piece is described in global coordinates, so a checkpoint loads onto any mesh: a rank reads only the pieces
 whose rows overlap the block (or, for ZeRO-partitioned optimizer state, the flat part of the block) it now owns.
 Saving writes into ``.NAME.tmp`` and renames it to ``NAME`` only once every rank's file is complete
 (:func:`funcpar.atomic.write_folder`), then points ``latest`` (a text file beside it) at it and applies ``keep``. A crash mid-save leaves the previous checkpoint and
-``latest`` as they were. Loading reads JSON and raw tensor bytes only; nothing is unpickled or executed.
+``latest`` as they were. Loading reads JSON and raw tensor bytes only; nothing is unpickled or executed, and
+nothing is sized from the metadata before it has passed its schema and its checksum (``funcpar._ckpt_source``).
 
 Why not ``torch.distributed.checkpoint``: its metadata file is a pickle (loading it would unpickle), and its
 resharding works on DTensors, while funcpar's ZeRO state is flat parts of local shards; describing pieces in
@@ -33,7 +34,7 @@ from typing import Any
 import optree
 import torch
 
-from ._ckpt_source import FORMAT, CheckpointError, _crc, _Source, resolve
+from ._ckpt_source import FORMAT, CheckpointError, _crc, _Source, resolve, write_meta
 from .atomic import write_folder
 from .layout import ZeroLayout
 from .mesh import Mesh
@@ -113,8 +114,7 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
     ``extra``: anything JSON-serialisable (data position, config, ...), returned by :func:`load`.
     ``keep``: after saving, delete all but the ``keep`` newest checkpoints of this run beside ``path`` (a run's
     checkpoints carry its id; :func:`load` adopts it, so a resumed run is the same run; another run's stay).
-    ``overwrite``: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder).
-    """
+    ``overwrite``: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder)."""
     layout: ZeroLayout | None = getattr(step, "layout", None)
     if layout is None:
         raise CheckpointError("save: the step has no layout yet; call step.init(params) first")
@@ -151,12 +151,11 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
             opt_meta |= {o["path"]: o for o in got["opt"] if o["path"] not in opt_meta}
             params_meta |= {p["path"]: p for p in got["params"] if p["path"] not in params_meta}
             side.unlink()
-        meta = {
+        write_meta(tmp, {  # with its checksum
             "format": FORMAT, "complete": True, "step": int(state.step), "run": run, "mesh": mesh.shape, "zero": layout.zero,
             "world": mesh.size, "params": list(params_meta.values()), "opt": list(opt_meta.values()),
             "optimizer": _state_types(state.opt_state), "pieces": all_pieces, "extra": extra,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        })
 
     def publish(path: Path) -> None:
         latest_tmp = path.parent / ".latest.tmp"

@@ -4,8 +4,9 @@
 parameter tree already sharded for a mesh. Each rank reads **only the bytes of its own blocks**: the safetensors
 header gives every tensor's offset, and the block is fetched with ``pread`` run by run (a row-block is one read,
 a column-block one read per row), never the whole tensor. The check is strict: every missing, unexpected or
-mis-shaped tensor is reported at once, by name and shape. Only JSON and raw tensor bytes are read; nothing is
-unpickled.
+mis-shaped tensor is reported at once, by name and shape; a tensor in another dtype than the checkpoint's is
+refused by name unless a ``dtype`` to convert to is given, and so is a ``config.json`` key of the wrong type
+(:mod:`funcpar._hf_folder`). Only JSON and raw tensor bytes are read; nothing is unpickled.
 
 ``save`` gathers leaf by leaf onto rank 0 (each distinct block moves once) and writes sharded safetensors files
 of at most ``max_shard_size`` bytes, the index and ``config.json`` into a temporary folder that is renamed into
@@ -29,10 +30,10 @@ from typing import Any, Mapping
 import optree
 import torch
 
-from ._safetensors import _Tensor, read_block, read_header, within
+from ._hf_folder import HFError, _Reader, check_dtypes, read_config, resolve_model
 from .atomic import write_folder
 from .mesh import Mesh
-from .model import ModelSpec, get_model, known_models
+from .model import ModelSpec, get_model
 from .sharding import gathered_leaves
 from .spec import P, broadcast_specs, local_slice
 from .tree import leaves_with_path
@@ -40,75 +41,7 @@ from .tree import leaves_with_path
 __all__ = ["load", "save", "auto_specs", "HFError"]
 
 
-class HFError(ValueError):
-    """A checkpoint folder that cannot be loaded as asked (named file, tensors and shapes in the message)."""
-
-
-class _Reader:
-    """The tensors of a checkpoint folder (headers only), and block reads that count their bytes."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.bytes_read = 0
-        index = folder / "model.safetensors.index.json"
-        single = folder / "model.safetensors"
-        self.tensors: dict[str, _Tensor] = {}
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise HFError(f"corrupt index {index}: {e!r}") from None
-            files = sorted(set(map(str, weight_map.values())), key=str)
-            for f in weight_map.values():
-                within(folder, f, f"index {index}", HFError)
-            headers = {f: read_header(folder / f, HFError) for f in files}
-            for name, f in weight_map.items():
-                if name not in headers[f]:
-                    raise HFError(f"index {index} puts tensor '{name}' in {f}, but that file has no such tensor")
-                self.tensors[name] = headers[f][name]
-            for f, h in headers.items():
-                for name in h:
-                    self.tensors.setdefault(name, h[name])
-        elif single.exists():
-            self.tensors = read_header(single, HFError)
-        else:
-            raise HFError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
-
-    def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
-        """The block ``region`` of tensor ``name``; only its bytes are read, and counted."""
-        out = read_block(self.tensors[name], region, HFError)
-        self.bytes_read += out.numel() * out.element_size()
-        return out
-
-
 # ------------------------------------------------------------------------------------------- model tables
-
-
-def _read_config(folder: Path) -> dict[str, Any]:
-    f = folder / "config.json"
-    try:
-        return json.loads(f.read_text())
-    except FileNotFoundError:
-        raise HFError(f"{folder} has no config.json: is it a Hugging Face model folder?") from None
-    except json.JSONDecodeError as e:
-        raise HFError(f"{f} is not valid JSON: {e}") from None
-
-
-def _resolve_model(model: Any, cfg: dict, folder: Path) -> ModelSpec:
-    mt = cfg.get("model_type")
-    if model is None:
-        known = known_models()
-        if not isinstance(mt, str) or mt not in known:
-            raise HFError(f"{folder / 'config.json'} has model_type '{mt}', which funcpar does not know; it knows: "
-                          f"{', '.join(sorted(known))} (register a model with funcpar.register_model)")
-        return known[mt]
-    spec = get_model(model)
-    if mt is not None and mt not in spec.model_types:
-        raise HFError(
-            f"{folder / 'config.json'} has model_type '{mt}', which model '{spec.name}' does not implement "
-            f"({', '.join(spec.model_types)}); funcpar knows: {', '.join(sorted(known_models()))}"
-        )
-    return spec
 
 
 @dataclass(frozen=True)
@@ -206,14 +139,15 @@ def load(
     """``(params, cfg)``: this rank's shards of the checkpoint in ``path``, as ``model`` lays them out.
 
     ``model`` (a :class:`funcpar.ModelSpec`, a model module or a registered name) defaults to the registered model
-    of the folder's ``model_type``; ``specs`` to ``model.specs(cfg, mesh)``; ``dtype`` to the checkpoint's. Pass a
-    dict as ``stats`` to get ``bytes_read`` (tensor bytes this rank read). ``keep(path) -> bool`` reads only the
-    leaves it accepts, the others are ``None``: a pipeline stage's with ``keep=step.holds`` (see
-    :meth:`funcpar.Step.holds`).
+    of the folder's ``model_type``; ``specs`` to ``model.specs(cfg, mesh)``; ``dtype`` to the checkpoint's, which
+    every tensor read must then have (the one config.json names; a tensor in another is refused by name), while a
+    ``dtype`` given converts each tensor to it. Pass a dict as ``stats`` to get ``bytes_read`` (tensor bytes this
+    rank read). ``keep(path) -> bool`` reads only the leaves it accepts, the others are ``None``: a pipeline
+    stage's with ``keep=step.holds`` (see :meth:`funcpar.Step.holds`).
     """
     folder = Path(path)
-    raw = _read_config(folder)
-    model = _resolve_model(model, raw, folder)
+    raw = read_config(folder)
+    model = resolve_model(model, raw, folder)
     mesh = mesh or Mesh()
     try:
         cfg = model.config(raw, mesh)  # pads a vocabulary that tp does not divide
@@ -224,6 +158,8 @@ def load(
     plan = _plan(model, [p for p, _, _ in leaves], cfg)
     reader = _Reader(folder)
     _check(reader, folder, model, cfg, leaves, plan)
+    if dtype is None:
+        check_dtypes(reader, folder, raw, [mp.hf for (p, _, _), mp in zip(leaves, plan) if keep is None or keep(p)])
     out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) if keep is None or keep(p) else None
            for (p, spec, meta), mp in zip(leaves, plan)]
     if stats is not None:
@@ -267,12 +203,14 @@ class _ShardWriter:
         self.size = 0
         self.files: list[list[str]] = []
         self.total = 0
+        self.dtypes: set[torch.dtype] = set()
 
     def add(self, name: str, t: torch.Tensor) -> None:
         nb = t.numel() * t.element_size()
         if self.current and self.size + nb > self.limit:
             self.flush()
         self.current[name] = t
+        self.dtypes.add(t.dtype)
         self.size += nb
         self.total += nb
 
@@ -331,7 +269,11 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
             raise error
         if writer is not None:
             writer.finish()
-            (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2, sort_keys=True) + "\n")
+            d, dtypes = cfg.to_hf(), {str(t).removeprefix("torch.") for t in writer.dtypes}
+            if len(dtypes) == 1:  # the dtype the tensors are in (load checks it), not the one cfg was read with
+                name = dtypes.pop()
+                d.update({k: name for k in ("dtype", "torch_dtype") if k in d} or {"dtype": name})
+            (tmp / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
     write_folder(path, mesh, write, error=HFError, overwrite=overwrite)
 

@@ -120,8 +120,16 @@ class ModelSpec:
             raise ModelError(f"model '{self.name}': model_types must be a non-empty tuple of HF model_type names")
 
     def config(self, hf_config: Mapping[str, Any], mesh=None) -> Any:
-        """The config from an HF ``config.json`` dict, padded for ``mesh`` when one is given."""
-        cfg = self.Config.from_hf(dict(hf_config))
+        """The config from an HF ``config.json`` dict, padded for ``mesh`` when one is given. A key of the wrong
+        JSON type (``_HF_CONFIG_TYPES``), or one ``from_hf`` needs and the dict lacks, is refused by name."""
+        _check_hf_config(hf_config)
+        try:
+            cfg = self.Config.from_hf(dict(hf_config))
+        except KeyError as e:
+            key = e.args[0] if e.args else None
+            if not isinstance(key, str) or key in hf_config:
+                raise
+            raise ModelError(f"config key '{key}' is missing, and model '{self.name}' cannot do without it") from None
         return cfg if mesh is None else cfg.with_mesh(mesh)
 
     def loss_fn(self, cfg: Any, mesh, *, remat: bool = False) -> Callable:
@@ -130,6 +138,51 @@ class ModelSpec:
             raise ModelError(f"model '{self.name}' does not support remat (activation checkpointing)")
         kw = {"remat": True} if remat else {}
         return _ModelLoss(self, functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), cfg, mesh, remat)
+
+
+# The JSON types of the config.json keys models read, as transformers writes them (the same in every model that
+# has the key): checked before Config.from_hf runs, so that "64" for hidden_size, or "false" for a flag (which
+# bool() would take for True), is named by its key instead of failing later or silently meaning something else.
+_INT, _INT_OR_NULL, _NUMBER, _BOOL = (int,), (int, None), (float,), (bool,)
+_HF_CONFIG_TYPES: dict[str, tuple] = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings", "max_window_layers", "n_embd", "n_layer", "n_head", "n_positions"),
+                    _INT),
+    **dict.fromkeys(("num_key_value_heads", "head_dim", "sliding_window", "n_inner"), _INT_OR_NULL),
+    **dict.fromkeys(("rms_norm_eps", "layer_norm_epsilon", "rope_theta"), _NUMBER),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+                     "scale_attn_by_inverse_layer_idx"), _BOOL),
+    **dict.fromkeys(("rope_scaling", "rope_parameters"), (dict, None)),
+    "layer_types": (list, None),
+    **dict.fromkeys(("model_type", "hidden_act", "activation_function"), (str,)),
+}
+_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"),
+          (dict, "an object"))
+_WANT = {**dict(_KINDS), bool: "true or false", None: "null"}
+
+
+def _json_kind(v: Any) -> str:
+    """What a JSON value is, in JSON's words (``"64"`` is a string, ``true`` a boolean)."""
+    return "null" if v is None else next((name for k, name in _KINDS if isinstance(v, k)), type(v).__name__)
+
+
+def _is(v: Any, kind: type | None) -> bool:
+    if kind is None or isinstance(v, bool):
+        return v is None if kind is None else kind is bool
+    return isinstance(v, kind) or kind is float and isinstance(v, int)  # a JSON integer is a number
+
+
+def _check_hf_config(hf_config: Any) -> None:
+    """Raise a :class:`ModelError` naming the key, its value and the type expected, unless ``hf_config`` is a
+    mapping whose keys in ``_HF_CONFIG_TYPES`` have their JSON type."""
+    if not isinstance(hf_config, Mapping):
+        raise ModelError(f"a model config is an object of keys (a config.json), not {_json_kind(hf_config)}")
+    for key, kinds in _HF_CONFIG_TYPES.items():
+        v = hf_config.get(key)
+        if key in hf_config and not any(_is(v, k) for k in kinds):
+            shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+            raise ModelError(f"config key '{key}' is {shown} ({_json_kind(v)}), expected "
+                             f"{' or '.join(_WANT[k] for k in kinds)}")
 
 
 class _ModelLoss:
