@@ -80,6 +80,16 @@ def swap_into_place(tmp: Path, dest: Path) -> None:
     shutil.rmtree(old)
 
 
+def _readable_as_umask_allows(folder: Path) -> None:
+    """Files as the user's umask makes them (the safetensors writer creates them 0600: no one else could read an
+    export)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in folder.rglob("*"):
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
+
+
 def check_owned(path: Path, overwrite: bool, error: type[Exception] = FileExistsError) -> None:
     """Refuse to replace ``path`` unless it is absent, an empty folder, a folder funcpar wrote, or ``overwrite``."""
     if overwrite or not path.exists() and not path.is_symlink():
@@ -149,6 +159,7 @@ def write_folder(
         err = _attempt(lambda: write(tmp), err)
         if agree(err, mesh) is None and rank0:
             err = _attempt(lambda: (finalize or (lambda t: None))(tmp), err)
+            err = _attempt(lambda: _readable_as_umask_allows(tmp), err)
             err = _attempt(lambda: swap_into_place(tmp, path), err)
             err = _attempt(lambda: (publish or (lambda p: None))(path), err)
     message = agree(err, mesh)

@@ -11,72 +11,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import funcpar as fp
-from funcpar import lifeline
+from funcpar.launch import USER_ERRORS, debug, fail, launch_if_needed
 from funcpar.atomic import agree
 from funcpar.generate import show_arithmetic
+from funcpar.preflight import check_run, claim_out
+from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import build_params, build_step, datasets, model_config, parse_mesh, read_options
 from funcpar.planning import params_like, print_plan, print_ranking, rank_meshes, sharding_table
 from funcpar.plot import plot_metrics
 
-
-
-def _launch_if_needed(argv: list[str], nproc: int) -> bool:
-    """Outside torchrun with a multi-rank mesh: run this same command under torch.distributed.run. True if done.
-
-    The workers report why they ended through torchrun's error files (:func:`funcpar.lifeline.report`); a failed
-    job prints each distinct reason once, naming the ranks when not all of them gave it (``--debug``: torchrun's
-    own logs and the tracebacks too)."""
-    if nproc <= 1 or "RANK" in os.environ:
-        return False
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ[lifeline.LAUNCHER_ENV] = "1"
-    if not _debug():
-        for name in list(logging.root.manager.loggerDict):  # torchrun's own lines would bury the one that matters
-            if name.startswith("torch.distributed"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
-    try:
-        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "funcpar", *argv]))
-    except ChildFailedError as e:
-        raise SystemExit(_failure_summary(e.failures, nproc)) from None
-    return True
-
-
-def _failure_summary(failures: dict, world: int) -> str:
-    """One line per distinct reason the failed ranks gave (deaths by signal first, then in time order)."""
-    reasons: dict[str, list[int]] = {}
-    for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0])):
-        said = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
-        if isinstance(said, str) and said.startswith("funcpar"):  # written by lifeline.report
-            reason = said
-        elif f.exitcode < 0:
-            reason = f"funcpar: rank {rank} was killed by {f.signal_name()}"
-        else:
-            reason = f"funcpar: rank {rank} exited with code {f.exitcode} (its output is above)"
-        reasons.setdefault(reason, []).append(rank)
-    lines = []
-    for reason, ranks in reasons.items():
-        who = "" if len(ranks) == world or f"rank {ranks[0]} " in reason else (
-            f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))})")
-        lines.append(reason + who)
-    return "\n".join(lines)
-
-
-def _debug() -> bool:
-    return os.environ.get("FUNCPAR_DEBUG") == "1"
 
 
 # ------------------------------------------------------------------------------------------------------ train
@@ -97,6 +49,7 @@ class _Run:
     step: Any
     state: Any
     loader: Any
+    warnings: list
 
     def __post_init__(self):
         self.rank0, self.out = self.mesh.rank == 0, Path(self.opts["out"])
@@ -117,10 +70,11 @@ def _setup_run(opts, sizes) -> _Run:
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
+    warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)  # before any work: refused now or never
     step = build_step(opts, model, cfg, mesh, specs)
     state = step.init(build_params(opts, model, cfg, specs, mesh, keep=step.holds))  # a stage reads its leaves
     loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
-    return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader)
+    return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader, warnings)
 
 
 def _resume(run: _Run) -> None:
@@ -137,22 +91,28 @@ def _announce(run: _Run) -> None:
     opts, step, mesh = run.opts, run.state.step, run.mesh
 
     def prepare():
+        claim_out(run.out, opts["resume"], opts["overwrite"])
         run.out.mkdir(parents=True, exist_ok=True)
         old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
         kept = [line for line in old if json.loads(line).get("step", 0) <= step]
         run.metrics_file.write_text("".join(line + "\n" for line in kept))
+        (run.out / "config.json").write_text(json.dumps(opts, indent=2) + "\n")  # re-usable as --config
 
     error = None
     if run.rank0:
         try:
             prepare()
         except OSError as e:
+            error = OSError(f"funcpar: cannot prepare the run folder {run.out}: {e}")
+        except SystemExit as e:
             error = e
     message = agree(error, mesh)  # the other ranks hear why, instead of waiting at the first collective
     if message is not None:
-        raise OSError(f"cannot prepare the run folder {run.out}: {message}")
+        raise SystemExit(message)
     if not run.rank0:
         return
+    for w in run.warnings:
+        print(f"funcpar: warning: {w}", flush=True)
     print(f"funcpar train: {run.cfg.model_type} on {mesh!r} ({mesh.size} process(es), {mesh.device.type}), "
           f"{len(run.train_data)} train rows x {opts['seq_len']} tokens, {len(run.eval_data)} held-out rows"
           + (f", {run.data.truncated} samples truncated" if run.data.truncated else ""), flush=True)
@@ -166,17 +126,21 @@ def _evaluate(run: _Run, data, global_batch) -> float:
     model, cfg, mesh = run.model, run.cfg, run.mesh
     params = run.step.gather_params(run.state)
     dp = mesh.axis_size("dp")
-    gb = max(dp, min(global_batch, len(data)) // dp * dp)
-    loader = fp.data.Loader(data, mesh, gb, shuffle=False)
+    gb = min(global_batch, len(data)) // dp * dp
+    if gb:
+        loader = fp.data.Loader(data, mesh, gb, shuffle=False)
+        local = [next(loader) for _ in range(len(data) // gb)]
+    else:  # fewer held-out rows than dp ranks: every rank evaluates them all
+        local = [{"input_ids": data.ids, "labels": data.ids.masked_fill(~data.mask, -100)}]
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        for _ in range(max(1, len(data) // gb)):
-            b = next(loader)
+        for b in local:
+            b = {k: v.to(mesh.device) for k, v in b.items()}
             n = fp.layers.count_targets(b)
             loss = (run.step.loss(run.state, b).item() * n if run.step.pipe is not None else
                     model.loss(params, b, cfg=cfg, mesh=mesh, reduction="sum").item())
             total += torch.tensor([loss, n], dtype=torch.float64)
-    total = fp.collectives.all_reduce(total, mesh, "dp")
+    total = fp.collectives.all_reduce(total, mesh, "dp") if gb else total
     return (total[0] / total[1].clamp(min=1)).item()
 
 
@@ -192,43 +156,29 @@ def _metrics_row(run: _Run, m: dict) -> dict:
     return row
 
 
-def _log(run: _Run, row: dict, m: dict, bar, t_start: float) -> None:
-    """Rank 0: append the row to metrics.jsonl; advance the progress bar, or print a log line when due."""
-    if not run.rank0:
-        return
-    step, steps = run.state.step, run.opts["steps"]
-    with open(run.metrics_file, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
-    if bar is not None:
-        bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
-        bar.update(1)
-    elif step % run.opts["log_every"] == 0 or step == steps or "eval_loss" in row:
-        eta = (time.time() - t_start) / max(1, step) * (steps - step)
-        ev = f"  eval {row['eval_loss']:.4f} (ppl {row['eval_ppl']:.2f})" if "eval_loss" in row else ""
-        print(f"step {step:5d}/{steps}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
-              f"lr {m['lr']:.2e}  {m['tokens_per_s']:.0f} tok/s  eta {eta:.0f}s{ev}", flush=True)
+def _progress(run: _Run) -> Progress:
+    """The run's progress account, with the model's FLOPs per token and the mesh's measured matmul peak (MFU)."""
+    cfg, like = run.cfg, params_like(run.model, run.cfg)
+    n = sum(x.numel() for _, x in fp.tree.leaves_with_path(like))
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+    return Progress(run.rank0, run.metrics_file, run.opts["steps"], run.opts["log_every"], run.state.step,
+                    flops_per_token(n, layers, hidden, run.opts["seq_len"]), measure_peak_flops(run.mesh),
+                    run.mesh.device)
 
 
-def _loop(run: _Run) -> float | None:
-    """Train up to ``--steps``, logging, evaluating and checkpointing as asked; returns the first step's loss."""
-    opts, bar = run.opts, None
-    if run.rank0 and sys.stdout.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=opts["steps"], initial=run.state.step, desc="train", dynamic_ncols=True)
-    t_start, first_loss = time.time(), None
+def _loop(run: _Run) -> None:
+    """Train up to ``--steps``, logging, evaluating and checkpointing as asked."""
+    opts, progress = run.opts, _progress(run)
     while run.state.step < opts["steps"]:
         run.state, m = run.step(run.state, next(run.loader))
-        first_loss = m["loss"] if first_loss is None else first_loss
-        _log(run, _metrics_row(run, m), m, bar, t_start)
+        progress.log(run.state.step, _metrics_row(run, m))
         if opts["save_every"] and run.state.step % opts["save_every"] == 0 and run.state.step < opts["steps"]:
             run.save()
-    if bar is not None:
-        bar.close()
-    return first_loss
+    progress.close()
 
 
-def _finish(run: _Run, first_loss: float | None) -> None:
+def _finish(run: _Run) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
     fp.hf.save(run.out / "hf", run.step.gather_params(run.state), run.model, run.cfg, run.mesh, specs=run.specs,
@@ -236,8 +186,9 @@ def _finish(run: _Run, first_loss: float | None) -> None:
     if not run.rank0:
         return
     plot_metrics(run.metrics_file, run.out / "loss.png")
-    last = json.loads(run.metrics_file.read_text().splitlines()[-1])
-    print(f"loss {first_loss if first_loss is not None else float('nan'):.4f} -> {last['loss']:.4f}; "
+    rows = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]  # the whole run's, resumed or not
+    first, last = (rows[0]["loss"], rows[-1]["loss"]) if rows else (float("nan"), float("nan"))
+    print(f"loss {first:.4f} -> {last:.4f}; "
           f"wrote {run.ckpts}, {run.metrics_file}, {run.out / 'loss.png'} and a transformers folder {run.out / 'hf'}",
           flush=True)
     if run.opts["data"] == "builtin:arithmetic" and run.opts["tokenizer"] == "byte":
@@ -248,12 +199,13 @@ def train(argv: list[str]) -> None:
     """Train a model on a mesh (starting the ranks here unless under torchrun), then export it."""
     opts = read_options(argv, "train")
     sizes = parse_mesh(opts["mesh"])
-    if _launch_if_needed(["train", *argv], math.prod(sizes.values()) if sizes else 1):
+    if launch_if_needed(["train", *argv], math.prod(sizes.values()) if sizes else 1):
         return
     run = _setup_run(opts, sizes)
     _resume(run)
     _announce(run)
-    _finish(run, first_loss=_loop(run))
+    _loop(run)
+    _finish(run)
 
 
 # --------------------------------------------------------------------------------------------- plan, convert
@@ -320,7 +272,7 @@ def convert(argv: list[str]) -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace DST even if funcpar did not write it")
     args = ap.parse_args(argv)
     sizes = parse_mesh(args.mesh)
-    if _launch_if_needed(["convert", *argv], math.prod(sizes.values()) if sizes else 1):
+    if launch_if_needed(["convert", *argv], math.prod(sizes.values()) if sizes else 1):
         return
     mesh, src = fp.Mesh(**sizes), Path(args.src)
     if (src / "config.json").exists():
@@ -331,32 +283,21 @@ def convert(argv: list[str]) -> None:
         print(f"wrote {what} {args.dst}")
 
 
-_USER_ERRORS = (ValueError, OSError, fp.MeshError, fp.CollectiveError)  # funcpar's own errors and the system's
-
-
-def _fail(message: str) -> None:
-    """End this process with ``message``: once per job (rank 0, or funcpar's launcher), never a traceback."""
-    if "RANK" in os.environ:
-        if os.environ.get("RANK") == "0" or os.environ.get(lifeline.LAUNCHER_ENV) == "1":
-            lifeline.report(message)
-        else:  # under a user's torchrun: only into torchrun's error file (rank 0 prints)
-            lifeline.report(message, echo=False)
-    else:
-        print(message, file=sys.stderr, flush=True)
-    raise SystemExit(1)
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in argv:  # tracebacks and torchrun's logs; the workers inherit it
         argv.remove("--debug")
         os.environ["FUNCPAR_DEBUG"] = "1"
     commands = {"train": train, "plan": plan, "convert": convert}
+    if argv[:1] == ["--version"]:
+        print(f"funcpar {fp.__version__} (torch {torch.__version__})")
+        return
     if not argv or argv[0] not in commands:
         unknown = bool(argv) and argv[0] not in ("-h", "--help")
         if unknown:
             print(f"funcpar: unknown command '{argv[0]}'", file=sys.stderr)
-        print("usage: funcpar {train,plan,convert} [options] [--debug]   (funcpar COMMAND --help for options)")
+        print("usage: funcpar {train,plan,convert} [options] [--debug]   (funcpar COMMAND --help for options; "
+              "funcpar --version)")
         if unknown:
             raise SystemExit(2)
         return
@@ -365,11 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as e:
         if not isinstance(e.code, str) or "RANK" not in os.environ:
             raise
-        _fail(e.code)
-    except _USER_ERRORS as e:
-        if _debug():
+        fail(e.code)
+    except USER_ERRORS as e:
+        if debug():
             raise
-        _fail(f"funcpar: {e}")
+        fail(f"funcpar: {e}")
 
 
 if __name__ == "__main__":

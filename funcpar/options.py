@@ -24,6 +24,31 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "heartbeat": 60.0,
 }
 
+HELP = {
+    "model": "a built-in model (llama-tiny, llama-micro) or an HF folder to fine-tune",
+    "mesh": "axis sizes, e.g. tp=2,dp=2 or pp=2,dp=2 ('1': one process); the ranks start here unless under torchrun",
+    "data": "a .jsonl/.txt file or a folder of them, or builtin:arithmetic (README: the formats and their text)",
+    "tokenizer": "byte, or a folder with an HF tokenizer", "seq_len": "tokens per row",
+    "pack": "pack samples into rows (--no-pack: one sample per row, padded)",
+    "global_batch": "rows per optimizer step, over all dp ranks and micro-batches",
+    "micro_batches": "micro-batches accumulated per step (the pipeline's micro-batches with pp)",
+    "optimizer": "adamw, lion or sgd", "lr": "peak learning rate",
+    "pipeline": "schedule with pp > 1: 1f1b, gpipe or interleaved", "chunks": "virtual stages per pp rank (interleaved)",
+    "parts": "layers per pipeline stage, e.g. 3,5 (default: balanced)",
+    "schedule": "warmup_cosine, warmup_linear or constant", "warmup": "warmup steps",
+    "weight_decay": "decoupled weight decay (not on norms and biases)", "zero": "ZeRO stage: 0, 1, 2 or 3",
+    "clip": "clip the global gradient norm to this (0: off)", "precision": "fp32, bf16 or fp16 (with loss scaling)",
+    "remat": "recompute activations in the backward pass (less memory)", "steps": "optimizer steps to train",
+    "eval_every": "held-out loss every N steps and at the end (0: never)",
+    "eval_fraction": "share of the rows held out for evaluation", "save_every": "checkpoint every N steps (0: only at the end)",
+    "keep": "checkpoints of this run to keep", "log_every": "a log line every N steps",
+    "out": "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/",
+    "resume": "continue the run in --out from its latest checkpoint",
+    "overwrite": "replace an earlier run in --out, or folders funcpar did not write",
+    "seed": "initialisation, data order and split",
+    "heartbeat": "seconds without progress after which a stuck rank is reported and the job ends (0: off)",
+}
+
 _LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
                    tie_word_embeddings=False, model_type="llama")
@@ -54,24 +79,53 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+def _toml():
+    """The TOML reader: the standard library's from Python 3.11, ``tomli`` (a dependency there) before."""
+    try:
+        import tomllib
+    except ImportError:
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise SystemExit("funcpar: reading a TOML --config needs Python 3.11+ or the tomli package "
+                             "(pip install tomli); or write the config as JSON") from None
+    return tomllib
+
+
 def _read_config(path: str) -> dict[str, Any]:
     p = Path(path)
-    if p.suffix == ".toml":
-        import tomllib
+    if not p.is_file():
+        raise SystemExit(f"funcpar: --config {path}: no such file")
+    try:
+        cfg = _toml().loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    except ValueError as e:  # TOMLDecodeError, JSONDecodeError
+        raise SystemExit(f"funcpar: --config {path} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}")
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"funcpar: --config {path} must hold a table of options, not a {type(cfg).__name__}")
+    return cfg
 
-        return tomllib.loads(p.read_text())
-    return json.loads(p.read_text())
+
+_PLAN_FLAGS = ("model", "mesh", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline", "chunks", "parts",
+               "zero", "precision", "remat")  # what shapes the step's memory; the rest keep their defaults
+_ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
+          "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
 
 
 def read_options(argv: list[str], command: str, epilog: str | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=__doc__.splitlines()[0], epilog=epilog)
-    ap.add_argument("--config", help="a TOML or JSON file of options (command-line flags override it)")
+    """The options of ``funcpar train`` or ``funcpar plan`` (its flags: those that shape the step)."""
+    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=_ABOUT[command], epilog=epilog)
+    ap.add_argument("--config", help="a TOML or JSON file of options (command-line flags override it; a run's "
+                                     "--out/config.json is one)")
+    ap.add_argument("--debug", action="store_true", help="tracebacks and torchrun's own logs on errors")
     for key, default in DEFAULTS.items():
-        flag = "--" + key.replace("_", "-")
+        if command == "plan" and key not in _PLAN_FLAGS:
+            continue
+        flag, text = "--" + key.replace("_", "-"), HELP[key] + (f" (default: {default})" if default != "" else "")
         if isinstance(default, bool):
-            ap.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None)
+            ap.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            ap.add_argument(flag, dest=key, type=type(default) if default is not None else str, default=None)
+            ap.add_argument(flag, dest=key, type=type(default), default=None, help=text,
+                            metavar=type(default).__name__.upper())
     args = ap.parse_args(argv)
     opts = dict(DEFAULTS)
     if args.config:
@@ -80,7 +134,7 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
         if unknown:
             raise SystemExit(f"funcpar: unknown option(s) in {args.config}: {', '.join(unknown)}")
         opts.update(cfg)
-    opts.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+    opts.update({k: v for k, v in vars(args).items() if v is not None and k not in ("config", "debug")})
     _check_options(opts, args.config)
     return opts
 

@@ -24,7 +24,7 @@ LAYERS = [
     ("io", ["funcpar.hf", "funcpar.checkpoint"]),
     ("step", ["funcpar.step"]),
     ("api", ["funcpar"]),
-    ("apps", ["funcpar.options", "funcpar.cli", "funcpar.__main__", "funcpar.generate", "funcpar.plot", "funcpar.planning",
+    ("apps", ["funcpar.options", "funcpar.cli", "funcpar.launch", "funcpar.preflight", "funcpar.progress", "funcpar.__main__", "funcpar.generate", "funcpar.plot", "funcpar.planning",
               "funcpar.assets"]),
     ("models", ["funcpar.models", "funcpar.models.*"]),
 ]

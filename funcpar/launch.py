@@ -1,0 +1,77 @@
+"""Starting a command's ranks and ending them with a reason: funcpar's launcher over ``torch.distributed.run`` and
+the one-line report of a failed job (:mod:`funcpar.lifeline` carries each worker's reason to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import funcpar as fp
+from funcpar import lifeline
+
+__all__ = ["launch_if_needed", "fail", "debug", "USER_ERRORS"]
+
+
+def launch_if_needed(argv: list[str], nproc: int) -> bool:
+    """Outside torchrun with a multi-rank mesh: run this same command under torch.distributed.run. True if done.
+
+    The workers report why they ended through torchrun's error files (:func:`funcpar.lifeline.report`); a failed
+    job prints each distinct reason once, naming the ranks when not all of them gave it (``--debug``: torchrun's
+    own logs and the tracebacks too)."""
+    if nproc <= 1 or "RANK" in os.environ:
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[lifeline.LAUNCHER_ENV] = "1"
+    if not debug():
+        for name in list(logging.root.manager.loggerDict):  # torchrun's own lines would bury the one that matters
+            if name.startswith("torch.distributed"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "funcpar", *argv]))
+    except ChildFailedError as e:
+        raise SystemExit(_failure_summary(e.failures, nproc)) from None
+    return True
+
+
+def _failure_summary(failures: dict, world: int) -> str:
+    """One line per distinct reason the failed ranks gave (deaths by signal first, then in time order)."""
+    reasons: dict[str, list[int]] = {}
+    for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0])):
+        said = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+        if isinstance(said, str) and said.startswith("funcpar"):  # written by lifeline.report
+            reason = said
+        elif f.exitcode < 0:
+            reason = f"funcpar: rank {rank} was killed by {f.signal_name()}"
+        else:
+            reason = f"funcpar: rank {rank} exited with code {f.exitcode} (its output is above)"
+        reasons.setdefault(reason, []).append(rank)
+    lines = []
+    for reason, ranks in reasons.items():
+        who = "" if len(ranks) == world or f"rank {ranks[0]} " in reason else (
+            f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))})")
+        lines.append(reason + who)
+    return "\n".join(lines)
+
+
+def debug() -> bool:
+    return os.environ.get("FUNCPAR_DEBUG") == "1"
+
+
+USER_ERRORS = (ValueError, OSError, fp.MeshError, fp.CollectiveError)  # funcpar's own errors and the system's
+
+
+def fail(message: str) -> None:
+    """End this process with ``message``: once per job (rank 0, or funcpar's launcher), never a traceback."""
+    if "RANK" in os.environ:
+        if os.environ.get("RANK") == "0" or os.environ.get(lifeline.LAUNCHER_ENV) == "1":
+            lifeline.report(message)
+        else:  # under a user's torchrun: only into torchrun's error file (rank 0 prints)
+            lifeline.report(message, echo=False)
+    else:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(1)

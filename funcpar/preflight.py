@@ -1,0 +1,88 @@
+"""What ``funcpar train`` checks before step 1, so that a run which cannot finish is refused before it starts: the
+batch arithmetic over the mesh, the sizes of the train and held-out sets, positions, warmup and the output folder.
+Refusals are one line saying what to change (``SystemExit``); doubtful choices are warnings.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_run", "claim_out"]
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _seq_len_that_fits(opts: dict[str, Any], tokens: int | None) -> int:
+    """The longest ``--seq-len`` whose packed rows make one global batch after the held-out split; 0 if none."""
+    if not tokens or not opts["pack"]:
+        return 0
+    frac = opts["eval_fraction"]
+    for seq_len in range(opts["seq_len"] - 1, 0, -1):
+        rows = tokens // seq_len
+        held = max(1, int(rows * frac)) if frac > 0 else 0
+        if rows - held >= opts["global_batch"]:
+            return seq_len
+    return 0
+
+
+def _batch(opts: dict[str, Any], mesh, train_rows: int, eval_rows: int, tokens: int | None) -> None:
+    dp, micro, gb = mesh.axis_size("dp"), opts["micro_batches"], opts["global_batch"]
+    unit = dp * micro
+    if gb % unit:
+        raise SystemExit(f"funcpar: --global-batch {gb} does not split over dp={dp} x --micro-batches {micro}: use a "
+                         f"multiple of {unit} (e.g. {max(unit, gb // unit * unit)})")
+    if train_rows < gb:
+        fits, seq_len = train_rows // unit * unit, _seq_len_that_fits(opts, tokens)
+        change = " or ".join(
+            ([f"lower --global-batch to {fits} or less (a multiple of dp={dp} x --micro-batches {micro})"] if fits
+             else []) + ([f"use --seq-len {seq_len} or less"] if seq_len else []) or ["use fewer dp ranks"])
+        raise SystemExit(f"funcpar: the training data makes {train_rows} rows of --seq-len {opts['seq_len']} "
+                         f"({eval_rows} more held out), fewer than one --global-batch of {gb}: {change}, or bring "
+                         "more data")
+    if opts["eval_every"] and not eval_rows:
+        raise SystemExit(f"funcpar: --eval-every {opts['eval_every']} needs held-out rows, and --eval-fraction "
+                         f"{opts['eval_fraction']} keeps none: raise --eval-fraction or pass --eval-every 0")
+
+
+def _positions(opts: dict[str, Any], cfg) -> list[str]:
+    learned = getattr(cfg, "n_positions", None)  # a learned position table (GPT-2) has no row beyond it
+    if learned is not None and opts["seq_len"] > learned:
+        raise SystemExit(f"funcpar: --seq-len {opts['seq_len']} exceeds the model's n_positions {learned} (its "
+                         f"learned position table): use --seq-len {learned} or less")
+    most = getattr(cfg, "max_position_embeddings", None)
+    if most is not None and opts["seq_len"] > most:
+        return [f"--seq-len {opts['seq_len']} exceeds the model's max_position_embeddings {most}: positions beyond "
+                "it were never trained"]
+    return []
+
+
+def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, tokens: int | None = None) -> list[str]:
+    """Refuse a run that cannot finish (``SystemExit`` with what to change); return the warnings for the rest.
+    ``tokens``: how many the data holds (to suggest a ``--seq-len`` that fits)."""
+    _batch(opts, mesh, train_rows, eval_rows, tokens)
+    warnings = _positions(opts, cfg)
+    if opts["warmup"] >= opts["steps"] > 0 and opts["schedule"] != "constant":
+        warnings.append(f"--warmup {opts['warmup']} is not below --steps {opts['steps']}: the learning rate never "
+                        f"reaches --lr {opts['lr']}")
+    return warnings
+
+
+_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json")  # what a run writes in --out
+
+
+def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """``out`` for a new run: refused if it holds another run (unless ``resume`` continues it or ``overwrite``
+    replaces it: then only the files a run writes are removed; others in ``out`` stay)."""
+    found = [name for name in _RUN_FILES if (out / name).exists()]
+    if not found or resume:
+        return
+    if not overwrite:
+        raise SystemExit(f"funcpar: --out {out} holds an earlier run ({', '.join(found)}): pass --resume to continue "
+                         "it, --overwrite to replace it, or choose another --out")
+    for name in found:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -1,0 +1,102 @@
+"""How ``funcpar train`` shows a run as it goes: ``metrics.jsonl``, a progress bar on a terminal, and every
+``--log-every`` steps (and at each evaluation) one line with the loss, held-out loss, gradient norm, learning rate,
+tokens/s, an MFU estimate, peak memory and the time left: printed above the bar on a terminal, plain otherwise.
+
+MFU (model FLOPs utilisation) counts ``6·N + 12·L·h·s`` FLOPs per token (N parameters, L layers, width h, sequence
+length s: the matmuls of the forward and backward passes, attention included) against the matmul throughput every
+rank measures for itself at the start, all ranks at once (so ranks sharing cores count what they really get).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import funcpar as fp
+
+__all__ = ["Progress", "flops_per_token", "measure_peak_flops", "eta_seconds"]
+
+
+def flops_per_token(n_params: int, layers: int, hidden: int, seq_len: int) -> float:
+    return 6.0 * n_params + 12.0 * layers * hidden * seq_len
+
+
+def measure_peak_flops(mesh, dtype: torch.dtype = torch.float32, seconds: float = 0.2) -> float:
+    """The matmul FLOP/s of the whole mesh: each rank times square matmuls on its device; collective."""
+    n = 512
+    a = torch.randn(n, n, device=mesh.device, dtype=dtype)
+    b = torch.randn(n, n, device=mesh.device, dtype=dtype)
+    sync = torch.cuda.synchronize if mesh.device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        count += 1
+        if mesh.device.type == "cuda" and count % 64 == 0:
+            sync()
+    sync()
+    mine = torch.tensor([2.0 * n**3 * count / (time.perf_counter() - t0)], dtype=torch.float64, device=mesh.device)
+    return fp.collectives.all_reduce(mine, mesh, mesh.axis_names).item()
+
+
+def eta_seconds(elapsed: float, done_here: int, remaining: int) -> float:
+    """Time left, from the steps this process has taken (not those a resumed run inherited)."""
+    return elapsed / max(1, done_here) * remaining
+
+
+def _peak_memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return f"{rss / 2**30:.2f} GiB rss"
+
+
+class Progress:
+    """Rank 0's account of the run (the other ranks' calls do nothing)."""
+
+    def __init__(self, rank0: bool, metrics_file: Path, steps: int, log_every: int, start_step: int,
+                 flops_token: float, peak_flops: float, device: torch.device):
+        self.rank0, self.metrics_file, self.steps, self.log_every = rank0, metrics_file, steps, log_every
+        self.start_step, self.flops_token, self.peak, self.device = start_step, flops_token, peak_flops, device
+        self.t_start, self.bar = time.time(), None
+        if rank0 and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def line(self, step: int, row: dict[str, Any]) -> str:
+        """The interval line for ``row`` (a metrics.jsonl row)."""
+        tok_s = row.get("tokens_per_s", 0.0)
+        mfu = tok_s * self.flops_token / self.peak if self.peak > 0 else math.nan
+        eta = eta_seconds(time.time() - self.t_start, step - self.start_step, self.steps - step)
+        ev = f"  eval {row['eval_loss']:.4f} (ppl {row['eval_ppl']:.2f})" if "eval_loss" in row else ""
+        return (f"step {step:5d}/{self.steps}  loss {row['loss']:.4f}{ev}  grad_norm {row['grad_norm']:.3f}  "
+                f"lr {row['lr']:.2e}  {tok_s:.0f} tok/s  MFU {mfu:.0%}  mem {_peak_memory(self.device)}  "
+                f"eta {eta:.0f}s")
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        """Append ``row`` to metrics.jsonl; print the interval line when due (above the bar on a terminal)."""
+        if not self.rank0:
+            return
+        with open(self.metrics_file, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        due = step % self.log_every == 0 or step == self.steps or "eval_loss" in row
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}")
+            self.bar.update(1)
+            if due:
+                self.bar.write(self.line(step, row))
+        elif due:
+            print(self.line(step, row), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,185 @@
+"""Issue 13, as a user meets `funcpar train`: a run that cannot finish is refused before step 1, an earlier run in
+--out is never clobbered, resumed runs report honestly, the run folder is re-usable and readable, and the help,
+version and interval line say what they should."""
+
+import json
+import os
+import pty
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from funcpar import options
+from funcpar.progress import eta_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--model", "llama-micro", "--schedule", "constant", "--log-every", "1"]
+SFT = [{"type": "instruct", "instruct": f"Add {a} and {b}.", "output": str(a + b)}
+       for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (7, 7), (8, 8)]]
+
+
+def _funcpar(cwd, *args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, "-m", "funcpar", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _snapshot(root):
+    return {str(p): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def _rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_twelve_samples_are_refused_before_step_1_with_what_to_change_then_train_to_the_end(tmp_path):
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SFT))
+    before = _snapshot(tmp_path)
+    p = _funcpar(tmp_path, "train", *SMALL, "--mesh", "dp=2", "--data", "sft.jsonl", "--global-batch", "4",
+                 "--steps", "20")
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr == ("funcpar: the training data makes 1 rows of --seq-len 64 (1 more held out), fewer than one "
+                        "--global-batch of 4: use --seq-len 37 or less, or bring more data\n")
+    assert _snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+    # as told: a shorter --seq-len; one held-out row on two dp ranks is evaluated whole on each
+    p = _funcpar(tmp_path, "train", *SMALL, "--mesh", "dp=2", "--data", "sft.jsonl", "--global-batch", "4",
+                 "--steps", "20", "--seq-len", "37", "--eval-every", "10")
+    assert p.returncode == 0, p.stderr
+    rows = _rows(tmp_path / "out")
+    assert [r["step"] for r in rows if "eval_loss" in r] == [10, 20]
+    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch", "6", "--micro-batches", "4"],
+     "funcpar: --global-batch 6 does not split over dp=1 x --micro-batches 4: use a multiple of 4 (e.g. 4)"),
+    (["--global-batch", "4000"], "funcpar: the training data makes 354 rows of --seq-len 64 (18 more held out), "
+                                 "fewer than one --global-batch of 4000: lower --global-batch to 354 or less (a "
+                                 "multiple of dp=1 x --micro-batches 1) or use --seq-len 5 or less, or bring more data"),
+    (["--eval-fraction", "0"], "funcpar: --eval-every 100 needs held-out rows, and --eval-fraction 0.0 keeps none: "
+                               "raise --eval-fraction or pass --eval-every 0"),
+])
+def test_batch_arithmetic_and_held_out_rows_are_checked_before_step_1(tmp_path, args, message):
+    p = _funcpar(tmp_path, "train", *SMALL, "--mesh", "1", "--steps", "1", *args)
+    assert (p.returncode, p.stderr) == (1, message + "\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_warnings_for_warmup_and_positions_and_a_learned_position_table_is_a_limit():
+    from funcpar import preflight
+    from funcpar.models import gpt2, llama
+
+    mesh = type("M", (), {"axis_size": lambda self, a: 1})()
+    opts = {**options.DEFAULTS, "steps": 10, "warmup": 20, "seq_len": 512}
+    cfg = llama.Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    assert preflight.check_run(opts, cfg, mesh, 100, 5) == [
+        "--seq-len 512 exceeds the model's max_position_embeddings 256: positions beyond it were never trained",
+        "--warmup 20 is not below --steps 10: the learning rate never reaches --lr 0.003"]
+    with pytest.raises(SystemExit, match=r"^funcpar: --seq-len 512 exceeds the model's n_positions 128 \(its learned "
+                                         r"position table\): use --seq-len 128 or less$"):
+        preflight.check_run(opts, gpt2.Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=128), mesh,
+                            100, 5)
+
+
+def test_an_earlier_run_in_out_is_refused_unless_resumed_or_overwritten(tmp_path):
+    args = ["train", *SMALL, "--mesh", "1", "--global-batch", "8", "--seq-len", "32", "--steps", "2",
+            "--eval-every", "0"]
+    assert _funcpar(tmp_path, *args).returncode == 0
+    before = _snapshot(tmp_path)
+    p = _funcpar(tmp_path, *args)
+    assert (p.returncode, p.stderr) == (1, "funcpar: --out out holds an earlier run (metrics.jsonl, checkpoints, hf, "
+                                           "loss.png, config.json): pass --resume to continue it, --overwrite to "
+                                           "replace it, or choose another --out\n")
+    assert _snapshot(tmp_path) == before
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    p = _funcpar(tmp_path, *args[:-4], "--steps", "3", "--eval-every", "0", "--overwrite")
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in _rows(tmp_path / "out")] == [1, 2, 3]
+    assert sorted(x.name for x in (tmp_path / "out" / "checkpoints").iterdir()) == ["latest", "step-3"]
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"  # not a file a run writes: left alone
+
+
+def test_a_resumed_run_reports_the_whole_runs_first_loss_and_its_own_pace():
+    assert eta_seconds(elapsed=2.0, done_here=1, remaining=99) == 198.0  # resumed at step 100 of 200
+
+
+def test_resume_summary_and_a_run_folders_config_is_a_config(tmp_path):
+    args = ["train", *SMALL, "--mesh", "1", "--global-batch", "8", "--seq-len", "32", "--eval-every", "0"]
+    assert _funcpar(tmp_path, *args, "--steps", "2").returncode == 0
+    p = _funcpar(tmp_path, *args, "--steps", "4", "--resume")
+    rows = _rows(tmp_path / "out")
+    assert f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f};" in p.stdout  # the first step's, not step 3's
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["steps"] == 4 and config["resume"] is True
+    p = _funcpar(tmp_path, "train", "--config", "out/config.json", "--out", "again", "--no-resume")
+    assert p.returncode == 0, p.stderr
+    assert [r["loss"] for r in _rows(tmp_path / "again")] == [r["loss"] for r in rows]
+
+
+def test_exported_and_checkpoint_files_are_readable_by_others(tmp_path):
+    old = os.umask(0o022)
+    try:
+        p = _funcpar(tmp_path, "train", *SMALL, "--mesh", "1", "--global-batch", "8", "--seq-len", "32", "--steps",
+                     "1", "--eval-every", "0")
+    finally:
+        os.umask(old)
+    assert p.returncode == 0, p.stderr
+    modes = {str(f.relative_to(tmp_path)): f.stat().st_mode & 0o777 for f in (tmp_path / "out").rglob("*")
+             if f.is_file()}
+    assert modes and set(modes.values()) == {0o644}, modes
+
+
+def test_help_names_every_flag_with_its_default_and_plan_only_its_own():
+    p = _funcpar(ROOT, "train", "--help")
+    text = " ".join(p.stdout.split()).replace("micro- batches", "micro-batches")  # argparse wraps at hyphens
+    assert "--global-batch INT rows per optimizer step, over all dp ranks and micro-batches (default: 32)" in text
+    for key in options.DEFAULTS:
+        assert "--" + key.replace("_", "-") in p.stdout
+    plan = _funcpar(ROOT, "plan", "--help").stdout
+    assert "--zero" in plan and "--steps" not in plan and "--resume" not in plan
+    version = _funcpar(ROOT, "--version")
+    assert version.returncode == 0 and version.stdout.startswith("funcpar 0.1.0 (torch ")
+
+
+def test_toml_configs_need_tomllib_or_tomli_and_say_so(tmp_path, monkeypatch):
+    (tmp_path / "run.toml").write_text("steps = 3\n")
+    assert options.read_options(["--config", str(tmp_path / "run.toml")], "train")["steps"] == 3
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # Python 3.10: no tomllib
+    monkeypatch.setitem(sys.modules, "tomli", None)  # and tomli not installed
+    with pytest.raises(SystemExit, match=r"^funcpar: reading a TOML --config needs Python 3.11\+ or the tomli "
+                                         r"package \(pip install tomli\); or write the config as JSON$"):
+        options.read_options(["--config", str(tmp_path / "run.toml")], "train")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match=r"^funcpar: --config .*bad.json must hold a table of options, not a list$"):
+        options.read_options(["--config", str(tmp_path / "bad.json")], "train")
+
+
+def test_on_a_terminal_the_interval_line_with_eval_shows_above_the_progress_bar(tmp_path):
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "funcpar", "train", *SMALL, "--mesh", "1", "--global-batch", "8",
+                             "--seq-len", "32", "--steps", "4", "--eval-every", "2", "--log-every", "2"],
+                            cwd=tmp_path, env=env, stdout=slave, stderr=slave, stdin=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the other side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=60) == 0
+    text = b"".join(chunks).decode(errors="replace")
+    assert "train:" in text and "\r" in text  # the bar, redrawn in place
+    lines = [ln.split("\r")[-1] for ln in text.splitlines()]
+    shown = [ln for ln in lines if ln.startswith("step     2/4  loss ")]
+    assert shown and " eval " in shown[0] and " grad_norm " in shown[0] and " lr " in shown[0]
+    assert " tok/s  MFU " in shown[0] and " mem " in shown[0] and " eta " in shown[0]
