@@ -107,14 +107,15 @@ def _owner(mesh: Mesh, axes: tuple[str, ...]) -> bool:
 
 
 def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: int | None = None,
-         overwrite: bool = False) -> None:
+         overwrite: bool = False, latest: bool = True) -> None:
     """Write the whole train state of ``step`` (a :class:`funcpar.Step`, whose :class:`funcpar.ZeroLayout` says
     which part of each leaf this rank's optimizer state covers) to ``path``; collective over the mesh.
 
     ``extra``: anything JSON-serialisable (data position, config, ...), returned by :func:`load`.
     ``keep``: after saving, delete all but the ``keep`` newest checkpoints of this run beside ``path`` (a run's
     checkpoints carry its id; :func:`load` adopts it, so a resumed run is the same run; another run's stay).
-    ``overwrite``: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder)."""
+    ``overwrite``: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder).
+    ``latest``: point ``latest`` beside ``path`` at it (off for a checkpoint saved alone, e.g. by convert)."""
     layout: ZeroLayout | None = getattr(step, "layout", None)
     if layout is None:
         raise CheckpointError("save: the step has no layout yet; call step.init(params) first")
@@ -142,29 +143,39 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
                                                                      "params": params_meta}))
 
     def finalize(tmp: Path) -> None:
-        # every rank's view (pipeline stages hold different leaves), merged by path in rank (= stage) order
-        all_pieces, opt_meta, params_meta = [], {}, {}
-        for r in range(mesh.size):
-            side = tmp / f"rank-{r:05d}.json"
-            got = json.loads(side.read_text())
-            all_pieces += got["pieces"]
-            opt_meta |= {o["path"]: o for o in got["opt"] if o["path"] not in opt_meta}
-            params_meta |= {p["path"]: p for p in got["params"] if p["path"] not in params_meta}
-            side.unlink()
+        all_pieces, opt_meta, params_meta = _merge_sides(tmp, mesh)
         write_meta(tmp, {  # with its checksum
             "format": FORMAT, "complete": True, "step": int(state.step), "run": run, "mesh": mesh.shape, "zero": layout.zero,
-            "world": mesh.size, "params": list(params_meta.values()), "opt": list(opt_meta.values()),
+            "world": mesh.size, "params": params_meta, "opt": opt_meta,
             "optimizer": _state_types(state.opt_state), "pieces": all_pieces, "extra": extra,
         })
 
-    def publish(path: Path) -> None:
+    write_folder(path, mesh, write, finalize=finalize, publish=lambda p: _publish(p, keep, run, latest),
+                 error=CheckpointError, overwrite=overwrite)
+
+
+def _merge_sides(tmp: Path, mesh: Mesh) -> tuple[list, list, list]:
+    """Every rank's pieces and its view of the leaves (pipeline stages hold different ones), merged by path in rank
+    (= stage) order; the per-rank side files are removed."""
+    all_pieces, opt_meta, params_meta = [], {}, {}
+    for r in range(mesh.size):
+        side = tmp / f"rank-{r:05d}.json"
+        got = json.loads(side.read_text())
+        all_pieces += got["pieces"]
+        opt_meta |= {o["path"]: o for o in got["opt"] if o["path"] not in opt_meta}
+        params_meta |= {p["path"]: p for p in got["params"] if p["path"] not in params_meta}
+        side.unlink()
+    return all_pieces, list(opt_meta.values()), list(params_meta.values())
+
+
+def _publish(path: Path, keep: int | None, run: str, latest: bool) -> None:
+    """Point ``latest`` at the new checkpoint (written beside and renamed: atomic) and apply ``keep``."""
+    if latest:
         latest_tmp = path.parent / ".latest.tmp"
         latest_tmp.write_text(path.name + "\n")
         os.replace(latest_tmp, path.parent / "latest")
-        if keep is not None:
-            _apply_keep(path, keep, run)
-
-    write_folder(path, mesh, write, finalize=finalize, publish=publish, error=CheckpointError, overwrite=overwrite)
+    if keep is not None:
+        _apply_keep(path, keep, run)
 
 
 def _piece(key: str, fname: str, t: torch.Tensor, block: list, flat: list[int]) -> dict:

@@ -25,7 +25,7 @@ from funcpar.atomic import agree
 from funcpar.generate import show_arithmetic
 from funcpar.preflight import check_run, claim_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
-from funcpar.options import build_params, build_step, datasets, model_config, parse_mesh, read_options
+from funcpar.options import build_params, build_step, datasets, model_config, parse_mesh, read_options, tokenizer
 from funcpar.planning import params_like, print_plan, print_ranking, rank_meshes, sharding_table
 from funcpar.plot import plot_metrics
 
@@ -182,7 +182,7 @@ def _finish(run: _Run) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
     fp.hf.save(run.out / "hf", run.step.gather_params(run.state), run.model, run.cfg, run.mesh, specs=run.specs,
-               overwrite=run.opts["overwrite"])
+               overwrite=run.opts["overwrite"], tokenizer=tokenizer(run.opts))
     if not run.rank0:
         return
     plot_metrics(run.metrics_file, run.out / "loss.png")
@@ -247,7 +247,8 @@ def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:
     step = fp.compile_step(lambda p, b: 0.0, model.specs(cfg, mesh), mesh=mesh, optimizer=fp.optim.sgd(0.0))
     step.init(params)
     fp.checkpoint.save(dst, fp.TrainState(params, None, 0), mesh,
-                       extra={"model": cfg.model_type, "config": cfg.to_hf()}, step=step, overwrite=overwrite)
+                       extra={"model": cfg.model_type, "config": cfg.to_hf()}, step=step, overwrite=overwrite,
+                       latest=False)  # DST is the checkpoint: nothing is written beside it
     return "funcpar checkpoint"
 
 

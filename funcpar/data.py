@@ -35,17 +35,46 @@ class DataError(ValueError):
     """A malformed sample or data file (the message names the file and line)."""
 
 
+def _byte_chars() -> dict[int, str]:
+    """The byte-level alphabet of GPT-2's tokenizers: each byte as a printable character (how ``tokenizers``'
+    ``ByteLevel`` pre-tokenizer spells bytes)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(rest)}}
+
+
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus PAD=256, BOS=257, EOS=258. Needs no files."""
+    """UTF-8 bytes as tokens 0..255, plus PAD=256, BOS=257, EOS=258. Needs no files; exports as an HF tokenizer
+    (:meth:`save_pretrained`) that encodes every text to the same ids (bar the special tokens' own spellings, which
+    an HF tokenizer reads as those tokens)."""
 
     pad_id, bos_id, eos_id = 256, 257, 258
     vocab_size = 259
+    _SPECIAL = {"<pad>": 256, "<s>": 257, "</s>": 258}
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """``tokenizer.json`` (a byte-level BPE without merges: one token per byte, ids as here) and its config, so
+        ``transformers.AutoTokenizer`` and ``pipeline`` read the export."""
+        folder = Path(folder)
+        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                  "special": True} for t, i in self._SPECIAL.items()]
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                 "vocab": {c: b for b, c in sorted(_byte_chars().items())}, "merges": []}
+        spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level, "model": model}
+        (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False, indent=1) + "\n")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<s>",
+                  "eos_token": "</s>", "add_bos_token": False, "add_eos_token": False,
+                  "clean_up_tokenization_spaces": False}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 class HFTokenizer:
@@ -65,6 +94,9 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids))
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        self.tok.save_pretrained(str(folder))
 
 
 # --------------------------------------------------------------------------------------------------- samples

@@ -236,8 +236,11 @@ class _ShardWriter:
 
 
 def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh | None = None, specs: Any = None,
-         max_shard_size: int | str = "2GB", overwrite: bool = False) -> None:
+         max_shard_size: int | str = "2GB", overwrite: bool = False, tokenizer: Any = None) -> None:
     """Write ``params`` (this rank's shards) as a transformers checkpoint folder; collective over the mesh.
+
+    ``tokenizer`` (a :mod:`funcpar.data` tokenizer): its files and a ``generation_config.json`` with its
+    bos/eos/pad ids go in too, so ``transformers.pipeline("text-generation", path)`` works on the folder.
 
     Rank 0 writes; the folder appears complete or not at all (:func:`funcpar.atomic.write_folder`: an existing one is
     replaced only once the new one is fully written, and only if funcpar wrote it or ``overwrite``). On a pipeline
@@ -273,9 +276,21 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
             if len(dtypes) == 1:  # the dtype the tensors are in (load checks it), not the one cfg was read with
                 name = dtypes.pop()
                 d.update({k: name for k in ("dtype", "torch_dtype") if k in d} or {"dtype": name})
+            if tokenizer is not None:
+                _add_tokenizer(tmp, d, tokenizer)
             (tmp / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
     write_folder(path, mesh, write, error=HFError, overwrite=overwrite)
+
+
+def _add_tokenizer(folder: Path, config: dict, tokenizer: Any) -> None:
+    """The tokenizer's files, and its special ids in ``config`` and ``generation_config.json`` (generation stops at
+    its eos, not at the model class's default)."""
+    tokenizer.save_pretrained(folder)
+    ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id", None) for k in ("bos", "eos", "pad")}
+    ids = {k: int(v) for k, v in ids.items() if v is not None}
+    config.update(ids)
+    (folder / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
 
 
 def _add_leaf(writer: _ShardWriter, pending: dict, g: torch.Tensor, mp: _Map) -> None:

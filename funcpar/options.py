@@ -186,9 +186,14 @@ def build_params(opts, model, cfg, specs, mesh, keep=None):
     return fp.shard(model.init(cfg, seed=opts["seed"]), specs, mesh)
 
 
+def tokenizer(opts):
+    """The run's tokenizer: bytes, or an HF tokenizer folder."""
+    return fp.data.ByteTokenizer() if opts["tokenizer"] == "byte" else fp.data.HFTokenizer(opts["tokenizer"])
+
+
 def datasets(opts, cfg):
     """``(data, train_data, eval_data)``: the tokenized samples and their train / held-out split."""
-    tok = fp.data.ByteTokenizer() if opts["tokenizer"] == "byte" else fp.data.HFTokenizer(opts["tokenizer"])
+    tok = tokenizer(opts)
     samples = fp.data.load_samples(ARITHMETIC if opts["data"] == "builtin:arithmetic" else opts["data"])
     data = fp.data.Dataset.from_samples(samples, tok, opts["seq_len"], pack=opts["pack"])
     train_data, eval_data = data.split(opts["eval_fraction"], seed=opts["seed"])

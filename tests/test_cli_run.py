@@ -183,3 +183,41 @@ def test_on_a_terminal_the_interval_line_with_eval_shows_above_the_progress_bar(
     shown = [ln for ln in lines if ln.startswith("step     2/4  loss ")]
     assert shown and " eval " in shown[0] and " grad_norm " in shown[0] and " lr " in shown[0]
     assert " tok/s  MFU " in shown[0] and " mem " in shown[0] and " eta " in shown[0]
+
+
+def test_convert_writes_only_its_destination(tmp_path):
+    import hf_fixtures
+
+    hf_fixtures.make_checkpoint("llama", str(tmp_path / "model"))
+    before = _snapshot(tmp_path)
+    p = _funcpar(tmp_path, "convert", "model", "ckpt")
+    assert p.returncode == 0, p.stderr
+    after = {k: v for k, v in _snapshot(tmp_path).items() if not k.startswith(str(tmp_path / "ckpt"))}
+    assert after == before  # no `latest` beside ckpt (it was written into the parent folder)
+    assert (tmp_path / "ckpt" / "meta.json").is_file()
+
+
+def test_the_byte_tokenizer_exports_as_an_hf_tokenizer_with_the_same_ids(tmp_path):
+    import transformers
+
+    from funcpar.data import ByteTokenizer
+
+    ByteTokenizer().save_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ["7+5=\n", "héllo wörld ✓ 日本", "  two  spaces\tand\ttabs\r\n", "".join(map(chr, range(1, 128)))]:
+        assert hf.encode(text) == ByteTokenizer().encode(text) and hf.decode(hf.encode(text)) == text
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, len(hf)) == (256, 257, 258, 259)
+
+
+def test_transformers_pipeline_answers_a_shipped_arithmetic_prompt_from_the_export(tmp_path):
+    import transformers
+
+    p = _funcpar(tmp_path, "train", "--mesh", "1", "--model", "llama-micro", "--steps", "300", "--eval-every", "0",
+                 "--save-every", "0", "--log-every", "100")
+    assert p.returncode == 0, p.stderr
+    hf = tmp_path / "out" / "hf"
+    assert json.loads((hf / "generation_config.json").read_text()) == {"bos_token_id": 257, "eos_token_id": 258,
+                                                                       "pad_token_id": 256}
+    generate = transformers.pipeline("text-generation", model=str(hf))
+    answers = {q: generate(q, max_new_tokens=4, do_sample=False)[0]["generated_text"] for q in ["7+5=\n", "9+1=\n"]}
+    assert answers == {"7+5=\n": "7+5=\n12", "9+1=\n": "9+1=\n10"}
