@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 import funcpar as fp
-from funcpar.launch import USER_ERRORS, debug, fail, launch_if_needed
+from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed
 from funcpar.atomic import agree
 from funcpar.generate import show_arithmetic
 from funcpar.preflight import check_run, claim_out
@@ -167,15 +168,30 @@ def _progress(run: _Run) -> Progress:
                     run.mesh.device)
 
 
-def _loop(run: _Run) -> None:
-    """Train up to ``--steps``, logging, evaluating and checkpointing as asked."""
+def _loop(run: _Run) -> bool:
+    """Train up to ``--steps``, logging, evaluating and checkpointing as asked; False if stopped by Ctrl-C."""
     opts, progress = run.opts, _progress(run)
-    while run.state.step < opts["steps"]:
-        run.state, m = run.step(run.state, next(run.loader))
-        progress.log(run.state.step, _metrics_row(run, m))
-        if opts["save_every"] and run.state.step % opts["save_every"] == 0 and run.state.step < opts["steps"]:
-            run.save()
+    with StopRequest() as stop:
+        while run.state.step < opts["steps"]:
+            run.state, m = run.step(run.state, next(run.loader))
+            progress.log(run.state.step, _metrics_row(run, m))
+            if opts["save_every"] and run.state.step % opts["save_every"] == 0 and run.state.step < opts["steps"]:
+                run.save()
+            if stop.agreed(run.mesh):
+                progress.close()
+                return False
     progress.close()
+    return True
+
+
+def _interrupted(run: _Run, argv: list[str]) -> None:
+    """Stopped by Ctrl-C: save at this step (every rank) and say how to resume."""
+    run.save()
+    if run.rank0:
+        again = ["funcpar", "train", *argv] + ([] if "--resume" in argv else ["--resume"])
+        print(f"funcpar: interrupted at step {run.state.step}: saved {run.ckpts / f'step-{run.state.step}'}; resume "
+              f"with: {shlex.join(again)}", flush=True)
+    raise SystemExit(INTERRUPTED)
 
 
 def _finish(run: _Run) -> None:
@@ -204,7 +220,8 @@ def train(argv: list[str]) -> None:
     run = _setup_run(opts, sizes)
     _resume(run)
     _announce(run)
-    _loop(run)
+    if not _loop(run):
+        _interrupted(run, argv)
     _finish(run)
 
 
@@ -312,6 +329,10 @@ def main(argv: list[str] | None = None) -> None:
         if debug():
             raise
         fail(f"funcpar: {e}")
+    except KeyboardInterrupt:  # before training started (or a second Ctrl-C): nothing to save
+        if debug():
+            raise
+        fail("funcpar: interrupted", code=INTERRUPTED)
 
 
 if __name__ == "__main__":

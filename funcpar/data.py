@@ -78,12 +78,16 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local Hugging Face tokenizer folder (``tokenizer.json`` etc.), loaded with ``transformers``."""
+    """A local Hugging Face tokenizer folder (``tokenizer.json`` etc.), loaded with ``transformers``.
 
-    def __init__(self, path: str | os.PathLike):
+    ``chat_template``: render conversation and ref_qa samples with the tokenizer's own ``chat_template`` when it has
+    one (:meth:`chat_segments`), instead of funcpar's ``User:``/``Assistant:`` template."""
+
+    def __init__(self, path: str | os.PathLike, chat_template: bool = True):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(path))
+        self.chat = chat_template and bool(getattr(self.tok, "chat_template", None))
         self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else 0
         self.bos_id = self.tok.bos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
@@ -97,6 +101,22 @@ class HFTokenizer:
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         self.tok.save_pretrained(str(folder))
+
+    def chat_segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
+        """``messages`` through the chat template as ``(text, trained_on)`` segments: each assistant reply (with
+        the template's end-of-turn text) trained on, everything before it not."""
+        out, done = [], ""
+        for k, m in enumerate(messages + [None]):
+            if m is not None and m["role"] != "assistant":
+                continue
+            prompt = self.tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=m is not None)
+            full = prompt if m is None else self.tok.apply_chat_template(messages[: k + 1], tokenize=False)
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise DataError(f"{where}: the tokenizer's chat_template does not render a conversation as a prefix "
+                                "of its continuation, so answers cannot be told apart: use --chat-template builtin")
+            out += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            done = full
+        return [(t, train) for t, train in out if t]
 
 
 # --------------------------------------------------------------------------------------------------- samples
@@ -145,11 +165,21 @@ def render(sample: dict, where: str = "sample") -> list[tuple[str | None, bool]]
     raise DataError(f"{where}: unknown sample type '{kind}' (known: pretrain, instruct, conversation, ref_qa)")
 
 
+def _messages(sample: dict, where: str) -> list[dict]:
+    """A conversation or ref_qa sample as chat messages (the reference as a system message)."""
+    _rounds(sample, where)  # the rounds' checks
+    msgs = [{"role": "assistant" if role == "ans" else "user", "content": text} for role, text in sample["rounds"]]
+    if sample.get("type") == "ref_qa":
+        msgs.insert(0, {"role": "system", "content": f"Reference: {_need(sample, 'reference', where)}"})
+    return msgs
+
+
 def encode(sample: dict, tok, where: str = "sample") -> tuple[list[int], list[int]]:
     """``(ids, loss_mask)`` of one sample."""
     ids: list[int] = []
     mask: list[int] = []
-    for text, train in render(sample, where):
+    chat = getattr(tok, "chat", False) and isinstance(sample, dict) and sample.get("type") in ("conversation", "ref_qa")
+    for text, train in (tok.chat_segments(_messages(sample, where), where) if chat else render(sample, where)):
         piece = [tok.eos_id] if text is None else tok.encode(text)
         ids += piece
         mask += [int(train)] * len(piece)

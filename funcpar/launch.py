@@ -6,12 +6,41 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import funcpar as fp
 from funcpar import lifeline
 
-__all__ = ["launch_if_needed", "fail", "debug", "USER_ERRORS"]
+__all__ = ["launch_if_needed", "fail", "debug", "USER_ERRORS", "INTERRUPTED", "StopRequest"]
+
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it
+
+
+class StopRequest:
+    """While training: Ctrl-C (SIGINT) or SIGTERM (torchrun passes Ctrl-C on as SIGTERM) asks the run to stop after
+    the step under way; :meth:`agreed` tells every rank at the same step (one all-reduce of a flag), so they save
+    together. A second signal interrupts at once."""
+
+    def __enter__(self) -> "StopRequest":
+        self.asked = False
+        self._old = {s: signal.signal(s, self._ask) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _ask(self, signum, frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def agreed(self, mesh) -> bool:
+        import torch
+
+        flag = torch.tensor([float(self.asked)], device=mesh.device)
+        return bool(fp.collectives.all_reduce(flag, mesh, mesh.axis_names, "max").item())
 
 
 def launch_if_needed(argv: list[str], nproc: int) -> bool:
@@ -22,6 +51,7 @@ def launch_if_needed(argv: list[str], nproc: int) -> bool:
     own logs and the tracebacks too)."""
     if nproc <= 1 or "RANK" in os.environ:
         return False
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -34,7 +64,11 @@ def launch_if_needed(argv: list[str], nproc: int) -> bool:
     try:
         run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "funcpar", *argv]))
     except ChildFailedError as e:
+        if all(f.exitcode == INTERRUPTED for f in e.failures.values()):
+            raise SystemExit(INTERRUPTED) from None  # rank 0 said where it saved and how to resume
         raise SystemExit(_failure_summary(e.failures, nproc)) from None
+    except SignalException:  # Ctrl-C reached torchrun too: it passed SIGTERM on, and the workers saved
+        raise SystemExit(INTERRUPTED) from None
     return True
 
 
@@ -65,7 +99,7 @@ def debug() -> bool:
 USER_ERRORS = (ValueError, OSError, fp.MeshError, fp.CollectiveError)  # funcpar's own errors and the system's
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 1) -> None:
     """End this process with ``message``: once per job (rank 0, or funcpar's launcher), never a traceback."""
     if "RANK" in os.environ:
         if os.environ.get("RANK") == "0" or os.environ.get(lifeline.LAUNCHER_ENV) == "1":
@@ -74,4 +108,4 @@ def fail(message: str) -> None:
             lifeline.report(message, echo=False)
     else:
         print(message, file=sys.stderr, flush=True)
-    raise SystemExit(1)
+    raise SystemExit(code)

@@ -21,7 +21,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
     "remat": False, "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
-    "heartbeat": 60.0,
+    "heartbeat": 60.0, "chat_template": "auto",
 }
 
 HELP = {
@@ -47,6 +47,8 @@ HELP = {
     "overwrite": "replace an earlier run in --out, or folders funcpar did not write",
     "seed": "initialisation, data order and split",
     "heartbeat": "seconds without progress after which a stuck rank is reported and the job ends (0: off)",
+    "chat_template": "conversations through the HF tokenizer's chat_template when it has one (auto), or "
+                     "funcpar's User:/Assistant: template (builtin)",
 }
 
 _LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -188,7 +190,11 @@ def build_params(opts, model, cfg, specs, mesh, keep=None):
 
 def tokenizer(opts):
     """The run's tokenizer: bytes, or an HF tokenizer folder."""
-    return fp.data.ByteTokenizer() if opts["tokenizer"] == "byte" else fp.data.HFTokenizer(opts["tokenizer"])
+    if opts["chat_template"] not in ("auto", "builtin"):
+        raise SystemExit(f"funcpar: --chat-template {opts['chat_template']!r}: expected auto or builtin")
+    if opts["tokenizer"] == "byte":
+        return fp.data.ByteTokenizer()
+    return fp.data.HFTokenizer(opts["tokenizer"], chat_template=opts["chat_template"] == "auto")
 
 
 def datasets(opts, cfg):

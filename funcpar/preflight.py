@@ -71,7 +71,7 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
     return warnings
 
 
-_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json")  # what a run writes in --out
+_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard")  # what a run writes in --out
 
 
 def claim_out(out: Path, resume: bool, overwrite: bool) -> None:

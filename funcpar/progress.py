@@ -1,6 +1,8 @@
 """How ``funcpar train`` shows a run as it goes: ``metrics.jsonl``, a progress bar on a terminal, and every
 ``--log-every`` steps (and at each evaluation) one line with the loss, held-out loss, gradient norm, learning rate,
 tokens/s, an MFU estimate, peak memory and the time left: printed above the bar on a terminal, plain otherwise.
+With ``tensorboard`` installed (``pip install funcpar[tensorboard]``) the same numbers go to TensorBoard event files
+in ``OUT/tensorboard``.
 
 MFU (model FLOPs utilisation) counts ``6·N + 12·L·h·s`` FLOPs per token (N parameters, L layers, width h, sequence
 length s: the matmuls of the forward and backward passes, attention included) against the matmul throughput every
@@ -66,7 +68,7 @@ class Progress:
                  flops_token: float, peak_flops: float, device: torch.device):
         self.rank0, self.metrics_file, self.steps, self.log_every = rank0, metrics_file, steps, log_every
         self.start_step, self.flops_token, self.peak, self.device = start_step, flops_token, peak_flops, device
-        self.t_start, self.bar = time.time(), None
+        self.t_start, self.bar, self.board = time.time(), None, _board(metrics_file.parent, start_step) if rank0 else None
         if rank0 and sys.stdout.isatty():
             from tqdm import tqdm
 
@@ -88,6 +90,10 @@ class Progress:
             return
         with open(self.metrics_file, "a") as fh:
             fh.write(json.dumps(row) + "\n")
+        if self.board is not None:
+            for key in ("loss", "eval_loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "bubble"):
+                if key in row:
+                    self.board.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", row[key], step)
         due = step % self.log_every == 0 or step == self.steps or "eval_loss" in row
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}")
@@ -100,3 +106,15 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def _board(out: Path, start_step: int):
+    """A TensorBoard writer into ``out/tensorboard`` when ``tensorboard`` is installed, else None (a resumed run
+    drops the events after its checkpoint's step, as metrics.jsonl does)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the optional extra is not installed
+        return None
+    return SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)

@@ -93,8 +93,8 @@ def test_an_earlier_run_in_out_is_refused_unless_resumed_or_overwritten(tmp_path
     before = _snapshot(tmp_path)
     p = _funcpar(tmp_path, *args)
     assert (p.returncode, p.stderr) == (1, "funcpar: --out out holds an earlier run (metrics.jsonl, checkpoints, hf, "
-                                           "loss.png, config.json): pass --resume to continue it, --overwrite to "
-                                           "replace it, or choose another --out\n")
+                                           "loss.png, config.json, tensorboard): pass --resume to continue it, "
+                                           "--overwrite to replace it, or choose another --out\n")
     assert _snapshot(tmp_path) == before
     (tmp_path / "out" / "notes.txt").write_text("mine")
     p = _funcpar(tmp_path, *args[:-4], "--steps", "3", "--eval-every", "0", "--overwrite")
@@ -114,6 +114,12 @@ def test_resume_summary_and_a_run_folders_config_is_a_config(tmp_path):
     p = _funcpar(tmp_path, *args, "--steps", "4", "--resume")
     rows = _rows(tmp_path / "out")
     assert f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f};" in p.stdout  # the first step's, not step 3's
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    board.Reload()
+    logged = {e.step: e.value for e in board.Scalars("train/loss")}
+    assert logged == pytest.approx({r["step"]: r["loss"] for r in rows}, rel=1e-6)  # both runs' steps, once each
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["steps"] == 4 and config["resume"] is True
     p = _funcpar(tmp_path, "train", "--config", "out/config.json", "--out", "again", "--no-resume")
@@ -221,3 +227,57 @@ def test_transformers_pipeline_answers_a_shipped_arithmetic_prompt_from_the_expo
     generate = transformers.pipeline("text-generation", model=str(hf))
     answers = {q: generate(q, max_new_tokens=4, do_sample=False)[0]["generated_text"] for q in ["7+5=\n", "9+1=\n"]}
     assert answers == {"7+5=\n": "7+5=\n12", "9+1=\n": "9+1=\n10"}
+
+
+def test_ctrl_c_saves_at_the_current_step_on_every_rank_and_prints_the_resume_command(tmp_path):
+    import signal
+
+    from test_lifeline import _Job
+
+    args = ["--mesh", "dp=2", "--steps", "100000", "--log-every", "1"]
+    job = _Job(tmp_path, *args)  # in its own session, as a terminal's foreground job
+    try:
+        job.wait_for("step     3/", timeout=120)
+        os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the job gets SIGINT
+        assert job.proc.wait(timeout=120) == 130
+        job.wait_for("interrupted", timeout=10)
+    finally:
+        job.kill_all()
+    line = job.seen[-1]
+    step = int(line.split("interrupted at step ")[1].split(":")[0])
+    out = tmp_path / "out"
+    assert line == (f"funcpar: interrupted at step {step}: saved {out / 'checkpoints' / f'step-{step}'}; resume with: "
+                    f"funcpar train --model llama-micro --eval-every 0 --save-every 0 --out {out} "
+                    f"{' '.join(args)} --resume")
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
+    p = _funcpar(tmp_path, "train", "--model", "llama-micro", "--eval-every", "0", "--out", str(out), "--mesh", "dp=2",
+                 "--steps", str(step + 1), "--resume")
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {out / 'checkpoints' / f'step-{step}'} at step {step}" in p.stdout
+
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("sample, segments", [
+    ({"type": "conversation", "rounds": [["ask", "2+2?"], ["ans", "4"]]},
+     [("<|user|>2+2?</s><|assistant|>", 0), ("4</s>", 1)]),
+    ({"type": "conversation", "rounds": [["ask", "a"], ["ans", "b"], ["ask", "c"], ["ans", "d"]]},
+     [("<|user|>a</s><|assistant|>", 0), ("b</s>", 1), ("<|user|>c</s><|assistant|>", 0), ("d</s>", 1)]),
+    ({"type": "ref_qa", "reference": "R", "rounds": [["ask", "q"], ["ans", "x"], ["ask", "more?"]]},
+     [("<|system|>Reference: R</s><|user|>q</s><|assistant|>", 0), ("x</s>", 1), ("<|user|>more?</s>", 0)]),
+])
+def test_conversations_follow_the_tokenizers_chat_template_and_train_only_the_answers(tmp_path, sample, segments):
+    from funcpar import data
+
+    data.ByteTokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT}))
+    tok = data.HFTokenizer(tmp_path)
+    ids, mask = data.encode(sample, tok)
+    want_ids = [i for text, _ in segments for i in tok.encode(text)]
+    want_mask = [m for text, m in segments for _ in tok.encode(text)]
+    assert (ids, mask) == (want_ids, want_mask) and 258 in ids  # "</s>" is the eos token, trained after answers
+    builtin = data.encode(sample, data.HFTokenizer(tmp_path, chat_template=False))  # --chat-template builtin
+    assert builtin == data.encode(sample, data.ByteTokenizer())
