@@ -201,7 +201,9 @@ def _finish(run: _Run) -> None:
                overwrite=run.opts["overwrite"], tokenizer=tokenizer(run.opts))
     if not run.rank0:
         return
-    plot_metrics(run.metrics_file, run.out / "loss.png")
+    title = (f"{run.cfg.model_type} on {run.mesh!r}: {run.opts['data']}, {run.opts['optimizer']} lr "
+             f"{run.opts['lr']:g}, global batch {run.opts['global_batch']} x {run.opts['seq_len']}")
+    plot_metrics(run.metrics_file, run.out / "loss.png", title=title)
     rows = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]  # the whole run's, resumed or not
     first, last = (rows[0]["loss"], rows[-1]["loss"]) if rows else (float("nan"), float("nan"))
     print(f"loss {first:.4f} -> {last:.4f}; "

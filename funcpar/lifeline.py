@@ -167,3 +167,4 @@ def stop() -> None:
             w.store.set(w._key("done", w.rank), "1")
         except Exception:  # noqa: BLE001 - exiting; the store may be gone already
             pass
+    w.join(timeout=5.0)  # gone before the interpreter finalizes (a store call in flight is bounded by its timeout)

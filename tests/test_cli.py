@@ -213,9 +213,11 @@ def test_greedy_decodes_each_prompt_until_eos():
 
 
 def test_plot_metrics_writes_a_png(tmp_path):
-    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "eval_loss": 1.7}, {"step": 3, "loss": 1.2}]
+    rows = [{"step": 1, "loss": 2.0, "lr": 1e-3}, {"step": 2, "loss": 1.5, "eval_loss": 1.7, "lr": 2e-3},
+            {"step": 3, "loss": 1.2, "lr": 2e-3}]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot_metrics(tmp_path / "m.jsonl", tmp_path / "loss.png")
+    drawn = plot_metrics(tmp_path / "m.jsonl", tmp_path / "loss.png", title="llama on Mesh(dp=2)")
+    assert drawn == {"title": "llama on Mesh(dp=2)", "lines": {"train loss": 3, "eval loss": 1, "learning rate": 3}}
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

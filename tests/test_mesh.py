@@ -128,8 +128,11 @@ def _torchrun(tmp_path, text: str, *args: str):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    # torchrun looks at its workers every 2 s (default 0.1 s): a survivor gets to report before it is torn down,
+    # rather than race the launcher's SIGTERM on a loaded machine
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+                           "--monitor-interval=2", str(script), *args], env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_a_job_tears_its_process_groups_down_before_the_interpreter_exits(tmp_path):
