@@ -281,3 +281,46 @@ def test_conversations_follow_the_tokenizers_chat_template_and_train_only_the_an
     assert (ids, mask) == (want_ids, want_mask) and 258 in ids  # "</s>" is the eos token, trained after answers
     builtin = data.encode(sample, data.HFTokenizer(tmp_path, chat_template=False))  # --chat-template builtin
     assert builtin == data.encode(sample, data.ByteTokenizer())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--mesh", "tp=3"], "funcpar: leaf 'layers.0.wo' with shape (128, 128): dimension 1 (size 128) is not "
+                                 "divisible by axis tp=3 of Mesh(pp=1, dp=1, tp=3); pad it to a multiple of 3 or leave "
+                                 "dimension 1 unsplit in the spec"),
+    (["convert", "missing", "x"], "funcpar: missing is not a checkpoint (no meta.json) and has no 'latest' file"),
+    (["train", "--config", "nope.toml"], "funcpar: --config nope.toml: no such file"),
+])
+def test_user_errors_of_every_command_are_one_line(tmp_path, args, message):
+    p = _funcpar(tmp_path, *args)
+    assert p.returncode == 1 and p.stderr == message + "\n" and "Traceback" not in p.stdout
+
+
+def _readme_quickstart(folder: str, data_file: str, out: str) -> int:
+    """The README's Python quickstart as written, on a small model and data (sizes and paths substituted)."""
+    text = (ROOT / "README.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    for old, new in [('"path/to/hf-llama"', repr(folder)), ('"train.jsonl"', repr(data_file)), ("10_000", "3"),
+                     ("warmup=100", "warmup=1"), ("seq_len=1024", "seq_len=16"), ("global_batch=64", "global_batch=8"),
+                     ('"out/"', repr(out))]:
+        assert old in code, old
+        code = code.replace(old, new)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    return int(scope["state"].step)
+
+
+def test_the_readme_quickstart_ends_and_exports_a_folder_transformers_and_pipeline_load(tmp_path):
+    import harness
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    model.save_pretrained(tmp_path / "hf-llama")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": f"{a}+{b}={a + b}"}) + "\n"
+                                                  for a in range(10) for b in range(10)))
+    steps = harness.run(4, _readme_quickstart, str(tmp_path / "hf-llama"), str(tmp_path / "train.jsonl"),
+                        str(tmp_path / "out"))
+    assert steps == [3, 3, 3, 3]
+    generate = transformers.pipeline("text-generation", model=str(tmp_path / "out"))
+    assert generate("1+1=", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("1+1=")
