@@ -43,7 +43,7 @@ from .spec import P, broadcast_specs, global_shape, local_slice
 from .state import TrainState
 from .tree import leaves_with_path
 
-__all__ = ["save", "load", "load_params", "export_hf", "CheckpointError", "resolve"]
+__all__ = ["save", "load", "load_params", "export_hf", "metadata", "CheckpointError", "resolve"]
 
 
 
@@ -220,20 +220,27 @@ def _opt_pieces(state, layout: ZeroLayout, mesh: Mesh, params_meta: list[dict], 
 
 
 def _apply_keep(current: Path, keep: int, run: str) -> None:
-    """Delete all but the ``keep`` newest checkpoints of this run beside ``current`` (another run's are not ours)."""
+    """Delete all but the ``keep`` newest checkpoints of this run beside ``current`` (another run's are not ours; a
+    folder whose metadata does not verify is not treated as anyone's checkpoint)."""
     found = []
     for d in current.parent.iterdir():
         if d.is_dir() and not d.name.startswith(".") and (d / "meta.json").exists():
             try:
-                meta = json.loads((d / "meta.json").read_text())
-                if meta.get("run") == run:
-                    found.append((int(meta["step"]), d.name, d))
-            except (ValueError, KeyError, TypeError, AttributeError):
+                meta = _Source(d).meta  # schema and checksum: an edited meta.json cannot claim a folder for the run
+            except CheckpointError:
                 continue
+            if meta.get("run") == run:
+                found.append((int(meta["step"]), d.name, d))
     found.sort()
     for _, _, d in found[: max(0, len(found) - max(keep, 1))]:
         if d != current:
             shutil.rmtree(d)
+
+
+def metadata(path) -> dict:
+    """A checkpoint's ``meta.json`` (``path`` or the one its ``latest`` names), verified against its schema and
+    checksum: ``step``, ``mesh``, ``extra`` (the model config ``funcpar train`` records) and the rest."""
+    return _Source(path).meta
 
 
 # ---------------------------------------------------------------------------------------------------- load

@@ -273,7 +273,7 @@ def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:
 
 def _to_hf(src: Path, dst: str, mesh, max_shard_size, overwrite: bool) -> str:
     """A funcpar checkpoint (one that records its model config) exported as a transformers folder."""
-    extra = json.loads((fp.checkpoint.resolve(src) / "meta.json").read_text()).get("extra") or {}
+    extra = fp.checkpoint.metadata(src).get("extra") or {}  # verified: schema and checksum
     if "config" not in extra:
         raise SystemExit(f"funcpar: {src} does not record its model config (saved by funcpar train/convert?)")
     model = fp.get_model(extra["model"])

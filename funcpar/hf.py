@@ -38,7 +38,7 @@ from .sharding import gathered_leaves
 from .spec import P, broadcast_specs, local_slice
 from .tree import leaves_with_path
 
-__all__ = ["load", "save", "auto_specs", "HFError"]
+__all__ = ["load", "save", "auto_specs", "HFError", "read_config"]
 
 
 # ------------------------------------------------------------------------------------------- model tables

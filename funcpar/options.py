@@ -171,11 +171,16 @@ def model_config(name: str, mesh):
     if name in BUILTIN_MODELS:
         raw = BUILTIN_MODELS[name]
     elif Path(name).is_dir():
-        raw = json.loads((Path(name) / "config.json").read_text())
+        raw = fp.hf.read_config(Path(name))  # an object, or an error naming the file
     else:
         raise SystemExit(f"funcpar: --model '{name}' is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a folder")
     model = fp.get_model(raw.get("model_type"))
-    return model, model.config(raw, mesh)
+    if name in BUILTIN_MODELS:
+        return model, model.config(raw, mesh)
+    try:
+        return model, model.config(raw, mesh)
+    except ValueError as e:  # a key of the wrong type, a size the mesh cannot split: named with the file
+        raise fp.hf.HFError(f"{Path(name) / 'config.json'}: {e}") from None
 
 
 def build_params(opts, model, cfg, specs, mesh, keep=None):

@@ -458,3 +458,59 @@ def test_a_crash_while_replacing_a_checkpoint_leaves_one_whole_checkpoint(tmp_pa
     assert all(torch.equal(x, want[p]) for p, x in fp.tree.leaves_with_path(loaded.params))
     step.save(tmp_path / "step-1", fp.TrainState(loaded.params, loaded.opt_state, 5))  # and saving goes on
     assert step.load(tmp_path)[0].step == 5
+
+
+def test_keep_does_not_take_a_folder_whose_metadata_was_edited_to_claim_the_run(tmp_path):
+    import json
+
+    ckpts = tmp_path / "ckpts"
+    step, state = _tiny_step(fp.Mesh())
+    step.save(ckpts / "step-1", state)
+    other, other_state = _tiny_step(fp.Mesh())
+    other.save(ckpts / "theirs", other_state)
+    meta_file = ckpts / "theirs" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["run"] = step.run_id  # edited by hand to look like ours (its checksum no longer matches)
+    meta_file.write_text(json.dumps(meta))
+    before = _snapshot(ckpts / "theirs")
+    state, _ = step(state, _ids(0))
+    step.save(ckpts / "step-2", state, keep=1)
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step-2", "theirs"]
+    assert _snapshot(ckpts / "theirs") == before
+
+
+@pytest.mark.parametrize("config, message", [
+    ("[1, 2]", "config.json holds an array, not an object of config keys: is it a model's config.json?"),
+    ("{", "config.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('{"model_type": "llama", "vocab_size": "64"}', "config.json: config key 'vocab_size' is '64' (a string), "
+                                                    "expected an integer"),
+])
+def test_the_command_line_names_a_bad_config_json_of_a_model_folder(tmp_path, config, message):
+    import subprocess
+    import sys
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(config)
+    before = _snapshot(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", "model", "--mesh", "1", "--steps", "1"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and p.stderr == f"funcpar: model/{message}\n"
+    assert _snapshot(tmp_path) == before
+
+
+def test_convert_reads_only_verified_checkpoint_metadata(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    step, state = _tiny_step(fp.Mesh())
+    step.save(tmp_path / "ckpt", state, extra={"model": "llama", "config": SMALL["llama"]().to_hf()})
+    meta_file = tmp_path / "ckpt" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["extra"]["config"]["num_hidden_layers"] = 1  # edited by hand
+    meta_file.write_text(json.dumps(meta))
+    before = _snapshot(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "funcpar", "convert", "ckpt", "hf"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1 and p.stderr.startswith("funcpar: ckpt/meta.json has been modified since it was written")
+    assert _snapshot(tmp_path) == before
