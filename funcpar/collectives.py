@@ -100,13 +100,20 @@ def _check_divisible(x: torch.Tensor, dim: int, mesh: "Mesh", axis: str, what: s
     return n
 
 
-def _simulated(mesh: "Mesh", axis: str, nbytes: float) -> int:
-    """Over an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning) collectives are simulated, every rank taken
-    to hold this rank's values: the allocations are the real run's, the numbers are not. Counts what a ring algorithm
-    sends from this rank ((n-1)/n of ``nbytes``) and returns the group's size."""
+def _count(mesh: "Mesh", axis: str, nbytes: float) -> int:
+    """Add to ``mesh.traffic[axis]`` what a ring algorithm sends from this rank for a collective moving ``nbytes``
+    ((n-1)/n of them); returns the group's size. Real and simulated meshes count alike, so a run's measured bytes
+    per axis can be set beside the plan's and the analytic figure."""
     n = mesh.size if axis == "world" else mesh.axis_size(axis)
     mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
     return n
+
+
+def _simulated(mesh: "Mesh", axis: str, nbytes: float) -> int:
+    """Over an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning) collectives are simulated, every rank taken
+    to hold this rank's values: the allocations are the real run's, the numbers are not. Counts the traffic
+    (:func:`_count`) and returns the group's size."""
+    return _count(mesh, axis, nbytes)
 
 
 def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -> torch.Tensor:
@@ -116,6 +123,7 @@ def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -
         n = _simulated(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
         return y.mul_(n) if op == "sum" else y
     group = None if axis == "world" else mesh.group(axis)
+    _count(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
     work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=group, async_op=True)
     _wait(work, mesh, f"all_reduce({op})", axis)
     return y
@@ -130,6 +138,7 @@ def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int, out: tor
         for block in out.chunk(_simulated(mesh, axis, out.numel() * out.element_size())):
             block.copy_(xm)
         return out.movedim(0, dim).contiguous() if dim else out
+    _count(mesh, axis, out.numel() * out.element_size())
     work = _all_gather_flat(out, xm, group=mesh.group(axis), async_op=True)
     _wait(work, mesh, "all_gather", axis)
     return out.movedim(0, dim).contiguous() if dim else out
@@ -143,6 +152,7 @@ def _raw_reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> t
         staged = xm.clone() if mesh.device.type == "cpu" else xm
         out.copy_(staged[: out.shape[0]]).mul_(_simulated(mesh, axis, xm.numel() * xm.element_size()))
         return out.movedim(0, dim).contiguous() if dim else out
+    _count(mesh, axis, xm.numel() * xm.element_size())
     work = _reduce_scatter_flat(out, xm, group=mesh.group(axis), async_op=True)
     _wait(work, mesh, "reduce_scatter", axis)
     return out.movedim(0, dim).contiguous() if dim else out

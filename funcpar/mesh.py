@@ -126,6 +126,7 @@ class Mesh:
             )
         self.device = torch.device(device)
         self.simulated = False  # Mesh.abstract: collectives simulated, no processes
+        self.traffic: dict[str, float] = {}  # bytes this rank has sent by axis (ring count; funcpar.collectives)
         self._groups: dict[str, Any] = {}
         self._group_ranks: dict[str, list[int]] = {}
         self.device_mesh = None
