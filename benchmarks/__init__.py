@@ -1,0 +1,1 @@
+"""funcpar against its peers: ``python benchmarks/run.py`` (see run.py). Not installed with funcpar."""

@@ -1,0 +1,268 @@
+"""The runner's bookkeeping, free of processes: a worker's output parsed into a job record, the jobs of a size
+summarised per (mesh, implementation), the equal-work check, RESULTS.md's text and the bar chart.
+
+A job record: ``{"mesh", "impl", "size", ...}`` plus either the worker's ``RESULT`` (``times``, ``losses``,
+``rss_mb``) or ``error`` (one line) or ``missing`` (the peer's package is not installed: the job was not run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from benchmarks import common as C
+
+LOSSES_CHECKED = 2  # the first losses every implementation must share with funcpar on the same mesh
+
+
+def parse_job(stdout: str, stderr: str, rc: int, **fields) -> dict:
+    """A worker's output as a job record: its ``RESULT`` line, else the reason it failed in one line."""
+    rec = dict(fields)
+    results = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if results:
+        rec.update(json.loads(results[-1][len("RESULT "):]))
+        return rec
+    errors = [ln for ln in stdout.splitlines() if ln.startswith("ERROR ")]
+    if errors:
+        rec["error"] = json.loads(errors[0][len("ERROR "):])["error"]
+    else:
+        lines = [ln.strip() for ln in (stderr or stdout or "").splitlines() if ln.strip()]
+        why = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+        rec["error"] = f"exit {rc}: {why}"[:400]
+    rec["stderr_tail"] = (stderr or "")[-3000:]
+    return rec
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def summarize(records: list[dict], size: str, flops: float, peak_flops: float, tol: float) -> list[dict]:
+    """One row per (mesh, implementation) of ``size``, in the order of ``common.MESHES``: median s/step over every
+    timed step of every repeat, the ratio to funcpar, MFU, the largest per-rank peak RSS, the first losses and the
+    equal-work verdict against funcpar's on the same mesh (relative difference of each of the first losses at most
+    ``tol``; a job whose losses differ from another repeat's of the same implementation is flagged too)."""
+    rows = []
+    meshes = [m for m in C.MESHES if any(r["mesh"] == m and r["size"] == size for r in records)]
+    for mesh in meshes:
+        for impl in C.MESHES[mesh]["impls"]:
+            jobs = [r for r in records if r["size"] == size and r["mesh"] == mesh and r["impl"] == impl]
+            if jobs:
+                rows.append(_row(size, mesh, impl, jobs, flops, peak_flops))
+    for mesh in meshes:
+        _compare(size, [r for r in rows if r["mesh"] == mesh], tol)
+    return rows
+
+
+def _row(size, mesh, impl, jobs, flops, peak_flops) -> dict:
+    row = {"size": size, "mesh": mesh, "impl": impl, "label": C.impl_label(mesh, impl), "jobs": len(jobs)}
+    ok = [j for j in jobs if "times" in j]
+    if not ok:
+        bad = next((j for j in jobs if "missing" in j), jobs[0])
+        row["status"] = "missing" if "missing" in bad else "failed"
+        row["error"] = bad.get("missing") or bad.get("error", "no result")
+        return row
+    times = [t for j in ok for t in j["times"]]
+    s = C.median(times)
+    row |= {"status": "ok", "s_per_step": s, "job_medians": [C.median(j["times"]) for j in ok],
+            "mfu": flops / (s * peak_flops) if peak_flops > 0 else math.nan,
+            "rss_mb": max(max(j["rss_mb"]) for j in ok), "rss_ranks_mb": [max(v) for v in zip(*(j["rss_mb"] for j in ok))],
+            "losses": ok[0]["losses"][:LOSSES_CHECKED], "all_losses": ok[0]["losses"],
+            "repeat_spread": max(_rel(a, b) for j in ok for a, b in zip(j["losses"][:LOSSES_CHECKED],
+                                                                         ok[0]["losses"][:LOSSES_CHECKED])),
+            "failed_jobs": len(jobs) - len(ok), "loads": [j["load"] for j in ok if "load" in j]}
+    if row["failed_jobs"]:
+        row["error"] = next(j["error"] for j in jobs if "error" in j)
+    return row
+
+
+def _compare(size, rows, tol) -> None:
+    ref = next((r for r in rows if r["impl"] == "funcpar" and r["status"] == "ok"), None)
+    peers = [r for r in rows if r["impl"] != "funcpar" and r["status"] == "ok"]
+    for r in rows:
+        if r["status"] != "ok":
+            r["agree"] = None
+            continue
+        if ref is None:
+            r["agree"], r["loss_diff"] = None, math.nan
+            continue
+        n = min(len(r["losses"]), len(ref["losses"]), LOSSES_CHECKED)
+        r["loss_diff"] = max(_rel(r["losses"][i], ref["losses"][i]) for i in range(n)) if n else math.nan
+        r["agree"] = n == LOSSES_CHECKED and r["loss_diff"] <= tol and r["repeat_spread"] <= tol
+        r["ratio"] = r["s_per_step"] / ref["s_per_step"]
+    if ref is not None and peers:
+        best = min(peers, key=lambda r: r["s_per_step"])
+        ref["best_peer"], ref["funcpar_over_best"] = best["label"], ref["s_per_step"] / best["s_per_step"]
+
+
+# ------------------------------------------------------------------------------------------------ the text
+
+
+def _agree_cell(r: dict, tol: float) -> str:
+    if r["status"] != "ok":
+        return "-"
+    if r["impl"] == "funcpar":
+        return "reference" + ("" if r["repeat_spread"] <= tol else f" (repeats differ: {r['repeat_spread']:.1e})")
+    if r["agree"] is None:
+        return "no funcpar reference"
+    if r["agree"]:
+        return f"yes ({r['loss_diff']:.1e})"
+    why = f"repeats differ {r['repeat_spread']:.1e}" if r["repeat_spread"] > tol else f"{r['loss_diff']:.1e}"
+    return f"**NO** ({why} > {tol:.0e})"
+
+
+def table(rows: list[dict], tol: float) -> str:
+    """The markdown table of one size."""
+    out = ["| mesh | implementation | median s/step | ratio to funcpar | MFU | peak RSS per rank (MB, max) | "
+           "first losses | agree with funcpar (max rel. diff) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mesh = C.mesh_label(r["mesh"])
+        if r["status"] != "ok":
+            word = "not installed" if r["status"] == "missing" else "FAILED"
+            out.append(f"| {mesh} | {r['label']} | {word}: {_cell(r['error'])} | | | | | |")
+            continue
+        if r["impl"] == "funcpar":
+            ratio = "1.00" + (f" (funcpar/best peer {r['funcpar_over_best']:.2f})" if "funcpar_over_best" in r else "")
+        else:
+            ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
+        spread = ""
+        if len(r["job_medians"]) > 1:
+            spread = f" ({min(r['job_medians']):.3f}-{max(r['job_medians']):.3f})"
+        note = f" [{r['failed_jobs']} job(s) failed: {_cell(r['error'])}]" if r.get("failed_jobs") else ""
+        out.append(f"| {mesh} | {r['label']}{note} | {r['s_per_step']:.3f}{spread} | {ratio} | {r['mfu']:.1%} | "
+                   f"{r['rss_mb']:.0f} | {' / '.join(f'{x:.5f}' for x in r['losses'])} | {_agree_cell(r, tol)} |")
+    return "\n".join(out)
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")[:300]
+
+
+def summary(rows: list[dict]) -> str:
+    """funcpar against its fastest peer, per mesh."""
+    out = ["| mesh | funcpar s/step | fastest peer | its s/step | funcpar / best peer |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["impl"] == "funcpar" and r["status"] == "ok":
+            if "funcpar_over_best" in r:
+                best = next(p for p in rows if p["mesh"] == r["mesh"] and p["label"] == r["best_peer"])
+                out.append(f"| {C.mesh_label(r['mesh'])} | {r['s_per_step']:.3f} | {r['best_peer']} | "
+                           f"{best['s_per_step']:.3f} | {r['funcpar_over_best']:.2f} |")
+            else:
+                out.append(f"| {C.mesh_label(r['mesh'])} | {r['s_per_step']:.3f} | (no peer ran) | | |")
+    return "\n".join(out)
+
+
+def traffic_table(size: dict, meshes: list[str], planned: dict[str, dict]) -> str:
+    """Bytes one rank sends per step, by axis: the textbook count next to what ``funcpar plan`` traces."""
+    out = ["| mesh | axis | analytic (Megatron TP / ZeRO-1, ring) | what it counts | `funcpar plan` traced |",
+           "|---|---|---|---|---|"]
+    for mesh in meshes:
+        ana = C.analytic_traffic(size, mesh)
+        plan = planned.get(mesh) or {}
+        for ax in sorted(set(ana) | set(k for k in plan if k != "error")):
+            a = ana.get(ax)
+            traced = C.fmt_bytes(plan[ax]) if ax in plan else (f"({plan['error']})" if "error" in plan else "-")
+            out.append(f"| {C.mesh_label(mesh)} | {ax} | {C.fmt_bytes(a['bytes']) if a else '-'} | "
+                       f"{a['formula'] if a else '-'} | {traced} |")
+    return "\n".join(out)
+
+
+def parse_plan(stdout: str) -> dict:
+    """The per-axis bytes of ``funcpar plan``'s line ``... sends dp 12.3 MiB, tp 4.5 MiB per step``."""
+    for ln in stdout.splitlines():
+        if " sends " in ln and ln.rstrip().endswith("per step"):
+            part = ln.rsplit(" sends ", 1)[1].rsplit(" per step", 1)[0]
+            out = {}
+            for item in part.split(", "):
+                bits = item.split()
+                if len(bits) == 3:
+                    scale = {"MiB": 2**20, "GiB": 2**30, "KiB": 2**10}[bits[2]]
+                    out[bits[0]] = float(bits[1].replace(",", "")) * scale
+            return out
+    return {"error": "no 'sends ... per step' line"}
+
+
+# ------------------------------------------------------------------------------------------------ the plot
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Bar chart of s/step per mesh and implementation, one panel per size; a failed job is a labelled gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(11, 4.2 * len(sizes)), squeeze=False)
+    colors = {"funcpar": "#1f77b4", "hf": "#7f7f7f", "ds": "#d62728", "torch": "#2ca02c"}
+    for ax, size in zip(axes[:, 0], sizes):
+        these = [r for r in rows if r["size"] == size]
+        x, ticks, labels = 0.0, [], []
+        for mesh in dict.fromkeys(r["mesh"] for r in these):
+            group = [r for r in these if r["mesh"] == mesh]
+            start = x
+            for r in group:
+                family = r["impl"].split("-")[0]
+                if r["status"] == "ok":
+                    ax.bar(x, r["s_per_step"], width=0.8, color=colors.get(family, "#9467bd"))
+                    ax.text(x, r["s_per_step"], f"{r['s_per_step']:.2f}", ha="center", va="bottom", fontsize=7)
+                else:
+                    ax.text(x, 0, "failed" if r["status"] == "failed" else "missing", rotation=90, ha="center",
+                            va="bottom", fontsize=7, color="#d62728")
+                ticks.append(x)
+                labels.append(r["label"].replace(f"funcpar {C.mesh_label(mesh)}", "funcpar"))
+                x += 1
+            ax.text((start + x - 1) / 2, 1.02, C.mesh_label(mesh), transform=ax.get_xaxis_transform(),
+                    ha="center", fontsize=9, weight="bold")
+            x += 0.8
+        ax.set_xticks(ticks, labels, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("s / step (median)")
+        ax.set_title(f"{size}", loc="left", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ RESULTS.md
+
+
+def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
+    """RESULTS.md: the machine, the versions, the measured peak, then per size the table, funcpar against its fastest
+    peer, and the bytes sent per step. ``sizes``: name -> {"rows", "planned" (mesh -> axis -> bytes)}."""
+    m, v = meta["machine"], meta["versions"]
+    out = ["# funcpar against its peers", "",
+           f"Generated by `{meta['command']}` on {meta['date']} ({meta['wall_s'] / 60:.1f} min of wall time).", "",
+           f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.1f} GiB memory",
+           "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+           f"- matmul peak (measured, fp32, {meta['peak_threads']} threads, {meta['peak_n']}x{meta['peak_n']} "
+           f"matmuls, the fastest one in {meta['peak_seconds']:g} s"
+           + (" at the start and at the end of the run: " + " and ".join(f"{p / 1e9:.1f}" for p in meta["peaks"])
+              + ", the larger used" if len(meta.get("peaks", [])) > 1 else "")
+           + f"): **{meta['peak_flops'] / 1e9:.1f} GFLOP/s**; MFU = (6·N·T + 12·L·h·s·T) / (s/step · that peak)",
+           f"- each job: {meta['warmup']} untimed warm-up steps then {meta['steps']} timed steps; {meta['repeats']} "
+           "repeats, the order of the jobs reversed every other repeat; median over every timed step of every "
+           "repeat (in parentheses: the range of the per-job medians)", ""]
+    if meta.get("missing"):
+        out += [f"Not run (package missing; `pip install -e \".[bench]\"`): {', '.join(meta['missing'])}.", ""]
+    for name, s in sizes.items():
+        size = C.SIZES[name]
+        p = C.param_count(size)
+        tokens = size["global_batch"] * size["seq"]
+        out += [f"## {name}: Llama hidden {size['hidden']}, {size['layers']} layers, {size['heads']} heads / "
+                f"{size['kv_heads']} kv heads, vocab {size['vocab']}, seq {size['seq']}, global batch "
+                f"{size['global_batch']}", "",
+                f"{p['total'] / 1e6:.2f}M parameters, {tokens} tokens per step, "
+                f"{C.flops_per_step(size) / 1e9:.1f} GFLOP per step.", "",
+                table(s["rows"], tol), "", summary(s["rows"]), "",
+                "Bytes one rank sends per step. *Analytic*: the textbook schemes (formula in the row; ring "
+                "algorithms: an all-reduce of B bytes over n ranks sends 2(n-1)/n·B per rank, a reduce-scatter or an "
+                "all-gather (n-1)/n·B). *Traced*: `funcpar plan` runs funcpar's own step over a simulated mesh and "
+                "counts what each of its collectives would send (same ring convention) -- funcpar's real traffic, "
+                "not a measurement of the run above (funcpar has no counter on real meshes). The peers' traffic is "
+                "not measured: DeepSpeed ZeRO-1/2 send what ZeRO-1's row says, FSDP2 (ZeRO-3) 1.5x it (parameters "
+                "gathered for the forward and again for the backward).", "",
+                traffic_table(size, [m_ for m_ in C.MESHES if m_ != "1" and any(r["mesh"] == m_ for r in s["rows"])],
+                              s.get("planned", {})), ""]
+    if meta.get("notes"):
+        out += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
+    return "\n".join(out)

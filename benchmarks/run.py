@@ -1,0 +1,288 @@
+"""funcpar and its peers side by side on the same Llama, batch, optimizer and local processes; writes RESULTS.md.
+
+    python benchmarks/run.py                                   # small size, 3 repeats, every mesh
+    python benchmarks/run.py --size both --repeats 5 --out benchmarks/RESULTS.md
+    python benchmarks/run.py --meshes dp2,tp2 --impls funcpar,ds-zero1,torch-tp --repeats 1 --steps 2   # a quick look
+
+The peers are optional (``pip install -e ".[bench]"`` adds DeepSpeed; torch's FSDP2 and TP come with torch >= 2.6,
+transformers with the test extra); a peer whose package is missing is listed as such and the rest runs.
+
+Meshes and implementations (``common.MESHES``):
+
+    1       one process, 2 threads: funcpar Mesh() | transformers + torch.optim.AdamW (eager)
+    dp2     2 ranks: funcpar Mesh(dp=2) zero=1 | DeepSpeed ZeRO-1 | DeepSpeed ZeRO-2 | torch FSDP2 (fully_shard)
+    tp2     2 ranks: funcpar Mesh(tp=2) | DeepSpeed AutoTP | torch TP (parallelize_module, vocab-parallel head)
+    tp2dp2  4 ranks: funcpar Mesh(tp=2, dp=2) zero=1 | DeepSpeed AutoTP + ZeRO-1 | torch TP + FSDP2
+
+How. The runner writes one transformers ``LlamaForCausalLM`` (``save_pretrained``, fp32, untied head, seed 0) into
+a temporary folder per size, measures the machine's fp32 matmul peak (every core, in this process), then launches
+each (mesh, implementation) as its own job ``python -m torch.distributed.run --standalone --nproc-per-node N
+benchmarks/worker.py ...`` with ``OMP_NUM_THREADS`` = threads per rank (1; 2 for the one-process mesh),
+``DS_ACCELERATOR=cpu`` and ``HF_HUB_OFFLINE=1``, one job at a time, all jobs of a repeat in one order and the next
+repeat in the reverse order. Each job: ``--warmup`` untimed steps, then ``--steps`` timed steps (see worker.py).
+Equal work: every implementation's first 2 losses (the initial weights on batch 0, then after one AdamW step on
+batch 1) must agree with funcpar's on the same mesh within ``--tol`` (relative); a disagreement is marked in the
+table. The runner also runs ``funcpar plan`` for each mesh to report the bytes funcpar's step sends per axis next
+to the textbook count. Writes ``--out`` (RESULTS.md), the bar chart ``--plot`` and every job's record as JSON
+(``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import common as C  # noqa: E402
+from benchmarks import report  # noqa: E402
+
+WORKER = os.path.join(ROOT, "benchmarks", "worker.py")
+
+
+def missing_package(impl: str) -> str | None:
+    """Why ``impl`` cannot run here (a package it needs is absent), or None."""
+    pkg = C.NEEDS.get(impl)
+    if pkg and importlib.util.find_spec(pkg) is None:
+        return f"{pkg} is not installed (pip install -e \".[bench]\")"
+    if impl.startswith("torch-"):
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+            from torch.distributed.tensor.parallel import loss_parallel  # noqa: F401
+        except ImportError:
+            return "needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)"
+    return None
+
+
+def measure_peak(threads: int, n: int, seconds: float) -> float:
+    """The best fp32 matmul FLOP/s of ``n`` x ``n`` matmuls on ``threads`` threads over ``seconds``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2.0 * n**3 / (time.perf_counter() - t))
+    torch.set_num_threads(before)
+    return best
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    mem = 0.0
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+        with open("/proc/meminfo") as f:
+            mem = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal")) / 2**20
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem}
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("transformers", "deepspeed"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except Exception:  # noqa: BLE001
+            out[pkg] = "not installed"
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "funcpar", "models"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        out["funcpar"] = f"git {sha}" + (" (+ uncommitted changes in funcpar/)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        out["funcpar"] = "unknown commit"
+    return out
+
+
+def write_weights(size: dict) -> str:
+    import torch
+    import transformers
+
+    folder = tempfile.mkdtemp(prefix="funcpar-bench-")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**C.hf_config(size))).save_pretrained(folder)
+    return folder
+
+
+def launch(mesh: str, impl: str, size: str, weights: str, args) -> dict:
+    """One job; its record (``report.parse_job``) with the wall time and the machine's load while it ran."""
+    spec = C.MESHES[mesh]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
+           WORKER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights,
+           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    loads, done = [], threading.Event()
+
+    def sample():
+        while not done.wait(2.0):
+            loads.append(os.getloadavg()[0])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t = time.perf_counter()
+    fields = {"mesh": mesh, "impl": impl, "size": size}
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+        rec = report.parse_job(p.stdout, p.stderr, p.returncode, **fields)
+    except subprocess.TimeoutExpired:
+        rec = {**fields, "error": f"timed out after {args.timeout} s"}
+    finally:
+        done.set()
+        sampler.join()
+    rec["wall_s"] = time.perf_counter() - t
+    rec["load"] = sum(loads[len(loads) // 2:]) / len(loads[len(loads) // 2:]) if loads else os.getloadavg()[0]
+    return rec
+
+
+def plan_traffic(mesh: str, size: dict, weights: str) -> dict:
+    """What ``funcpar plan`` says funcpar's step sends per axis on ``mesh`` (its "sends ... per step")."""
+    axes = ",".join(f"{a}={n}" for a, n in C.MESHES[mesh]["axes"].items())
+    cmd = [sys.executable, "-m", "funcpar", "plan", "--model", weights, "--mesh", axes, "--zero", "1",
+           "--seq-len", str(size["seq"]), "--global-batch", str(size["global_batch"])]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if p.returncode:
+        return {"error": (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1][:200]}
+    return report.parse_plan(p.stdout)
+
+
+def run_size(name: str, jobs: list[tuple[str, str]], args, records: list[dict], t0: float) -> dict:
+    size = C.SIZES[name]
+    weights = write_weights(size)
+    try:
+        runnable = [(m, i) for m, i in jobs if not missing_package(i)]
+        for m, i in jobs:
+            if missing_package(i):
+                records.append({"mesh": m, "impl": i, "size": name, "missing": missing_package(i)})
+        for r in range(args.repeats):
+            for k, (mesh, impl) in enumerate(runnable if r % 2 == 0 else runnable[::-1]):
+                rec = launch(mesh, impl, name, weights, args)
+                rec["repeat"] = r
+                records.append(rec)
+                what = (f"median {C.median(rec['times']):.3f} s/step, losses "
+                        + " ".join(f"{x:.5f}" for x in rec["losses"][:2]) if "times" in rec
+                        else f"FAILED: {rec['error']}")
+                print(f"[{name} {r + 1}/{args.repeats} {k + 1}/{len(runnable)}] {C.mesh_label(mesh):<18} "
+                      f"{C.impl_label(mesh, impl):<34} {what} (job {rec['wall_s']:.0f} s, load {rec['load']:.1f}, "
+                      f"total {(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
+        meshes = list(dict.fromkeys(m for m, _ in jobs if m != "1"))
+        planned = {m: plan_traffic(m, size, weights) for m in meshes} if not args.no_plan else {}
+    finally:
+        shutil.rmtree(weights, ignore_errors=True)
+    return {"planned": planned}
+
+
+def select_jobs(args) -> list[tuple[str, str]]:
+    meshes = args.meshes.split(",")
+    for m in meshes:
+        if m not in C.MESHES:
+            sys.exit(f"unknown mesh {m!r}; known: {', '.join(C.MESHES)}")
+    impls = args.impls.split(",") if args.impls else None
+    for i in impls or []:
+        if i not in C.IMPLS:
+            sys.exit(f"unknown implementation {i!r}; known: {', '.join(C.IMPLS)}")
+    return [(m, i) for m in meshes for i in C.MESHES[m]["impls"] if impls is None or i in impls]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--size", default="small", choices=["small", "large", "both"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--meshes", default=",".join(C.MESHES), help="comma-separated, of " + ", ".join(C.MESHES))
+    ap.add_argument("--impls", help="comma-separated subset of " + ", ".join(C.IMPLS) + " (default: all)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per job (at least 2: the losses checked)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per job")
+    ap.add_argument("--tol", type=float, default=1e-4, help="relative difference of the first losses flagged")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per job")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    ap.add_argument("--plot", help="the bar chart (default: results.png beside --out)")
+    ap.add_argument("--json", help="every job's record (default: results.json beside --out)")
+    ap.add_argument("--no-plan", action="store_true", help="skip the funcpar plan traffic figures")
+    ap.add_argument("--peak-seconds", type=float, default=3.0, help="how long the matmul peak is measured")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.warmup < report.LOSSES_CHECKED:
+        sys.exit(f"--warmup must be at least {report.LOSSES_CHECKED}: the equal-work check compares the first "
+                 f"{report.LOSSES_CHECKED} losses, which are untimed")
+    if importlib.util.find_spec("transformers") is None:
+        sys.exit("the benchmark builds its model with transformers: pip install -e \".[bench]\"")
+    jobs = select_jobs(args)
+    missing = sorted({C.impl_label(m, i) + f" ({missing_package(i)})" for m, i in jobs if missing_package(i)})
+    for line in missing:
+        print(f"peer not run: {line}", flush=True)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    plot_path = args.plot or os.path.join(out_dir, "results.png")
+    json_path = args.json or os.path.join(out_dir, "results.json")
+    t0 = time.perf_counter()
+    threads, n = os.cpu_count() or 1, 2048
+    peaks = [measure_peak(threads, n, args.peak_seconds)]
+    print(f"matmul peak: {peaks[0] / 1e9:.1f} GFLOP/s (fp32, {threads} threads)", flush=True)
+    records, sizes = [], {}
+    for name in (["small", "large"] if args.size == "both" else [args.size]):
+        sizes[name] = run_size(name, jobs, args, records, t0)
+    peaks.append(measure_peak(threads, n, args.peak_seconds))  # again at the end: the larger is the machine's
+    peak = max(peaks)
+    print(f"matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {peak / 1e9:.1f}", flush=True)
+    meta = {"command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "wall_s": time.perf_counter() - t0,
+            "machine": machine(), "versions": versions(), "peak_flops": peak, "peaks": peaks, "peak_threads": threads, "peak_n": n,
+            "peak_seconds": args.peak_seconds, "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+            "missing": missing, "notes": notes(records, os.cpu_count() or 1)}
+    for name, s in sizes.items():
+        s["rows"] = report.summarize(records, name, C.flops_per_step(C.SIZES[name]), peak, args.tol)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(report.document(meta, sizes, args.tol))
+    report.plot([r for s in sizes.values() for r in s["rows"]], plot_path)
+    with open(json_path, "w") as f:
+        json.dump({"meta": meta, "records": records, "planned": {k: s["planned"] for k, s in sizes.items()}}, f,
+                  indent=1)
+    print(f"wrote {args.out}, {plot_path}, {json_path} ({meta['wall_s'] / 60:.1f} min)")
+    for name, s in sizes.items():
+        print(f"\n{name}\n" + report.table(s["rows"], args.tol) + "\n\n" + report.summary(s["rows"]))
+
+
+def notes(records: list[dict], cores: int) -> list[str]:
+    out = []
+    def own(r):  # the load a job makes by itself: its threads, or the cores
+        return max(cores, C.MESHES[r["mesh"]]["nproc"] * C.MESHES[r["mesh"]]["threads"])
+
+    busy = [r for r in records if r.get("load", 0) > own(r) + 1]
+    if busy:
+        out.append(f"{len(busy)} job(s) ran while the machine's 1-minute load average was more than 1 above what "
+                   f"the job makes itself (up to {max(r['load'] for r in busy):.1f} on {cores} cores): something "
+                   "else competed for the cores and their times are inflated")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""One implementation on one mesh, as one torchrun job (``benchmarks/run.py`` launches it):
+
+    OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        benchmarks/worker.py --mesh dp2 --impl ds-zero1 --size small --weights FOLDER --warmup 2 --steps 4
+
+Every implementation starts from the transformers checkpoint in ``--weights`` (funcpar through ``fp.hf.load``, the
+peers through ``LlamaForCausalLM.from_pretrained``), trains on the same global batches (``common.global_batch``:
+``labels`` = ``input_ids``, each dp rank its rows, every tp rank of a group the same rows) with AdamW and clipping of
+the global gradient norm (``common.LR, WD, CLIP``), fp32. Each step is timed on rank 0 between a barrier before
+and one after it (so the slowest rank's time). Rank 0 prints one line ``RESULT {json}``: the step times after the
+warm-up, every step's loss (the global batch's token mean), and each rank's peak RSS (``ru_maxrss``). A failure
+prints ``ERROR {json}`` (the exception, one line) on the rank where it happened and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import common as C  # noqa: E402
+
+
+def _mean_over_world(loss, world: int) -> float:
+    """The global batch's mean loss from each rank's local mean (equal token counts on every dp rank; the ranks of
+    a tp group hold the same value)."""
+    import torch
+    import torch.distributed as dist
+
+    t = loss.detach().clone().reshape(1).to(torch.float64)
+    if world > 1:
+        dist.all_reduce(t)
+    return t.item() / world
+
+
+def build_funcpar(args, size, rank, world):
+    import funcpar as fp
+
+    mesh = fp.Mesh(**C.MESHES[args.mesh]["axes"])
+    model = fp.get_model("llama")
+    params, cfg = fp.hf.load(args.weights, model, mesh)
+    step = fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), mesh=mesh,
+                           optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1, clip_norm=C.CLIP)
+    box = {"state": step.init(params)}
+    del params
+
+    def run(i):
+        ids = C.local_rows(C.global_batch(size, i), args.mesh, mesh.rank)
+        box["state"], m = step(box["state"], {"input_ids": ids, "labels": ids})
+        return float(m["loss"])
+
+    return run
+
+
+def _hf_model(args):
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(args.weights, attn_implementation="sdpa")
+    return model.float().train()
+
+
+def build_hf_eager(args, size, rank, world):
+    import torch
+
+    model = _hf_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=C.WD)
+
+    def run(i):
+        ids = C.global_batch(size, i)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), C.CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return run
+
+
+def build_deepspeed(args, size, rank, world):
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    tp = C.axis(args.mesh, "tp")
+    dp = world // tp
+    zero = {"ds-zero1": 1, "ds-zero2": 2, "ds-autotp": 0, "ds-autotp-zero1": 1}[args.impl]
+    config = {  # no train_batch_size: with AutoTP DeepSpeed checks it against every rank, tp ones included
+        "train_micro_batch_size_per_gpu": size["global_batch"] // dp,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": C.LR, "weight_decay": C.WD, "torch_adam": True}},
+        "gradient_clipping": C.CLIP,
+        "zero_optimization": {"stage": zero},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if tp > 1:
+        config["tensor_parallel"] = {"autotp_size": tp}
+    model = _hf_model(args)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def run(i):
+        ids = C.local_rows(C.global_batch(size, i), args.mesh, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return _mean_over_world(loss, world)
+
+    return run
+
+
+def _clip_global(params, world: int) -> None:
+    """torch.nn.utils.clip_grad_norm_ over a model whose gradients mix DTensors (TP shards, FSDP2 shards, both) and
+    plain tensors (replicated leaves): each element counted once, whatever its placement, one all-reduce."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    grads, sq = [], torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):  # an element lives on world / (number of shards) ranks
+            shards = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if pl.is_shard())
+            g = g.to_local()
+        else:
+            shards = 1
+        grads.append(g)
+        sq += g.double().pow(2).sum() * shards / world
+    if world > 1:
+        dist.all_reduce(sq)
+    coef = min(1.0, C.CLIP / (sq.sqrt().item() + 1e-6))
+    torch._foreach_mul_(grads, coef)
+
+
+def _tensor_parallel(model, tp_mesh) -> None:
+    """Megatron's layout with torch's parallelize_module: q/k/v, gate/up column-parallel, o/down row-parallel; the
+    embedding split over the vocabulary and the head's logits left sharded over it (loss_parallel), as funcpar's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan |= {p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                 p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                 p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                 p + "mlp.down_proj": RowwiseParallel()}
+    parallelize_module(model, tp_mesh, plan)
+
+
+def build_torch(args, size, rank, world):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    tp, dp = C.axis(args.mesh, "tp"), C.axis(args.mesh, "dp")
+    dmesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = _hf_model(args)
+    if tp > 1:
+        _tensor_parallel(model, dmesh["tp"])
+    if dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dmesh["dp"])
+        fully_shard(model, mesh=dmesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=C.WD)
+
+    def loss_of(ids):
+        if tp == 1:  # transformers' own loss; FSDP2 averages the gradients over dp
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():  # cross-entropy over logits sharded by vocabulary; the shift as transformers does it
+            logits = model(input_ids=ids).logits  # (B, T, V) DTensor, Shard(-1) over tp
+            labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            loss.backward()
+        return loss.full_tensor()
+
+    def run(i):
+        ids = C.local_rows(C.global_batch(size, i), args.mesh, rank)
+        loss = loss_of(ids)
+        _clip_global(model.parameters(), world)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return _mean_over_world(loss, world)
+
+    return run
+
+
+BUILDERS = {"funcpar": build_funcpar, "hf-eager": build_hf_eager, "ds-zero1": build_deepspeed,
+            "ds-zero2": build_deepspeed, "ds-autotp": build_deepspeed, "ds-autotp-zero1": build_deepspeed,
+            "torch-fsdp2": build_torch, "torch-tp": build_torch, "torch-tp-fsdp2": build_torch}
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def measure(args, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    size = C.SIZES[args.size]
+    run = BUILDERS[args.impl](args, size, rank, world)
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        barrier()
+        t = time.perf_counter()
+        losses.append(run(i))
+        barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    peaks = [_peak_mb()]
+    if world > 1:
+        peaks = [None] * world
+        dist.all_gather_object(peaks, _peak_mb())
+    return {"mesh": args.mesh, "impl": args.impl, "size": args.size, "times": times, "losses": losses,
+            "rss_mb": peaks, "world": world}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="one benchmark job (under torchrun)")
+    ap.add_argument("--mesh", required=True, choices=sorted(C.MESHES))
+    ap.add_argument("--impl", required=True, choices=sorted(BUILDERS))
+    ap.add_argument("--size", required=True, choices=sorted(C.SIZES))
+    ap.add_argument("--weights", required=True)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    import torch
+
+    torch.set_num_threads(C.MESHES[args.mesh]["threads"])
+    try:
+        if world != C.MESHES[args.mesh]["nproc"]:
+            raise SystemExit(f"mesh {args.mesh} runs {C.MESHES[args.mesh]['nproc']} ranks, got WORLD_SIZE={world}")
+        out = measure(args, rank, world)
+    except BaseException as e:  # noqa: BLE001 -- one line for the runner's table, the traceback on stderr
+        msg = str(e).strip().splitlines()
+        print("ERROR " + json.dumps({"rank": rank, "error": f"{type(e).__name__}: {msg[0] if msg else ''}"[:400]}),
+              flush=True)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    if world > 1 and args.impl != "funcpar":  # funcpar's Mesh tears its groups down at exit itself
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""benchmarks/: the runner's parsing, table, equal-work check and plot on made-up worker outputs (no processes)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import common as C  # noqa: E402
+from benchmarks import report  # noqa: E402
+
+
+def _out(mesh, impl, times, losses, rss):
+    noise = "[INFO] deepspeed says hello\n" if impl.startswith("ds") else ""
+    payload = {"mesh": mesh, "impl": impl, "size": "small", "times": times, "losses": losses, "rss_mb": rss}
+    return noise + "RESULT " + json.dumps(payload) + "\n"
+
+
+def _records():
+    recs = []
+    for rep in range(2):
+        recs += [
+            report.parse_job(_out("dp2", "funcpar", [1.0, 1.2, 1.1], [8.30000, 8.10000, 7.9], [900, 950]), "", 0,
+                             mesh="dp2", impl="funcpar", size="small"),
+            report.parse_job(_out("dp2", "ds-zero1", [2.0, 2.2], [8.30001, 8.10001, 7.9], [1200, 1100]), "", 0,
+                             mesh="dp2", impl="ds-zero1", size="small"),
+            report.parse_job(_out("dp2", "torch-fsdp2", [1.5, 1.5], [8.30000, 8.20000, 7.9], [1000, 1000]), "", 0,
+                             mesh="dp2", impl="torch-fsdp2", size="small"),
+            report.parse_job("ERROR " + json.dumps({"rank": 1, "error": "RuntimeError: gloo does not do that"}), "x",
+                             1, mesh="dp2", impl="ds-zero2", size="small"),
+        ]
+    recs.append({"mesh": "tp2", "impl": "ds-autotp", "size": "small", "missing": "deepspeed is not installed"})
+    recs.append(report.parse_job(_out("tp2", "funcpar", [0.5], [8.3, 8.1], [700, 710]), "", 0,
+                                 mesh="tp2", impl="funcpar", size="small"))
+    recs.append(report.parse_job("", "Traceback\nValueError: torch TP broke\nmore", 1, mesh="tp2", impl="torch-tp",
+                                 size="small"))
+    return recs
+
+
+def test_parse_job_takes_the_result_line_or_one_line_of_why():
+    rec = report.parse_job("noise\nRESULT " + json.dumps({"times": [1.0], "losses": [2.0], "rss_mb": [3]}), "", 0,
+                           mesh="1", impl="funcpar", size="small")
+    assert rec["times"] == [1.0] and rec["mesh"] == "1" and "error" not in rec
+    bad = report.parse_job("", "Traceback\n  File x\nValueError: no\n", 1, mesh="1", impl="hf-eager", size="small")
+    assert bad["error"] == "exit 1: ValueError: no"
+
+
+def test_table_ratios_mfu_memory_and_the_equal_work_check():
+    flops = C.flops_per_step(C.SIZES["small"])
+    rows = report.summarize(_records(), "small", flops, peak_flops=flops / 0.5, tol=1e-4)
+    by = {(r["mesh"], r["impl"]): r for r in rows}
+    fp_, ds, fsdp = by["dp2", "funcpar"], by["dp2", "ds-zero1"], by["dp2", "torch-fsdp2"]
+    assert fp_["s_per_step"] == pytest.approx(1.1) and ds["s_per_step"] == pytest.approx(2.1)
+    assert ds["ratio"] == pytest.approx(2.1 / 1.1)
+    assert fp_["funcpar_over_best"] == pytest.approx(1.1 / 1.5) and fp_["best_peer"] == C.IMPLS["torch-fsdp2"]
+    assert fp_["mfu"] == pytest.approx(0.5 / 1.1)
+    assert ds["rss_mb"] == 1200 and fp_["rss_mb"] == 950
+    assert ds["agree"] is True  # 1.2e-6 relative
+    assert fsdp["agree"] is False  # the second loss differs by 1.2%
+    assert by["dp2", "ds-zero2"]["status"] == "failed" and by["tp2", "ds-autotp"]["status"] == "missing"
+
+    text = report.table(rows, 1e-4)
+    lines = {ln.split(" | ")[1]: ln for ln in text.splitlines()[2:]}
+    assert "| 1.100 (1.100-1.100) | 1.00 (funcpar/best peer 0.73) | 45.5% | 950 |" in lines["funcpar Mesh(dp=2) zero=1"]
+    assert "| 2.100 (2.100-2.100) | 1.91 |" in lines["DeepSpeed ZeRO-1"] and "yes (1.2e-06)" in lines["DeepSpeed ZeRO-1"]
+    assert "**NO** (1.2e-02 > 1e-04)" in lines["torch FSDP2 (fully_shard)"]
+    assert "FAILED: RuntimeError: gloo does not do that" in lines["DeepSpeed ZeRO-2"]
+    assert "not installed: deepspeed is not installed" in lines["DeepSpeed AutoTP"]
+    assert "FAILED: exit 1: ValueError: torch TP broke" in lines["torch TP (parallelize_module)"]
+    assert "| Mesh(dp=2) | 1.100 | torch FSDP2 (fully_shard) | 1.500 | 0.73 |" in report.summary(rows)
+    assert "(no peer ran)" in report.summary(rows)
+
+
+def test_document_plot_and_traffic(tmp_path):
+    flops = C.flops_per_step(C.SIZES["small"])
+    rows = report.summarize(_records(), "small", flops, peak_flops=1e11, tol=1e-4)
+    planned = {"dp2": report.parse_plan("traced step, ...; peak 1 MiB per rank; sends dp 119.9 MiB per step"),
+               "tp2": report.parse_plan("garbage")}
+    assert planned["dp2"] == {"dp": pytest.approx(119.9 * 2**20)}
+    meta = {"command": "python benchmarks/run.py", "date": "today", "wall_s": 60, "peak_threads": 2, "peak_n": 2048,
+            "peak_seconds": 3, "peak_flops": 1e11, "warmup": 2, "steps": 4, "repeats": 2,
+            "machine": {"cpu": "a CPU", "cores": 2, "memory_gib": 8.0}, "versions": {"torch": "2"},
+            "missing": ["DeepSpeed AutoTP (deepspeed is not installed)"], "notes": ["a note"]}
+    doc = report.document(meta, {"small": {"rows": rows, "planned": planned}}, 1e-4)
+    assert "100.0 GFLOP/s" in doc and "a CPU, 2 cores" in doc and "**NO**" in doc and "- a note" in doc
+    ana = C.analytic_traffic(C.SIZES["small"], "dp2")["dp"]["bytes"]
+    assert f"| Mesh(dp=2) | dp | {C.fmt_bytes(ana)} |" in doc and "119.9 MiB |" in doc
+    assert "| Mesh(tp=2) | tp |" in doc and "(no 'sends ... per step' line)" in doc
+    path = tmp_path / "r.png"
+    report.plot(rows, str(path))
+    assert path.stat().st_size > 1000
+
+
+def test_analytic_traffic_counts():
+    s = C.SIZES["small"]
+    t = C.analytic_traffic(s, "tp2dp2")
+    act = 4 * 256 * 512 * 4  # b (8 rows / dp 2) x s x h, fp32
+    assert t["tp"]["bytes"] == (4 * 4 + 2) * act * 2 * 1 / 2
+    p = C.param_count(s)
+    assert t["dp"]["bytes"] == pytest.approx(2 * (p["sharded"] / 2 + p["norms"]) * 4 / 2)
+    assert C.analytic_traffic(s, "1") == {}
