@@ -71,6 +71,9 @@ def _row(size, mesh, impl, jobs, flops, peak_flops) -> dict:
             "repeat_spread": max(_rel(a, b) for j in ok for a, b in zip(j["losses"][:LOSSES_CHECKED],
                                                                          ok[0]["losses"][:LOSSES_CHECKED])),
             "failed_jobs": len(jobs) - len(ok), "loads": [j["load"] for j in ok if "load" in j]}
+    if ok[0].get("traffic"):  # per axis, the most any rank sent per step
+        per_rank = ok[0]["traffic"]
+        row["traffic"] = {a: max(t.get(a, 0) for t in per_rank) for a in set().union(*per_rank)}
     if row["failed_jobs"]:
         row["error"] = next(j["error"] for j in jobs if "error" in j)
     return row
@@ -152,18 +155,22 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def traffic_table(size: dict, meshes: list[str], planned: dict[str, dict]) -> str:
-    """Bytes one rank sends per step, by axis: the textbook count next to what ``funcpar plan`` traces."""
-    out = ["| mesh | axis | analytic (Megatron TP / ZeRO-1, ring) | what it counts | `funcpar plan` traced |",
-           "|---|---|---|---|---|"]
+def traffic_table(size: dict, meshes: list[str], planned: dict[str, dict], rows: list[dict] = ()) -> str:
+    """Bytes one rank sends per step, by axis: the textbook count next to what ``funcpar plan`` traces and what
+    funcpar's run counted (``rows``: the funcpar rows that carry ``traffic``)."""
+    out = ["| mesh | axis | analytic (Megatron TP / ZeRO-1, ring) | what it counts | `funcpar plan` traced | "
+           "funcpar run, counted |", "|---|---|---|---|---|---|"]
     for mesh in meshes:
         ana = C.analytic_traffic(size, mesh)
         plan = planned.get(mesh) or {}
-        for ax in sorted(set(ana) | set(k for k in plan if k != "error")):
+        ran = next((r.get("traffic") or {} for r in rows if r["mesh"] == mesh and r["impl"] == "funcpar"), {})
+        for ax in sorted(set(ana) | set(k for k in plan if k != "error") | set(ran)):
             a = ana.get(ax)
             traced = C.fmt_bytes(plan[ax]) if ax in plan else (f"({plan['error']})" if "error" in plan else "-")
+            counted = C.fmt_bytes(ran[ax]) + (f" ({ran[ax] / a['bytes']:.4f}x analytic)" if a else "") \
+                if ax in ran else "-"
             out.append(f"| {C.mesh_label(mesh)} | {ax} | {C.fmt_bytes(a['bytes']) if a else '-'} | "
-                       f"{a['formula'] if a else '-'} | {traced} |")
+                       f"{a['formula'] if a else '-'} | {traced} | {counted} |")
     return "\n".join(out)
 
 
@@ -254,15 +261,17 @@ def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
                 f"{p['total'] / 1e6:.2f}M parameters, {tokens} tokens per step, "
                 f"{C.flops_per_step(size) / 1e9:.1f} GFLOP per step.", "",
                 table(s["rows"], tol), "", summary(s["rows"]), "",
-                "Bytes one rank sends per step. *Analytic*: the textbook schemes (formula in the row; ring "
-                "algorithms: an all-reduce of B bytes over n ranks sends 2(n-1)/n·B per rank, a reduce-scatter or an "
-                "all-gather (n-1)/n·B). *Traced*: `funcpar plan` runs funcpar's own step over a simulated mesh and "
-                "counts what each of its collectives would send (same ring convention) -- funcpar's real traffic, "
-                "not a measurement of the run above (funcpar has no counter on real meshes). The peers' traffic is "
-                "not measured: DeepSpeed ZeRO-1/2 send what ZeRO-1's row says, FSDP2 (ZeRO-3) 1.5x it (parameters "
-                "gathered for the forward and again for the backward).", "",
+                "Bytes one rank sends per step (the most of any rank). *Analytic*: the textbook schemes (formula "
+                "in the row; ring algorithms: an all-reduce of B bytes over n ranks sends 2(n-1)/n·B per rank, a "
+                "reduce-scatter or an all-gather (n-1)/n·B). *Traced*: `funcpar plan --model <the weights> --mesh "
+                "... --zero 1` runs funcpar's step over a simulated mesh, without processes, and counts what each of "
+                "its collectives would send (same ring convention). *Counted*: the run above, funcpar's collectives "
+                "counting what they sent (`mesh.traffic`, same convention; the scalar all-reduces of the loss and "
+                "the gradient norm included), per timed step. The peers' traffic is not counted: DeepSpeed ZeRO-1/2 "
+                "send about what ZeRO-1's row says, FSDP2 (ZeRO-3) about 1.5x it (parameters gathered for the "
+                "forward and again for the backward).", "",
                 traffic_table(size, [m_ for m_ in C.MESHES if m_ != "1" and any(r["mesh"] == m_ for r in s["rows"])],
-                              s.get("planned", {})), ""]
+                              s.get("planned", {}), s["rows"]), ""]
     if meta.get("notes"):
         out += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
     return "\n".join(out)

@@ -8,7 +8,8 @@ peers through ``LlamaForCausalLM.from_pretrained``), trains on the same global b
 ``labels`` = ``input_ids``, each dp rank its rows, every tp rank of a group the same rows) with AdamW and clipping of
 the global gradient norm (``common.LR, WD, CLIP``), fp32. Each step is timed on rank 0 between a barrier before
 and one after it (so the slowest rank's time). Rank 0 prints one line ``RESULT {json}``: the step times after the
-warm-up, every step's loss (the global batch's token mean), and each rank's peak RSS (``ru_maxrss``). A failure
+warm-up, every step's loss (the global batch's token mean), each rank's peak RSS (``ru_maxrss``) and, for funcpar
+where its mesh counts them (``mesh.traffic``), the bytes each rank sent per timed step by axis. A failure
 prints ``ERROR {json}`` (the exception, one line) on the rank where it happened and exits 1.
 """
 
@@ -57,6 +58,8 @@ def build_funcpar(args, size, rank, world):
         box["state"], m = step(box["state"], {"input_ids": ids, "labels": ids})
         return float(m["loss"])
 
+    if isinstance(getattr(mesh, "traffic", None), dict):  # bytes sent by axis, counted by funcpar's collectives
+        run.traffic = lambda: dict(mesh.traffic)
     return run
 
 
@@ -220,20 +223,29 @@ def measure(args, rank: int, world: int) -> dict:
     size = C.SIZES[args.size]
     run = BUILDERS[args.impl](args, size, rank, world)
     barrier = dist.barrier if world > 1 else (lambda: None)
-    times, losses = [], []
+    counter = getattr(run, "traffic", None)
+    times, losses, before = [], [], {}
     for i in range(args.warmup + args.steps):
+        if i == args.warmup and counter:
+            before = counter()
         barrier()
         t = time.perf_counter()
         losses.append(run(i))
         barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
-    peaks = [_peak_mb()]
+    mine = {"rss_mb": _peak_mb()}
+    if counter:  # bytes this rank sent per timed step, by axis
+        mine["traffic"] = {a: (n - before.get(a, 0)) / args.steps for a, n in counter().items()}
+    ranks = [mine]
     if world > 1:
-        peaks = [None] * world
-        dist.all_gather_object(peaks, _peak_mb())
-    return {"mesh": args.mesh, "impl": args.impl, "size": args.size, "times": times, "losses": losses,
-            "rss_mb": peaks, "world": world}
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+    out = {"mesh": args.mesh, "impl": args.impl, "size": args.size, "times": times, "losses": losses,
+           "rss_mb": [r["rss_mb"] for r in ranks], "world": world}
+    if counter:
+        out["traffic"] = [r["traffic"] for r in ranks]
+    return out
 
 
 def main() -> None:
