@@ -224,7 +224,7 @@ def plot(rows: list[dict], path: str) -> None:
             x += 0.8
         ax.set_xticks(ticks, labels, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("s / step (median)")
-        ax.set_title(f"{size}", loc="left", fontsize=10)
+        ax.set_title(f"{size}", loc="left", fontsize=10, pad=16)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -248,7 +248,10 @@ def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
            + f"): **{meta['peak_flops'] / 1e9:.1f} GFLOP/s**; MFU = (6·N·T + 12·L·h·s·T) / (s/step · that peak)",
            f"- each job: {meta['warmup']} untimed warm-up steps then {meta['steps']} timed steps; {meta['repeats']} "
            "repeats, the order of the jobs reversed every other repeat; median over every timed step of every "
-           "repeat (in parentheses: the range of the per-job medians)", ""]
+           "repeat (in parentheses: the range of the per-job medians)",
+           "- first losses: step 1's (the initial weights on batch 0) and step 2's (after one update, on batch 1), "
+           "the global batch's token mean; *agree*: both within a relative "
+           f"{tol:.0e} of funcpar's on the same mesh, and the same in every repeat", ""]
     if meta.get("missing"):
         out += [f"Not run (package missing; `pip install -e \".[bench]\"`): {', '.join(meta['missing'])}.", ""]
     for name, s in sizes.items():
@@ -267,7 +270,7 @@ def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
                 "... --zero 1` runs funcpar's step over a simulated mesh, without processes, and counts what each of "
                 "its collectives would send (same ring convention). *Counted*: the run above, funcpar's collectives "
                 "counting what they sent (`mesh.traffic`, same convention; the scalar all-reduces of the loss and "
-                "the gradient norm included), per timed step. The peers' traffic is not counted: DeepSpeed ZeRO-1/2 "
+                "the gradient norm, and the vocab-parallel cross-entropy's per-token statistics, included), per timed step. The peers' traffic is not counted: DeepSpeed ZeRO-1/2 "
                 "send about what ZeRO-1's row says, FSDP2 (ZeRO-3) about 1.5x it (parameters gathered for the "
                 "forward and again for the backward).", "",
                 traffic_table(size, [m_ for m_ in C.MESHES if m_ != "1" and any(r["mesh"] == m_ for r in s["rows"])],

@@ -215,72 +215,114 @@ def parse_args(argv=None):
     ap.add_argument("--size", default="small", choices=["small", "large", "both"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--meshes", default=",".join(C.MESHES), help="comma-separated, of " + ", ".join(C.MESHES))
-    ap.add_argument("--impls", help="comma-separated subset of " + ", ".join(C.IMPLS) + " (default: all)")
+    ap.add_argument("--impls", help="comma-separated subset of " + ", ".join(C.IMPLS) + " (None: all)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per job (at least 2: the losses checked)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per job")
     ap.add_argument("--tol", type=float, default=1e-4, help="relative difference of the first losses flagged")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per job")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
-    ap.add_argument("--plot", help="the bar chart (default: results.png beside --out)")
-    ap.add_argument("--json", help="every job's record (default: results.json beside --out)")
+    ap.add_argument("--plot", help="the bar chart (None: results.png beside --out)")
+    ap.add_argument("--json", help="every job's record (None: results.json beside --out)")
     ap.add_argument("--no-plan", action="store_true", help="skip the funcpar plan traffic figures")
     ap.add_argument("--peak-seconds", type=float, default=3.0, help="how long the matmul peak is measured")
+    ap.add_argument("--rerender", metavar="JSON", help="write RESULTS.md and the plot again from a results.json "
+                                                       "(no jobs run)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.rerender:
+        with open(args.rerender) as f:
+            saved = json.load(f)
+        write_outputs(saved["meta"], saved["records"], saved["planned"], args)
+        return
     if args.warmup < report.LOSSES_CHECKED:
         sys.exit(f"--warmup must be at least {report.LOSSES_CHECKED}: the equal-work check compares the first "
                  f"{report.LOSSES_CHECKED} losses, which are untimed")
     if importlib.util.find_spec("transformers") is None:
         sys.exit("the benchmark builds its model with transformers: pip install -e \".[bench]\"")
     jobs = select_jobs(args)
-    missing = sorted({C.impl_label(m, i) + f" ({missing_package(i)})" for m, i in jobs if missing_package(i)})
+    missing = sorted({C.impl_label(m, i) + f" ({C.NEEDS.get(i, 'torch >= 2.6')})" for m, i in jobs
+                      if missing_package(i)})
     for line in missing:
-        print(f"peer not run: {line}", flush=True)
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    plot_path = args.plot or os.path.join(out_dir, "results.png")
-    json_path = args.json or os.path.join(out_dir, "results.json")
-    t0 = time.perf_counter()
+        print(f"peer not run, a package is missing (pip install -e \".[bench]\"): {line}", flush=True)
+    t0, at_start = time.perf_counter(), versions()  # the funcpar commit the jobs ran (others may commit meanwhile)
     threads, n = os.cpu_count() or 1, 2048
     peaks = [measure_peak(threads, n, args.peak_seconds)]
     print(f"matmul peak: {peaks[0] / 1e9:.1f} GFLOP/s (fp32, {threads} threads)", flush=True)
-    records, sizes = [], {}
+    records, planned = [], {}
     for name in (["small", "large"] if args.size == "both" else [args.size]):
-        sizes[name] = run_size(name, jobs, args, records, t0)
+        planned[name] = run_size(name, jobs, args, records, t0)["planned"]
     peaks.append(measure_peak(threads, n, args.peak_seconds))  # again at the end: the larger is the machine's
-    peak = max(peaks)
-    print(f"matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {peak / 1e9:.1f}", flush=True)
+    print(f"matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {max(peaks) / 1e9:.1f}", flush=True)
     meta = {"command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "wall_s": time.perf_counter() - t0,
-            "machine": machine(), "versions": versions(), "peak_flops": peak, "peaks": peaks, "peak_threads": threads, "peak_n": n,
-            "peak_seconds": args.peak_seconds, "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-            "missing": missing, "notes": notes(records, os.cpu_count() or 1)}
-    for name, s in sizes.items():
-        s["rows"] = report.summarize(records, name, C.flops_per_step(C.SIZES[name]), peak, args.tol)
+            "machine": machine(), "versions": at_start, "peak_flops": max(peaks), "peaks": peaks,
+            "peak_threads": threads, "peak_n": n, "peak_seconds": args.peak_seconds, "warmup": args.warmup,
+            "steps": args.steps, "repeats": args.repeats, "missing": missing, "tol": args.tol}
+    write_outputs(meta, records, planned, args)
+
+
+def write_outputs(meta: dict, records: list[dict], planned: dict, args) -> None:
+    """RESULTS.md, the plot and (unless re-rendering it) the JSON of every job."""
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    plot_path = args.plot or os.path.join(out_dir, "results.png")
+    json_path = args.json or os.path.join(out_dir, "results.json")
+    tol = meta.get("tol", args.tol)
+    meta["notes"] = SETUP_NOTES + notes(records, meta["machine"]["cores"] or 1)
+    sizes = {name: {"planned": planned.get(name, {}),
+                    "rows": report.summarize(records, name, C.flops_per_step(C.SIZES[name]), meta["peak_flops"], tol)}
+             for name in planned}
     os.makedirs(out_dir, exist_ok=True)
     with open(args.out, "w") as f:
-        f.write(report.document(meta, sizes, args.tol))
+        f.write(report.document(meta, sizes, tol))
     report.plot([r for s in sizes.values() for r in s["rows"]], plot_path)
-    with open(json_path, "w") as f:
-        json.dump({"meta": meta, "records": records, "planned": {k: s["planned"] for k, s in sizes.items()}}, f,
-                  indent=1)
-    print(f"wrote {args.out}, {plot_path}, {json_path} ({meta['wall_s'] / 60:.1f} min)")
+    if not args.rerender:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "records": records, "planned": planned}, f, indent=1)
+    print(f"wrote {args.out}, {plot_path}" + ("" if args.rerender else f", {json_path}")
+          + f" ({meta['wall_s'] / 60:.1f} min)")
     for name, s in sizes.items():
-        print(f"\n{name}\n" + report.table(s["rows"], args.tol) + "\n\n" + report.summary(s["rows"]))
+        print(f"\n{name}\n" + report.table(s["rows"], tol) + "\n\n" + report.summary(s["rows"]))
+
+
+SETUP_NOTES = [
+    "Every implementation: fp32, AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01 on every parameter), "
+    "the gradient clipped to global norm 1.0, one micro-batch per step, the same global batch split over dp. "
+    "Timing: rank 0's clock between a barrier before and one after each step.",
+    "funcpar: `fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), zero=1, clip_norm=1.0)` with "
+    "`fp.optim.adamw` and its defaults (donated state, no `compile=`); weights through `fp.hf.load`.",
+    "transformers eager: `LlamaForCausalLM` (SDPA attention), `torch.optim.AdamW` with its defaults (on CPU the "
+    "per-parameter loop), `clip_grad_norm_`.",
+    "DeepSpeed: `deepspeed.initialize` on the transformers model, gloo, optimizer `AdamW` with `torch_adam` (torch's), "
+    "`gradient_clipping` 1.0; ZeRO stage 1 or 2; AutoTP through the config (`tensor_parallel.autotp_size`, with ZeRO "
+    "stage 0, or 1 over dp).",
+    "torch FSDP2: `fully_shard` on each decoder layer and on the model (parameters resharded after the forward: "
+    "ZeRO-3); torch TP: `parallelize_module` with Megatron's plan (q/k/v, gate/up column-parallel; o, down "
+    "row-parallel; the embedding split over the vocabulary, the head's logits kept sharded and the cross-entropy under "
+    "`loss_parallel`); TP + FSDP2 on a 2-D device mesh (dp, tp). torch's clipping is one global-norm all-reduce over "
+    "the local shards, written out in worker.py (the norm `clip_grad_norm_` computes, each element counted once whether it \
+is a plain replicated tensor or a DTensor sharded over tp, dp or both).",
+    "The one-process mesh runs 2 threads; the others 1 thread per rank, so Mesh(tp=2, dp=2) puts 4 ranks on the 2 "
+    "cores (time-shared: its s/step includes the ranks waiting for a core).",
+]
 
 
 def notes(records: list[dict], cores: int) -> list[str]:
     out = []
+
     def own(r):  # the load a job makes by itself: its threads, or the cores
         return max(cores, C.MESHES[r["mesh"]]["nproc"] * C.MESHES[r["mesh"]]["threads"])
 
     busy = [r for r in records if r.get("load", 0) > own(r) + 1]
     if busy:
+        which = ", ".join(f"{C.impl_label(r['mesh'], r['impl'])} (repeat {r.get('repeat', 0) + 1}, load {r['load']:.1f})"
+                          for r in busy)
         out.append(f"{len(busy)} job(s) ran while the machine's 1-minute load average was more than 1 above what "
-                   f"the job makes itself (up to {max(r['load'] for r in busy):.1f} on {cores} cores): something "
-                   "else competed for the cores and their times are inflated")
+                   f"the job makes itself on {cores} cores: {which}. Either something else competed for the cores "
+                   "or the average still carried the previous job (it lags by about a minute; a 4-rank job leaves "
+                   "about 4 behind); their times may be inflated")
     return out
 
 
