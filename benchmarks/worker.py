@@ -58,6 +58,7 @@ def build_funcpar(args, size, rank, world):
         box["state"], m = step(box["state"], {"input_ids": ids, "labels": ids})
         return float(m["loss"])
 
+    run.step = step  # (benchmarks/profile_step.py marks its phases)
     if isinstance(getattr(mesh, "traffic", None), dict):  # bytes sent by axis, counted by funcpar's collectives
         run.traffic = lambda: dict(mesh.traffic)
     return run
@@ -85,6 +86,7 @@ def build_hf_eager(args, size, rank, world):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
+    run.model, run.optimizer = model, opt  # (benchmarks/profile_step.py marks their phases)
     return run
 
 

@@ -190,6 +190,43 @@ def test_point_to_point_ring_along_an_axis():
         assert "cannot exchange with itself along 'dp'" in errs[1]
 
 
+def _rings(sizes):
+    """reduce_scatter_nograd and all_gather_nograd over dp, on host tensors: funcpar's send/recv rings."""
+    m = harness.mesh(**sizes)
+    n, s = m.axis_size("dp"), m.coord("dp")
+    xs = torch.randn(n, 4 * n, 3, generator=torch.Generator().manual_seed(7))
+    native = []
+    saved = C._reduce_scatter_flat, C._all_gather_flat
+    C._reduce_scatter_flat = C._all_gather_flat = lambda *a, **k: native.append(1)
+    before = dict(m.traffic)
+    try:
+        part = C.reduce_scatter_nograd(xs[s], m, "dp", 0)
+        whole = C.all_gather_nograd(part, m, "dp", 0)
+        cols = C.all_gather_nograd(xs[s][:, :1].contiguous(), m, "dp", 1)  # a gather along dim 1
+    finally:
+        C._reduce_scatter_flat, C._all_gather_flat = saved
+    sent = m.traffic["dp"] - before.get("dp", 0)
+    return m.rank, xs, s, part, whole, cols, native, sent
+
+
+@pytest.mark.parametrize("sizes", [{"dp": 2}, {"tp": 2, "dp": 4}])
+def test_host_reduce_scatter_and_all_gather_rings(sizes):
+    outs = harness.run(2 if len(sizes) == 1 else 8, _rings, sizes)
+    n = sizes["dp"]
+    for rank, xs, s, part, whole, cols, native, sent in outs:
+        total = xs.double().sum(0)
+        assert part.shape == (4, 3) and native == []  # gloo's own reduce-scatter and all-gather were not called
+        assert torch.allclose(part.double(), total[4 * s : 4 * s + 4], rtol=1e-6, atol=1e-6)
+        if n == 2:  # two terms: the same sum in either order
+            assert torch.equal(part, xs[0][4 * s : 4 * s + 4] + xs[1][4 * s : 4 * s + 4])
+        assert torch.equal(whole[4 * s : 4 * s + 4], part)
+        assert torch.equal(cols, torch.cat([x[:, :1] for x in xs], 1))
+        nbytes = xs[0].numel() * 4 * 2 + cols.numel() * 4  # reduce-scatter in, all-gather out, the column gather
+        assert abs(sent - nbytes * (n - 1) / n) < 1e-6, (sent, nbytes)
+    wholes = [o[4] for o in outs]
+    assert all(torch.equal(w, wholes[0]) for w in wholes)  # every rank: the same sum, bit for bit
+
+
 def _bad_shape(sizes):
     m = harness.mesh(**sizes)
     try:

@@ -209,18 +209,20 @@ def _count_collectives(layers):
     b = {k: v.chunk(4)[mesh.coord("dp")] for k, v in batches()[0].items()}
     state, _ = step(state, b)
     calls = []
-    saved = (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv)
+    names = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_gather", "reduce_scatter")
+    saved = (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv,
+             C._ring_all_gather, C._ring_reduce_scatter)
 
     def spy(name, f):
         return lambda *a, **k: (calls.append(name), f(*a, **k))[1]
 
-    dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv = (
-        spy("all_reduce", saved[0]), spy("all_gather", saved[1]), spy("reduce_scatter", saved[2]),
-        spy("broadcast", saved[3]), spy("p2p", saved[4]))
+    (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv,
+     C._ring_all_gather, C._ring_reduce_scatter) = [spy(n, f) for n, f in zip(names, saved)]
     try:
         step(state, b)
     finally:
-        dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv = saved
+        (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv,
+         C._ring_all_gather, C._ring_reduce_scatter) = saved
     return len(fp.tree.leaves_with_path(state.params)), sorted(calls)
 
 
@@ -229,8 +231,9 @@ def test_collectives_per_step_do_not_grow_with_leaves():
     n6, calls6 = harness.run(4, _count_collectives, 6)[0]
     assert n6 > 2 * n2
     assert calls2 == calls6  # the same collectives for 3x the leaves
-    # token count, one reduce-scatter and one all-gather per bucket, one for loss and norm
-    assert calls2 == ["all_gather", "all_reduce", "all_reduce", "reduce_scatter"], calls2
+    # token count, one reduce-scatter and one all-gather per bucket, one for loss and norm; on gloo the
+    # reduce-scatter and the all-gather are rings of dp-1 = 3 send/recv exchanges each
+    assert calls2 == sorted(["all_gather", "all_reduce", "all_reduce", "reduce_scatter"] + ["p2p"] * 6), calls2
 
 
 # --------------------------------------------------------------------------------------------- errors, check

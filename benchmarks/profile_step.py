@@ -1,0 +1,199 @@
+"""Where funcpar's step time goes, per mesh: a ``torch.profiler`` trace of a few steps, split into phases and kinds.
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        benchmarks/profile_step.py --mesh dp2 --size small --weights FOLDER [--impl funcpar|hf-eager] [--steps 3]
+
+(``benchmarks/run.py --profile`` runs it for every mesh after the timing jobs and puts the tables in RESULTS.md.)
+
+The job is built exactly as ``worker.py`` builds it. After ``--warmup`` steps, ``--steps`` steps run under the
+profiler. funcpar's phases are marked by wrapping its methods here (``record_function``; nothing in funcpar changes):
+
+- ``forward+backward``: the ``torch.func`` gradient of the loss, per micro-batch;
+- ``bucket copies``: the gradients copied into their flat buckets (``ZeroLayout.flat``);
+- ``reduce``: the buckets' reduce-scatter (ZeRO) or all-reduce over the data axes (``ZeroLayout.reduce``);
+- ``norm+stats``: the global gradient norm and loss all-reduce (``Step._statistics``);
+- ``optimizer``: AdamW's update (``optimizer.update``) and its application (``Step._apply``);
+- ``gather``: the updated parameters all-gathered into every rank's buffers (``StateBuffers.publish``);
+- ``rest``: the step's remaining wall time (batch checks, bookkeeping, the barrier waits are outside the step).
+
+For the eager peer (``--impl hf-eager``) the phases are forward, backward, clipping and optimizer.
+
+Each phase's wall time is split by what ran in it, from every op's *self* time: ``matmul`` (mm, addmm, bmm,
+linear's kernels), ``attention`` (the SDPA kernels and their backward), ``collectives`` (every c10d/gloo/nccl op,
+including its wait), ``copies`` (copy_, clone, cat, to, contiguous, index and scatter copies), ``other ops`` (the
+element-wise ops, reductions, the optimizer's ``_foreach`` kernels) and ``python`` (the phase's wall time not spent
+in any op: Python, ``torch.func``'s transforms and the dispatcher between ops). Rank 0 prints ``PROFILE {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import common as C  # noqa: E402
+from benchmarks import worker as W  # noqa: E402
+
+KINDS = ("matmul", "attention", "collectives", "copies", "other ops", "python")
+_MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn", "aten::mkldnn")
+_COPIES = ("aten::copy_", "aten::clone", "aten::cat", "aten::_to_copy", "aten::contiguous", "aten::index_put",
+           "aten::index_select", "aten::index", "aten::scatter", "aten::gather", "aten::embedding_dense_backward",
+           "aten::narrow_copy", "aten::stack")
+
+
+def kind_of(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gloo", "nccl", "c10d", "all_reduce", "allreduce", "reduce_scatter", "all_gather",
+                            "allgather", "barrier", "broadcast", "send", "recv", "record_param_comms")):
+        return "collectives"
+    if "scaled_dot_product" in n or "flash_attention" in n:
+        return "attention"
+    if name.startswith(_MATMUL):
+        return "matmul"
+    if name.startswith(_COPIES):
+        return "copies"
+    return "other ops"
+
+
+def _wrap(owner, attr: str, label: str) -> None:
+    import torch
+
+    fn = getattr(owner, attr)
+
+    def wrapped(*a, **k):
+        with torch.profiler.record_function(label):
+            return fn(*a, **k)
+
+    setattr(owner, attr, wrapped)
+
+
+def mark_funcpar(run) -> None:
+    """Phase markers around funcpar's step methods (class-level, plus the step's own gradient function)."""
+    import funcpar.buffers as B
+    import funcpar.layout as L
+    import funcpar.step as S
+
+    _wrap(L.ZeroLayout, "flat", "phase:bucket copies")
+    _wrap(L.ZeroLayout, "reduce", "phase:reduce")
+    _wrap(S.Step, "_statistics", "phase:norm+stats")
+    _wrap(S.Step, "_apply", "phase:optimizer")
+    _wrap(B.StateBuffers, "publish", "phase:gather")
+    step = run.step
+    _wrap(step, "_grad", "phase:forward+backward")
+    opt = step.optimizer  # a NamedTuple of functions: a copy with the update wrapped
+    box = type("Box", (), {"update": opt.update})
+    _wrap(box, "update", "phase:optimizer")
+    step.optimizer = opt._replace(update=box.update)
+
+
+def mark_eager(model, optimizer) -> None:
+    import torch
+
+    _wrap(model, "forward", "phase:forward")
+    _wrap(torch.Tensor, "backward", "phase:backward")
+    _wrap(torch.nn.utils, "clip_grad_norm_", "phase:norm+stats")
+    _wrap(optimizer, "step", "phase:optimizer")
+
+
+def mark_collectives() -> None:
+    """Markers around every collective funcpar issues (with its wait) and torch.distributed's own entry points."""
+    import torch.distributed as dist
+
+    import funcpar.collectives as FC
+
+    for name in ("_raw_all_reduce", "_raw_all_gather", "_raw_reduce_scatter"):
+        _wrap(FC, name, "comm:" + name[5:])
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "batch_isend_irecv", "broadcast",
+                 "all_gather", "reduce_scatter"):
+        if hasattr(dist, name):
+            _wrap(dist, name, "comm:" + name)
+
+
+def phases_of(events, steps: int, step_wall_us: float) -> dict:
+    """{phase: {"wall_ms": .., kind: ..}} per step from the profiler's events inside the ``step`` markers: each
+    event's self time goes to the outermost phase around it (``rest`` if none) and to its kind: ``collectives``
+    under a ``comm:`` marker, ``python`` for a marker's own time, else by the op's name (:func:`kind_of`)."""
+    out = defaultdict(lambda: defaultdict(float))
+    for e in events:
+        chain, p = [], e
+        while p is not None:
+            chain.append(p.name)
+            p = p.cpu_parent
+        chain.reverse()  # root first
+        if "step" not in chain:
+            continue  # the barriers between steps
+        phase = next((c[6:] for c in chain if c.startswith("phase:")), "rest")
+        if e.name.startswith("phase:") and phase == e.name[6:] and not any(
+                c.startswith("phase:") for c in chain[:-1]):
+            out[phase]["wall_ms"] += e.cpu_time_total / 1e3
+        if any(c.startswith("comm:") for c in chain):
+            kind = "collectives"
+        elif e.name == "step" or e.name.startswith("phase:"):
+            kind = "python"
+        else:
+            kind = kind_of(e.name)
+        out[phase][kind] += e.self_cpu_time_total / 1e3
+    out["rest"]["wall_ms"] = step_wall_us / 1e3 * steps - sum(v["wall_ms"] for k, v in out.items() if k != "rest")
+    return {ph: {k: v / steps for k, v in d.items()} for ph, d in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="profile one implementation's step on one mesh (under torchrun)")
+    ap.add_argument("--mesh", required=True, choices=sorted(C.MESHES))
+    ap.add_argument("--impl", default="funcpar", choices=["funcpar", "hf-eager"])
+    ap.add_argument("--size", required=True, choices=sorted(C.SIZES))
+    ap.add_argument("--weights", required=True)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(C.MESHES[args.mesh]["threads"])
+    size = C.SIZES[args.size]
+    run = W.BUILDERS[args.impl](args, size, rank, world)
+    mark_collectives()
+    if args.impl == "funcpar":
+        mark_funcpar(run)
+    else:
+        mark_eager(run.model, run.optimizer)
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    for i in range(args.warmup):
+        run(i)
+    walls = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for i in range(args.warmup, args.warmup + args.steps):
+            barrier()
+            t = time.perf_counter()
+            with torch.profiler.record_function("step"):
+                run(i)
+            walls.append(time.perf_counter() - t)
+    phases = phases_of(prof.events(), args.steps, sum(walls) / len(walls) * 1e6)
+    out = {"mesh": args.mesh, "impl": args.impl, "size": args.size, "step_ms": sum(walls) / len(walls) * 1e3,
+           "phases": phases}
+    if os.environ.get("PROFILE_DEBUG") and rank == 0:
+        tops = defaultdict(float)
+        for e in prof.events():
+            ph, p = None, e
+            while p is not None:
+                if p.name.startswith("phase:"):
+                    ph = p.name
+                p = p.cpu_parent
+            tops[(ph, e.name)] += e.self_cpu_time_total / 1e3 / args.steps
+        for (ph, n), v in sorted(tops.items(), key=lambda x: -x[1])[:60]:
+            print(f"{ph}\t{n}\t{v:.1f}")
+    if rank == 0:
+        print("PROFILE " + json.dumps(out), flush=True)
+    barrier()
+
+
+if __name__ == "__main__":
+    main()
