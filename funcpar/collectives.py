@@ -153,7 +153,7 @@ def _raw_reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> t
     if mesh.simulated:  # on host tensors the ring (below) holds one more block while it runs (n > 2: two)
         staged = [out.new_empty(out.shape) for _ in range(min(n - 2, 2))] if mesh.device.type == "cpu" else []
         out.copy_(xm[: out.shape[0]]).mul_(_simulated(mesh, axis, xm.numel() * xm.element_size()))
-        del staged
+        staged.clear()  # (held while the ring would run)
         return out.movedim(0, dim).contiguous() if dim else out
     _count(mesh, axis, xm.numel() * xm.element_size())
     if out.device.type == "cpu":
