@@ -233,6 +233,41 @@ def plot(rows: list[dict], path: str) -> None:
 # ------------------------------------------------------------------------------------------------ RESULTS.md
 
 
+PHASES = ("forward+backward", "forward", "backward", "bucket copies", "reduce", "norm+stats", "optimizer", "gather",
+          "rest")
+KINDS = ("matmul", "attention", "collectives", "copies", "other ops", "python")
+
+
+def profile_tables(profiles: list[dict], rows: list[dict]) -> str:
+    """Where the step's time goes (``profile_step.py``'s records): ms per phase, then the whole step by kind, and
+    the compute floor: the ratio to the best peer funcpar would have if all but its matmuls and attention took no
+    time (the profiled shares applied to the timed median)."""
+    ok = [p for p in profiles if "phases" in p]
+    if not ok:
+        return "\n".join(f"- profile of {C.mesh_label(p['mesh'])} {p['impl']} failed: {p['error']}" for p in profiles)
+    phases = [ph for ph in PHASES if any(ph in p["phases"] for p in ok)]
+    head = ["| mesh | implementation | profiled ms/step | " + " | ".join(phases) + " |",
+            "|---" * (3 + len(phases)) + "|"]
+    kinds = ["| mesh | implementation | " + " | ".join(KINDS) + " | compute floor: funcpar / best peer |",
+             "|---" * (3 + len(KINDS)) + "|"]
+    for p in ok:
+        label = C.impl_label(p["mesh"], p["impl"])
+        cells = [f"{p['phases'][ph]['wall_ms']:.0f}" if ph in p["phases"] else "" for ph in phases]
+        head.append(f"| {C.mesh_label(p['mesh'])} | {label} | {p['step_ms']:.0f} | " + " | ".join(cells) + " |")
+        total = {k: sum(d.get(k, 0.0) for d in p["phases"].values()) for k in KINDS}
+        whole = sum(total.values()) or 1.0
+        floor = ""
+        timed = [r for r in rows if r["mesh"] == p["mesh"] and r.get("s_per_step")]
+        mine = [r["s_per_step"] for r in timed if r["impl"] == "funcpar"]
+        peers = [r["s_per_step"] for r in timed if r["impl"] != "funcpar"]
+        if p["impl"] == "funcpar" and mine and peers:
+            share = (total["matmul"] + total["attention"]) / whole
+            floor = f"{share * mine[0] / min(peers):.2f} ({share:.0%} of the step)"
+        kinds.append(f"| {C.mesh_label(p['mesh'])} | {label} | "
+                     + " | ".join(f"{total[k]:.0f} ({total[k] / whole:.0%})" for k in KINDS) + f" | {floor} |")
+    return "\n".join(head + [""] + kinds)
+
+
 def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
     """RESULTS.md: the machine, the versions, the measured peak, then per size the table, funcpar against its fastest
     peer, and the bytes sent per step. ``sizes``: name -> {"rows", "planned" (mesh -> axis -> bytes)}."""
@@ -275,6 +310,18 @@ def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
                 "forward and again for the backward).", "",
                 traffic_table(size, [m_ for m_ in C.MESHES if m_ != "1" and any(r["mesh"] == m_ for r in s["rows"])],
                               s.get("planned", {}), s["rows"]), ""]
+        if s.get("profiles"):
+            out += ["### Where the time goes", "",
+                    "`benchmarks/profile_step.py`: a few steps of each job under `torch.profiler` (after the timed "
+                    "jobs; the profiler slows a step, so the shares matter, not the totals). First the phases of the "
+                    "step in ms (funcpar: the `torch.func` gradient, the gradients copied into their buckets, their "
+                    "reduce-scatter, the norm and loss all-reduce, AdamW, the parameters' all-gather; the eager "
+                    "loop: forward, backward, clipping, AdamW), then the whole step by kind of work, from every "
+                    "op's self time: *python* is time in a phase outside every op (Python, `torch.func`'s "
+                    "transforms, the dispatcher). The *compute floor* is funcpar's ratio to its fastest peer if "
+                    "everything but the matmuls and the attention kernels took no time: a target below it cannot "
+                    "be met on this machine with these kernels, by any implementation doing the same arithmetic.",
+                    "", profile_tables(s["profiles"], s["rows"]), ""]
     if meta.get("notes"):
         out += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
     return "\n".join(out)

@@ -50,6 +50,7 @@ from benchmarks import common as C  # noqa: E402
 from benchmarks import report  # noqa: E402
 
 WORKER = os.path.join(ROOT, "benchmarks", "worker.py")
+PROFILER = os.path.join(ROOT, "benchmarks", "profile_step.py")
 
 
 def missing_package(impl: str) -> str | None:
@@ -171,6 +172,23 @@ def plan_traffic(mesh: str, size: dict, weights: str) -> dict:
     return report.parse_plan(p.stdout)
 
 
+def profile(mesh: str, impl: str, size: str, weights: str, args) -> dict:
+    """``profile_step.py`` for one (mesh, implementation): its phase split of a few profiled steps."""
+    spec = C.MESHES[mesh]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
+           PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"mesh": mesh, "impl": impl, "error": f"timed out after {args.timeout} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("PROFILE "):
+            return json.loads(line[8:])
+    tail = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+    return {"mesh": mesh, "impl": impl, "error": tail[:300]}
+
+
 def run_size(name: str, jobs: list[tuple[str, str]], args, records: list[dict], t0: float) -> dict:
     size = C.SIZES[name]
     weights = write_weights(size)
@@ -192,9 +210,17 @@ def run_size(name: str, jobs: list[tuple[str, str]], args, records: list[dict], 
                       f"total {(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
         meshes = list(dict.fromkeys(m for m, _ in jobs if m != "1"))
         planned = {m: plan_traffic(m, size, weights) for m in meshes} if not args.no_plan else {}
+        profiles = []
+        if args.profile:  # after the timed jobs, so the profiler's overhead touches none of them
+            for mesh in dict.fromkeys(m for m, _ in jobs):
+                for impl in ["funcpar"] + (["hf-eager"] if mesh == "1" else []):
+                    profiles.append(profile(mesh, impl, name, weights, args))
+                    print(f"[{name} profile] {C.mesh_label(mesh)} {impl}: "
+                          + (f"{profiles[-1]['step_ms']:.0f} ms/step profiled" if "phases" in profiles[-1]
+                             else profiles[-1]["error"]), flush=True)
     finally:
         shutil.rmtree(weights, ignore_errors=True)
-    return {"planned": planned}
+    return {"planned": planned, "profiles": profiles}
 
 
 def select_jobs(args) -> list[tuple[str, str]]:
@@ -224,6 +250,8 @@ def parse_args(argv=None):
     ap.add_argument("--plot", help="the bar chart (None: results.png beside --out)")
     ap.add_argument("--json", help="every job's record (None: results.json beside --out)")
     ap.add_argument("--no-plan", action="store_true", help="skip the funcpar plan traffic figures")
+    ap.add_argument("--profile", action="store_true", help="profile funcpar's step on each mesh after the timed jobs "
+                                                            "(benchmarks/profile_step.py) and add where its time goes")
     ap.add_argument("--peak-seconds", type=float, default=3.0, help="how long the matmul peak is measured")
     ap.add_argument("--rerender", metavar="JSON", help="write RESULTS.md and the plot again from a results.json "
                                                        "(no jobs run)")
@@ -235,7 +263,7 @@ def main(argv=None) -> None:
     if args.rerender:
         with open(args.rerender) as f:
             saved = json.load(f)
-        write_outputs(saved["meta"], saved["records"], saved["planned"], args)
+        write_outputs(saved["meta"], saved["records"], saved["planned"], args, saved.get("profiles", {}))
         return
     if args.warmup < report.LOSSES_CHECKED:
         sys.exit(f"--warmup must be at least {report.LOSSES_CHECKED}: the equal-work check compares the first "
@@ -251,9 +279,10 @@ def main(argv=None) -> None:
     threads, n = os.cpu_count() or 1, 2048
     peaks = [measure_peak(threads, n, args.peak_seconds)]
     print(f"matmul peak: {peaks[0] / 1e9:.1f} GFLOP/s (fp32, {threads} threads)", flush=True)
-    records, planned = [], {}
+    records, planned, profiles = [], {}, {}
     for name in (["small", "large"] if args.size == "both" else [args.size]):
-        planned[name] = run_size(name, jobs, args, records, t0)["planned"]
+        done = run_size(name, jobs, args, records, t0)
+        planned[name], profiles[name] = done["planned"], done["profiles"]
     peaks.append(measure_peak(threads, n, args.peak_seconds))  # again at the end: the larger is the machine's
     print(f"matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {max(peaks) / 1e9:.1f}", flush=True)
     meta = {"command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -261,17 +290,17 @@ def main(argv=None) -> None:
             "machine": machine(), "versions": at_start, "peak_flops": max(peaks), "peaks": peaks,
             "peak_threads": threads, "peak_n": n, "peak_seconds": args.peak_seconds, "warmup": args.warmup,
             "steps": args.steps, "repeats": args.repeats, "missing": missing, "tol": args.tol}
-    write_outputs(meta, records, planned, args)
+    write_outputs(meta, records, planned, args, profiles)
 
 
-def write_outputs(meta: dict, records: list[dict], planned: dict, args) -> None:
+def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles: dict) -> None:
     """RESULTS.md, the plot and (unless re-rendering it) the JSON of every job."""
     out_dir = os.path.dirname(os.path.abspath(args.out))
     plot_path = args.plot or os.path.join(out_dir, "results.png")
     json_path = args.json or os.path.join(out_dir, "results.json")
     tol = meta.get("tol", args.tol)
     meta["notes"] = SETUP_NOTES + notes(records, meta["machine"]["cores"] or 1)
-    sizes = {name: {"planned": planned.get(name, {}),
+    sizes = {name: {"planned": planned.get(name, {}), "profiles": profiles.get(name, []),
                     "rows": report.summarize(records, name, C.flops_per_step(C.SIZES[name]), meta["peak_flops"], tol)}
              for name in planned}
     os.makedirs(out_dir, exist_ok=True)
@@ -280,7 +309,7 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args) -> None:
     report.plot([r for s in sizes.values() for r in s["rows"]], plot_path)
     if not args.rerender:
         with open(json_path, "w") as f:
-            json.dump({"meta": meta, "records": records, "planned": planned}, f, indent=1)
+            json.dump({"meta": meta, "records": records, "planned": planned, "profiles": profiles}, f, indent=1)
     print(f"wrote {args.out}, {plot_path}" + ("" if args.rerender else f", {json_path}")
           + f" ({meta['wall_s'] / 60:.1f} min)")
     for name, s in sizes.items():

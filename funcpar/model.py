@@ -240,8 +240,12 @@ def carried_check(loss_fn: Callable) -> Callable | None:
 
 # -------------------------------------------------------------------------------------------------- registry
 
-_BUILTIN = {"llama": "funcpar.models.llama", "mistral": "funcpar.models.llama", "qwen2": "funcpar.models.llama",
-            "gpt2": "funcpar.models.gpt2"}
+_BUILTIN = {
+    "llama": "funcpar.models.llama",
+    "mistral": "funcpar.models.llama",
+    "qwen2": "funcpar.models.llama",
+    "gpt2": "funcpar.models.gpt2",
+}
 _REGISTRY: dict[str, ModelSpec] = {}
 
 
