@@ -32,6 +32,8 @@ IMPLS = {
     "ds-autotp-zero1": "DeepSpeed AutoTP + ZeRO-1",
     "torch-tp-fsdp2": "torch TP + FSDP2",
 }
+# the adapters benchmarks/lora.py trains against full fine-tuning (funcpar --lora syntax)
+LORA = "r=16,alpha=32,targets=q,v"
 # which peers need which optional package (missing -> reported, not run)
 NEEDS = {"ds-zero1": "deepspeed", "ds-zero2": "deepspeed", "ds-autotp": "deepspeed", "ds-autotp-zero1": "deepspeed"}
 

@@ -64,6 +64,27 @@ def build_funcpar(args, size, rank, world):
     return run
 
 
+def build_funcpar_lora(args, size, rank, world):
+    """funcpar with LoRA adapters (``common.LORA``) on the same weights, the base frozen (benchmarks/lora.py)."""
+    import funcpar as fp
+
+    mesh = fp.Mesh(**C.MESHES[args.mesh]["axes"])
+    model = fp.get_model("llama")
+    params, cfg = fp.hf.load(args.weights, model, mesh)
+    lora = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(C.LORA), mesh)
+    step = fp.compile_step(lora.loss_fn(model.loss_fn(cfg, mesh), params), lora.specs(), mesh=mesh,
+                           optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1, clip_norm=C.CLIP)
+    box = {"state": step.init(lora.init(seed=0))}
+
+    def run(i):
+        ids = C.local_rows(C.global_batch(size, i), args.mesh, mesh.rank)
+        box["state"], m = step(box["state"], {"input_ids": ids, "labels": ids})
+        return float(m["loss"])
+
+    run.step = step
+    return run
+
+
 def _hf_model(args):
     import transformers
 
@@ -210,7 +231,7 @@ def build_torch(args, size, rank, world):
     return run
 
 
-BUILDERS = {"funcpar": build_funcpar, "hf-eager": build_hf_eager, "ds-zero1": build_deepspeed,
+BUILDERS = {"funcpar": build_funcpar, "funcpar-lora": build_funcpar_lora, "hf-eager": build_hf_eager, "ds-zero1": build_deepspeed,
             "ds-zero2": build_deepspeed, "ds-autotp": build_deepspeed, "ds-autotp-zero1": build_deepspeed,
             "torch-fsdp2": build_torch, "torch-tp": build_torch, "torch-tp-fsdp2": build_torch}
 

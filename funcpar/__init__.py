@@ -9,6 +9,7 @@ from . import collectives as collectives
 from . import data as data
 from . import hf as hf
 from . import layers as layers
+from . import lora as lora
 from . import optim as optim
 from . import p2p as p2p
 from . import pipeline as pipeline

@@ -26,7 +26,8 @@ from funcpar.atomic import agree
 from funcpar.generate import show_arithmetic
 from funcpar.preflight import check_run, claim_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
-from funcpar.options import build_params, build_step, datasets, model_config, parse_mesh, read_options, tokenizer
+from funcpar.options import (build_lora, build_params, build_step, datasets, model_config, parse_mesh, read_options,
+                             tokenizer)
 from funcpar.planning import params_like, print_plan, print_ranking, rank_meshes, sharding_table
 from funcpar.plot import plot_metrics
 
@@ -51,6 +52,8 @@ class _Run:
     state: Any
     loader: Any
     warnings: list
+    lora: Any = None  # --lora: the adapters' Lora, and the frozen base parameters (this rank's shards)
+    base: Any = None
 
     def __post_init__(self):
         self.rank0, self.out = self.mesh.rank == 0, Path(self.opts["out"])
@@ -72,10 +75,20 @@ def _setup_run(opts, sizes) -> _Run:
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
     warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)  # before any work: refused now or never
-    step = build_step(opts, model, cfg, mesh, specs)
-    state = step.init(build_params(opts, model, cfg, specs, mesh, keep=step.holds))  # a stage reads its leaves
+    lora = base = None
+    if opts["lora"]:
+        lora, base, step, state = build_lora(opts, model, cfg, mesh, specs)
+    else:
+        step = build_step(opts, model, cfg, mesh, specs)
+        state = step.init(build_params(opts, model, cfg, specs, mesh, keep=step.holds))  # a stage reads its leaves
     loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
-    return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader, warnings)
+    return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader, warnings, lora, base)
+
+
+def _params(run: _Run) -> Any:
+    """The model's parameters now (this rank's shards): the step's, or under --lora the base with the adapters
+    merged in."""
+    return run.lora.merge(run.base, run.state.params) if run.lora else run.step.gather_params(run.state)
 
 
 def _resume(run: _Run) -> None:
@@ -125,7 +138,7 @@ def _announce(run: _Run) -> None:
 def _evaluate(run: _Run, data, global_batch) -> float:
     """Mean held-out token loss over the whole eval set, split over dp (through the pipeline's stages on pp)."""
     model, cfg, mesh = run.model, run.cfg, run.mesh
-    params = run.step.gather_params(run.state)
+    params = _params(run)
     dp = mesh.axis_size("dp")
     gb = min(global_batch, len(data)) // dp * dp
     if gb:
@@ -197,8 +210,16 @@ def _interrupted(run: _Run, argv: list[str]) -> None:
 def _finish(run: _Run) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
-    fp.hf.save(run.out / "hf", run.step.gather_params(run.state), run.model, run.cfg, run.mesh, specs=run.specs,
+    fp.hf.save(run.out / "hf", _params(run), run.model, run.cfg, run.mesh, specs=run.specs,
                overwrite=run.opts["overwrite"], tokenizer=tokenizer(run.opts))
+    peft = None
+    if run.lora:
+        try:
+            run.lora.save_peft(run.out / "adapter", run.state.params, base_model=run.opts["model"],
+                               overwrite=run.opts["overwrite"])
+            peft = run.out / "adapter"
+        except fp.lora.LoraError as e:  # (fused or transposed leaves: the merged export stands alone)
+            peft = f"no PEFT adapter folder ({e})"
     if not run.rank0:
         return
     title = (f"{run.cfg.model_type} on {run.mesh!r}: {run.opts['data']}, {run.opts['optimizer']} lr "
@@ -207,8 +228,8 @@ def _finish(run: _Run) -> None:
     rows = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]  # the whole run's, resumed or not
     first, last = (rows[0]["loss"], rows[-1]["loss"]) if rows else (float("nan"), float("nan"))
     print(f"loss {first:.4f} -> {last:.4f}; "
-          f"wrote {run.ckpts}, {run.metrics_file}, {run.out / 'loss.png'} and a transformers folder {run.out / 'hf'}",
-          flush=True)
+          f"wrote {run.ckpts}, {run.metrics_file}, {run.out / 'loss.png'} and a transformers folder {run.out / 'hf'}"
+          + (f" (the adapters merged); adapter: {peft}" if run.lora else ""), flush=True)
     if run.opts["data"] == "builtin:arithmetic" and run.opts["tokenizer"] == "byte":
         show_arithmetic(run.out / "hf", run.model)
 

@@ -244,7 +244,10 @@ _BUILTIN = {
     "llama": "funcpar.models.llama",
     "mistral": "funcpar.models.llama",
     "qwen2": "funcpar.models.llama",
+    "baichuan": "funcpar.models.baichuan",
     "gpt2": "funcpar.models.gpt2",
+    "bloom": "funcpar.models.bloom",
+    "glm": "funcpar.models.glm",
 }
 _REGISTRY: dict[str, ModelSpec] = {}
 

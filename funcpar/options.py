@@ -19,7 +19,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "model": "llama-tiny", "mesh": "tp=2,dp=2", "data": "builtin:arithmetic", "tokenizer": "byte", "seq_len": 64,
     "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
-    "remat": False, "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
+    "remat": False, "lora": "", "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
     "heartbeat": 60.0, "chat_template": "auto",
 }
@@ -39,6 +39,8 @@ HELP = {
     "weight_decay": "decoupled weight decay (not on norms and biases)", "zero": "ZeRO stage: 0, 1, 2 or 3",
     "clip": "clip the global gradient norm to this (0: off)", "precision": "fp32, bf16 or fp16 (with loss scaling)",
     "remat": "recompute activations in the backward pass (less memory)", "steps": "optimizer steps to train",
+    "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
+            "model to hf/ and a PEFT adapter folder to adapter/",
     "eval_every": "held-out loss every N steps and at the end (0: never)",
     "eval_fraction": "share of the rows held out for evaluation", "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints of this run to keep", "log_every": "a log line every N steps",
@@ -243,3 +245,22 @@ def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
                            optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
                            clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]],
                            pipeline=opts["pipeline"], chunks=opts["chunks"] or None, parts=parts)
+
+
+def build_lora(opts, model, cfg, mesh, specs):
+    """``--lora``: ``(lora, base params, step over the adapters, its initial state)``; the base is loaded whole
+    on every pipeline-free rank and never enters the step's state."""
+    if mesh.axis_size("pp") > 1 or opts["zero"] == 3:
+        raise SystemExit("funcpar: --lora trains on tp and dp meshes with --zero 0, 1 or 2 (the adapters are small: "
+                         "ZeRO-3 and pipeline stages have nothing to gain)")
+    try:
+        lora = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(opts["lora"]), mesh, specs)
+        params = build_params(opts, model, cfg, specs, mesh)
+        loss = lora.loss_fn(model.loss_fn(cfg, mesh, remat=opts["remat"]), params)
+    except fp.lora.LoraError as e:
+        raise SystemExit(f"funcpar: {e}") from None
+    precisions = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    step = fp.compile_step(loss, lora.specs(), mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"],
+                           accum_steps=opts["micro_batches"], clip_norm=opts["clip"] or None,
+                           param_dtype=precisions.get(opts["precision"]))
+    return lora, params, step, step.init(lora.init(seed=opts["seed"]))

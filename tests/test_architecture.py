@@ -21,7 +21,7 @@ LAYERS = [
     ("communication", ["funcpar.collectives", "funcpar.p2p"]),
     ("blocks", ["funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_options", "funcpar.layers", "funcpar.remat", "funcpar.atomic", "funcpar.data",
                 "funcpar._ckpt_source", "funcpar._hf_folder", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),
-    ("io", ["funcpar.hf", "funcpar.checkpoint"]),
+    ("io", ["funcpar.hf", "funcpar.checkpoint", "funcpar.lora"]),
     ("step", ["funcpar.step"]),
     ("api", ["funcpar"]),
     ("apps", ["funcpar.options", "funcpar.cli", "funcpar.launch", "funcpar.preflight", "funcpar.progress", "funcpar.__main__", "funcpar.generate", "funcpar.plot", "funcpar.planning",

@@ -107,3 +107,22 @@ def test_analytic_traffic_counts():
     p = C.param_count(s)
     assert t["dp"]["bytes"] == pytest.approx(2 * (p["sharded"] / 2 + p["norms"]) * 4 / 2)
     assert C.analytic_traffic(s, "1") == {}
+
+
+def test_profile_tables_split_the_step_and_state_the_compute_floor():
+    flops = C.flops_per_step(C.SIZES["small"])
+    rows = report.summarize(_records(), "small", flops, peak_flops=1e11, tol=1e-4)  # dp2: funcpar 1.1, best 1.5
+    phases = {"forward+backward": {"wall_ms": 800, "matmul": 600, "attention": 100, "other ops": 90, "python": 10},
+              "reduce": {"wall_ms": 150, "collectives": 150}, "optimizer": {"wall_ms": 50, "other ops": 50}}
+    prof = [{"mesh": "dp2", "impl": "funcpar", "size": "small", "step_ms": 1000, "phases": phases},
+            {"mesh": "tp2", "impl": "funcpar", "error": "exit 1: boom"}]
+    text = report.profile_tables(prof, rows)
+    assert "| Mesh(dp=2) | funcpar Mesh(dp=2) zero=1 | 1000 | 800 | 150 | 50 |" in text
+    # the whole step by kind; compute 70% of it: 0.7 * 1.1 / 1.5 = 0.51
+    assert "| 600 (60%) | 100 (10%) | 150 (15%) | 0 (0%) | 140 (14%) | 10 (1%) | 0.51 (70% of the step) |" in text
+    assert "- Mesh(dp=2): funcpar / best peer 0.73, target <= 0.8 met." in text
+    slow = [dict(r, s_per_step=2.0) if r["mesh"] == "dp2" and r["impl"] == "funcpar" else r for r in rows]
+    text = report.profile_tables(prof, slow)  # 2.0 / 1.5 = 1.33; floor 0.7 * 1.33 = 0.93 > 0.8
+    assert "target <= 0.8 not met; compute floor 0.93: unreachable here" in text
+    assert "profile of" not in text  # a failed profile among good ones is left out of the tables
+    assert report.profile_tables(prof[1:], rows) == "- profile of Mesh(tp=2) funcpar failed: exit 1: boom"

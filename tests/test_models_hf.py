@@ -2,6 +2,7 @@
 byte-identical round trips (single and multi-file); per-rank bytes read; errors that name the tensor."""
 
 import json
+import re
 import os
 import shutil
 
@@ -194,7 +195,10 @@ def test_checkpoint_errors_name_the_tensor(ckpts, tmp_path):
     assert "wrong shape (1): model.layers.0.self_attn.q_proj.weight is [64, 32], expected [64, 64]" in msg
 
     unknown = _copy(src, str(tmp_path / "falcon"), config_edit=lambda c: c.update(model_type="falcon"))
-    with pytest.raises(fp.hf.HFError, match=r"model_type 'falcon', which funcpar does not know; it knows: gpt2, llama, mistral, qwen2"):
+    known = ", ".join(sorted(fp.known_models()))  # every built-in model_type (and any a test registered), sorted
+    assert {"llama", "mistral", "qwen2", "gpt2", "bloom", "glm", "baichuan"} <= set(fp.known_models())
+    with pytest.raises(fp.hf.HFError, match=r"model_type 'falcon', which funcpar does not know; it knows: "
+                                            + re.escape(known) + r" \(register"):
         fp.hf.load(unknown)
     with pytest.raises(fp.hf.HFError, match=r"model_type 'gpt2', which model 'llama' does not implement \(llama, mistral, qwen2\)"):
         fp.hf.load(ckpts["gpt2"][0], llama)

@@ -1,0 +1,350 @@
+"""LoRA: low-rank adapters as a pytree of their own, the base weights frozen outside the train state.
+
+    lora = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse("r=16,alpha=32,targets=q,v"), mesh)
+    adapters = lora.init(seed=0)                                   # this rank's shards of every A and B
+    step = fp.compile_step(lora.loss_fn(model.loss_fn(cfg, mesh), params), lora.specs(), mesh=mesh, zero=1)
+    state = step.init(adapters)                                    # optimizer state for the adapters only
+    ...
+    fp.hf.save(out, lora.merge(params, state.params), model, cfg, mesh)   # W + (alpha/r)·B·A, for transformers
+    lora.save_peft(out_adapter, state.params)                              # adapter_config.json + safetensors
+
+A targeted weight ``W`` (out, in) gets ``A`` (r, in) and ``B`` (out, r): the layer computes ``x Wᵀ + s·(x Aᵀ) Bᵀ``
+with ``s = alpha / r``, never forming ``B·A`` nor a gradient for ``W``. The base parameters are not part of what
+``compile_step`` differentiates: the step's state is the adapters' tree, so ``torch.func.grad`` runs over them
+alone, and no gradient buffer, ZeRO part or optimizer moment exists for a base weight. (Freezing through an
+optimizer mask would still compute every base gradient and hold its buffers; leaving the base out of the state
+costs nothing.)
+
+Sharding follows the base weight: for ``W`` with spec ``P(o, i)``, ``A`` is ``P(None, i)`` and ``B`` is ``P(o, None)``.
+A factor replicated over an axis its weight is split over (``A`` over a column-parallel weight's ``o``, ``B`` over
+a row-parallel weight's ``i``) enters through ``copy_to_region`` on that axis, whose backward sums the partial
+gradients the ranks of the axis hold, so every rank's adapter gradient is whole.
+
+Targets name Hugging Face modules: ``q`` or ``q_proj`` matches every ``*.q_proj.weight`` of the model's HF table;
+a name with a regex character is matched against the pytree path instead (``layers\\.0\\.wq``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.nn.functional as F
+
+from . import collectives as C
+from .atomic import write_folder
+from .hf import _plan
+from .mesh import Mesh
+from .model import carried_check, carried_weight, get_model
+from .sharding import gathered_leaves
+from .spec import P, block_index, broadcast_specs, local_slice
+
+__all__ = ["LoraConfig", "Lora", "LoraError", "LoraWeight"]
+
+
+class LoraError(ValueError):
+    """A LoRA configuration that cannot apply to the model (names the target or the key)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """``r`` (rank), ``alpha`` (the update is scaled by ``alpha / r``), ``targets`` (HF module names or path
+    regexes), ``dropout`` (on the adapters' input, in training)."""
+
+    r: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q", "v")
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise LoraError(f"LoRA r={self.r!r}: the rank must be an integer >= 1")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise LoraError(f"LoRA alpha={self.alpha!r}: must be a positive number")
+        if not 0.0 <= self.dropout < 1.0:
+            raise LoraError(f"LoRA dropout={self.dropout!r}: must be in [0, 1)")
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise LoraError(f"LoRA targets={self.targets!r}: name at least one module (q, v, q_proj, ...)")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    @classmethod
+    def parse(cls, text: str) -> "LoraConfig":
+        """``"r=16,alpha=32,targets=q,v,dropout=0.05"``: a bare word continues the previous key's list."""
+        fields: dict[str, Any] = {}
+        key = None
+        for item in (t.strip() for t in text.split(",")):
+            if "=" in item:
+                key, _, value = item.partition("=")
+                key = key.strip()
+                if key not in ("r", "alpha", "targets", "dropout"):
+                    raise LoraError(f"--lora {text!r}: unknown key '{key}' (r, alpha, targets, dropout)")
+                fields[key] = [value.strip()] if key == "targets" else value.strip()
+            elif key == "targets" and item:
+                fields["targets"].append(item)
+            elif item:
+                raise LoraError(f"--lora {text!r}: '{item}' is not key=value (r=16,alpha=32,targets=q,v)")
+        try:
+            return cls(r=int(fields.get("r", cls.r)), alpha=float(fields.get("alpha", cls.alpha)),
+                       targets=tuple(fields.get("targets", cls.targets)),
+                       dropout=float(fields.get("dropout", cls.dropout)))
+        except ValueError as e:
+            raise LoraError(f"--lora {text!r}: {e}") from None
+
+
+class LoraWeight:
+    """A frozen weight with its adapters, standing where the weight stands in the model's parameter tree.
+    ``F.linear(x, w)`` computes ``x Wᵀ + s·(drop(x) Aᵀ) Bᵀ``; any other torch function sees the merged weight
+    ``W + s·B·A``. ``shape``, ``dtype`` and ``device`` are the base weight's."""
+
+    def __init__(self, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dropout=None):
+        self.base, self.a, self.b, self.scale, self.dropout = base, a, b, scale, dropout
+
+    shape = property(lambda self: self.base.shape)
+    dtype = property(lambda self: self.base.dtype)
+    device = property(lambda self: self.base.device)
+    ndim = property(lambda self: self.base.ndim)
+
+    def size(self, dim=None):
+        return self.base.size() if dim is None else self.base.size(dim)
+
+    def merged(self) -> torch.Tensor:
+        return self.base + (self.b @ self.a) * self.scale
+
+    def __getitem__(self, index):  # e.g. the kv heads a rank picks from a replicated weight
+        return self.merged()[index]
+
+    def __getattr__(self, name: str):  # any other tensor method or attribute: the merged weight's
+        if name in ("base", "a", "b", "scale", "dropout"):
+            raise AttributeError(name)
+        return getattr(self.merged(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2 and isinstance(args[1], LoraWeight) and torch.is_tensor(args[0]):
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            y = F.linear(x, w.base, bias)
+            xd = w.dropout(x) if w.dropout is not None else x
+            return y + F.linear(F.linear(xd, w.a), w.b) * w.scale
+        args, kwargs = optree.tree_map(lambda v: v.merged() if isinstance(v, LoraWeight) else v, (args, kwargs),
+                                       is_leaf=lambda v: isinstance(v, LoraWeight))
+        return func(*args, **kwargs)
+
+
+def _module_of(hf_name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``q_proj``."""
+    parts = hf_name.split(".")
+    return parts[-2] if len(parts) >= 2 and parts[-1] == "weight" else ""
+
+
+def _matches(target: str, path: str, module: str) -> bool:
+    if re.search(r"[\\^$*+?\[\](){}|]", target):
+        return re.fullmatch(target, path) is not None
+    return module in (target, target + "_proj")
+
+
+class Lora:
+    """The adapters of a model: which weights (``targets``), their specs, init, the frozen-base loss, merging and
+    the PEFT folder. ``mesh`` is the one the model's parameters are sharded over."""
+
+    def __init__(self, model: Any, cfg: Any, config: LoraConfig, mesh: Mesh | None = None, specs: Any = None):
+        self.model, self.config, self.mesh = get_model(model), config, mesh or Mesh()
+        self.cfg = cfg.with_mesh(self.mesh)
+        meta = self.model.init(self.cfg, device="meta")
+        self.base_specs = self.model.specs(self.cfg, self.mesh) if specs is None else specs
+        entries = broadcast_specs(self.base_specs, meta)
+        paths = [p for p, _, _ in entries]
+        hf_names = {p: m for p, m in zip(paths, _plan(self.model, paths, self.cfg))}
+        self.targets: dict[str, tuple[P, tuple[int, int], Any]] = {}
+        for target in config.targets:
+            hit = [(p, s, x) for p, s, x in entries if _matches(target, p, _module_of(hf_names[p].hf))]
+            if not hit:
+                mods = sorted({_module_of(hf_names[p].hf) for p, _, x in entries if x.ndim == 2} - {""})
+                raise LoraError(f"LoRA target '{target}' matches no weight of model '{self.model.name}'; its "
+                                f"modules are: {', '.join(mods)}")
+            for p, s, x in hit:
+                if x.ndim != 2:
+                    raise LoraError(f"LoRA target '{target}' matches leaf '{p}' of shape {tuple(x.shape)}, not a "
+                                    f"2-D weight")
+                self.targets[p] = (s, tuple(x.shape), hf_names[p])
+        self._step = 0
+
+    # ------------------------------------------------------------------------------------------- the tree
+    def _tree(self, fn: Callable[[str, P, tuple[int, int]], Any]) -> Any:
+        """The adapters' tree: nested dicts along each targeted leaf's path (``layers.3.wq`` ->
+        ``{"layers": {"3": {"wq": fn(...)}}}``), so its leaves' paths are ``layers.3.wq.lora_A`` and ``...lora_B``."""
+        tree: dict = {}
+        for p, (s, shape, _) in self.targets.items():
+            node = tree
+            *head, last = p.split(".")
+            for k in head:
+                node = node.setdefault(k, {})
+            node[last] = fn(p, s, shape)
+        return tree
+
+    def _by_path(self, adapters: Any) -> dict[str, dict]:
+        """``{leaf path: {"lora_A": A, "lora_B": B}}`` from an adapters' tree."""
+        out = {}
+        for p in self.targets:
+            node = adapters
+            for k in p.split("."):
+                node = node[k]
+            out[p] = node
+        return out
+
+    def _over(self, params: Any, adapters: Any, fn: Callable) -> Any:
+        """``params`` with ``fn(path, weight, {"lora_A", "lora_B"})`` at the targeted leaves."""
+        by = self._by_path(adapters)
+
+        def at(path, w):
+            p = ".".join(str(k) for k in path)
+            return fn(p, w, by[p]) if p in by else w
+        return optree.tree_map_with_path(at, params, none_is_leaf=True)
+
+    def specs(self) -> Any:
+        """The adapters' specs: ``{"lora_A": P(None, i), "lora_B": P(o, None)}`` at each targeted ``P(o, i)``."""
+        def one(p, s, shape):
+            o, i = s.axes_of(0), s.axes_of(1)
+            return {"lora_A": P(None, _one(i)), "lora_B": P(_one(o), None)}
+        return self._tree(one)
+
+    def init(self, seed: int = 0, dtype: torch.dtype = torch.float32, device=None) -> Any:
+        """This rank's shards: ``A`` uniform in ±1/sqrt(in) (PEFT's default, Kaiming-uniform with a=sqrt(5)), drawn
+        whole from ``seed`` and the leaf's index, so every mesh gets the same adapters; ``B`` zeros."""
+        order = {p: k for k, p in enumerate(self.targets)}
+        r = self.config.r
+
+        def one(p, s, shape):
+            g = torch.Generator().manual_seed(seed * 100003 + order[p])
+            a = (torch.rand(r, shape[1], generator=g, dtype=torch.float64) * 2 - 1) / math.sqrt(shape[1])
+            spec = self.specs_of(p)
+            a = a.to(dtype)[local_slice(spec["lora_A"], (r, shape[1]), self.mesh, path=p + ".lora_A")]
+            b_shape = [shape[0], r]
+            b_local = torch.zeros(*b_shape, dtype=dtype)[local_slice(spec["lora_B"], b_shape, self.mesh)]
+            return {"lora_A": a.contiguous().to(device), "lora_B": b_local.contiguous().to(device)}
+        return self._tree(one)
+
+    def specs_of(self, path: str) -> dict[str, P]:
+        s = self.targets[path][0]
+        return {"lora_A": P(None, _one(s.axes_of(1))), "lora_B": P(_one(s.axes_of(0)), None)}
+
+    # ------------------------------------------------------------------------------------------- compute
+    def apply(self, params: Any, adapters: Any, training: bool = True, merged: bool = False) -> Any:
+        """``params`` with every targeted weight a :class:`LoraWeight` (for the model's forward and loss), or with
+        ``merged`` the tensor ``W + s·B·A`` (differentiable in ``A`` and ``B``: what a model under ``remat`` needs,
+        whose recomputed blocks take tensors only)."""
+        drop = self._dropout() if training and self.config.dropout > 0 else None
+
+        def one(p, w, ad):
+            s = self.targets[p][0]
+            a, b = ad["lora_A"], ad["lora_B"]
+            for ax in s.axes_of(0):  # A is whole over the axes W's rows are split over: its gradient sums them
+                a = C.copy_to_region(a, self.mesh, ax)
+            for ax in s.axes_of(1):
+                b = C.copy_to_region(b, self.mesh, ax)
+            lw = LoraWeight(w, a, b, self.config.scale,
+                            None if drop is None else _Dropout(drop, self.config.dropout, s, self.mesh))
+            return lw.merged() if merged else lw
+        return self._over(params, adapters, one)
+
+    def _dropout(self) -> torch.Generator:
+        """One generator per call of the loss: the same masks on every rank of a model-parallel group (seeded by
+        the coordinates along the axes no weight is split over), new ones at every call."""
+        self._step += 1
+        model_axes = {a for s, _, _ in self.targets.values() for a in s.axes}
+        data = [self.mesh.coord(a) for a in self.mesh.axis_names if a not in model_axes]
+        return torch.Generator().manual_seed(self._step * 1000003 + sum(c * 7919 ** k for k, c in enumerate(data)))
+
+    def merge(self, params: Any, adapters: Any) -> Any:
+        """Plain tensors ``W + s·B·A`` (this rank's shards, the product in float64) at the targeted leaves: for
+        ``fp.hf.save``. The adapters must be sharded as :meth:`specs` says on this mesh."""
+        def one(p, w, ad):
+            a, b = ad["lora_A"], ad["lora_B"]
+            if (b.shape[0], a.shape[1]) != tuple(w.shape):
+                raise LoraError(f"merge: leaf '{p}' is {tuple(w.shape)} here but its adapters make "
+                                f"{(b.shape[0], a.shape[1])}: shard them as lora.specs() says on this mesh")
+            with torch.no_grad():
+                return (w.double() + (b.double() @ a.double()) * self.config.scale).to(w.dtype)
+        return self._over(params, adapters, one)
+
+    def loss_fn(self, loss_fn: Callable, params: Any) -> Callable:
+        """``loss(adapters, batch)`` for ``compile_step``: ``loss_fn`` on the frozen ``params`` (this rank's
+        shards, held by reference, never differentiated) with the adapters applied."""
+        if self.config.dropout > 0 and getattr(loss_fn, "remat", False):
+            raise LoraError(f"LoRA dropout={self.config.dropout} with remat: the recomputed forward would draw other "
+                            f"masks than the first; train with dropout=0 or without remat")
+        return _LoraLoss(self, loss_fn, optree.tree_map(lambda t: t.detach(), params),
+                         merged=bool(getattr(loss_fn, "remat", False)))
+
+    # ---------------------------------------------------------------------------------------------- PEFT
+    def save_peft(self, path, adapters: Any, base_model: str | None = None, overwrite: bool = False) -> None:
+        """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) that
+        ``peft.PeftModel.from_pretrained(base, path)`` loads; collective (rank 0 writes)."""
+        from safetensors.torch import save_file
+
+        for p, (_, _, mp) in self.targets.items():
+            if mp.split or mp.transposed or not mp.hf.endswith(".weight"):
+                raise LoraError(f"save_peft: leaf '{p}' is stored as part of '{mp.hf}' (fused or transposed) in "
+                                f"the model's checkpoint; PEFT cannot hold its adapter: export merged weights "
+                                f"(lora.merge) instead")
+        tensors = {}
+        for p, _, g in gathered_leaves(adapters, self.specs(), self.mesh, dst=0):
+            leaf, _, which = p.rpartition(".")
+            if g is not None:
+                module = self.targets[leaf][2].hf.removesuffix(".weight")
+                tensors[f"base_model.model.{module}.{which}.weight"] = g.detach().cpu().contiguous()
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.config.r,
+                  "lora_alpha": self.config.alpha, "lora_dropout": self.config.dropout, "bias": "none",
+                  "target_modules": sorted({_module_of(m.hf) for _, _, m in self.targets.values()}),
+                  "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
+                  "modules_to_save": None, "init_lora_weights": True}
+
+        def write(tmp: Path) -> None:
+            if self.mesh.rank == 0:
+                save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+                (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+        write_folder(path, self.mesh, write, error=LoraError, overwrite=overwrite)
+
+
+def _one(axes: tuple[str, ...]):
+    """A spec entry from a dimension's axes: ``None``, one name or a tuple of names."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+class _Dropout:
+    """Dropout on an adapter's input, the mask drawn whole and cut like the input (row-parallel: its columns)."""
+
+    def __init__(self, gen: torch.Generator, p: float, spec: P, mesh: Mesh):
+        self.gen, self.p, self.spec, self.mesh = gen, p, spec, mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        axes = self.spec.axes_of(1)
+        n = math.prod(self.mesh.axis_size(a) for a in axes)
+        whole = (*x.shape[:-1], x.shape[-1] * n)
+        keep = torch.rand(whole, generator=self.gen, dtype=torch.float32) >= self.p
+        if n > 1:
+            k = block_index(self.spec, 1, self.mesh)
+            keep = keep[..., k * x.shape[-1] : (k + 1) * x.shape[-1]]
+        return x * keep.to(device=x.device, dtype=x.dtype) / (1 - self.p)
+
+
+class _LoraLoss:
+    """The loss of the adapters, the base frozen; carries the base loss's micro-batch weight and batch check."""
+
+    def __init__(self, lora: Lora, fn: Callable, base: Any, merged: bool):
+        self.lora, self.fn, self.base, self.merged = lora, fn, base, merged
+        self.batch_weight, self.check_batch = carried_weight(fn), carried_check(fn)
+
+    def __call__(self, adapters, batch):
+        return self.fn(self.lora.apply(self.base, adapters, merged=self.merged), batch)

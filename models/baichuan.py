@@ -1,0 +1,313 @@
+"""Baichuan2-7B as its published checkpoints lay it out (``model_type: "baichuan"``, remote-code modelling).
+
+A Llama-shaped decoder (RMSNorm, rotary positions with base 10000, SwiGLU MLP, no biases, multi-head attention, an
+untied head) with two differences in kind:
+
+* the checkpoint fuses q, k and v into one ``self_attn.W_pack.weight`` of shape ``(3*hidden, hidden)`` (q rows,
+  then k rows, then v rows). It is split here into three leaves (the HF table lists the splits), so that tp shards
+  each by heads and the export puts them back together;
+* the head is a *NormHead*: ``logits = h @ normalize(lm_head.weight).T``, each vocabulary row divided by its L2
+  norm in every forward pass (the published code does this in training; at inference it normalises once, which
+  computes the same). Under tp each rank normalises its own block of rows, which is exact since the norm is per row.
+
+The embedding is ``nn.Embedding(..., padding_idx=pad_token_id)`` in the published code: the row of
+``pad_token_id`` receives no gradient, and it starts at zero. Both are kept.
+
+Refused, with the key that shows it: the 13B layout (ALiBi attention biases and no rotary embedding: its
+config.json has no ``max_position_embeddings``, and its sizes are 5120 wide, 40 layers of 40 heads), Baichuan 1
+7B (architecture ``BaiChuanForCausalLM``: a plain linear head), a nonzero ``z_loss_weight`` (the published z-loss,
+``z_loss_weight * mean(max(logits)^2)`` over every position, is averaged over positions, not targets, so it does
+not split over micro-batches weighed by their targets), tied embeddings and activations other than silu.
+
+Per-shard code as in the Llama model (docs/ARCHITECTURE.md, Conventions): q/k/v and gate/up column-parallel, o and
+down row-parallel, vocab-parallel embedding and head, vocab-parallel cross-entropy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import einops
+import torch
+import torch.nn.functional as F
+
+import funcpar as fp
+from funcpar import P
+from funcpar import collectives as C
+from funcpar import layers as L
+
+MODEL_TYPES = ("baichuan",)
+ARCHITECTURE = "BaichuanForCausalLM"
+ROPE_BASE = 10000.0  # fixed in the published 7B modelling code; config.json has no key for it
+_13B_SHAPE = (5120, 40, 40)  # hidden_size, num_hidden_layers, num_attention_heads of the published 13B models
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(L.VocabPadding):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    pad_token_id: int | None = None  # its embedding row gets no gradient (nn.Embedding's padding_idx)
+    model_type: str = "baichuan"
+    vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
+    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        L.check_sizes(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "max_position_embeddings")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"baichuan.Config: hidden_size={self.hidden_size} is not a multiple of "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"baichuan.Config: rms_norm_eps={self.rms_norm_eps} must be positive")
+        pad = self.pad_token_id
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < self.vocab_size):
+            raise ValueError(f"baichuan.Config: pad_token_id={pad!r} is not a token id in [0, {self.vocab_size})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "Config":
+        _refuse_unsupported(d)
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=d["max_position_embeddings"],
+            pad_token_id=d.get("pad_token_id"),
+            hf=dict(d),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict: the original one where this config came from a folder (every key it had, auto_map
+        and the tokenizer ids included), with our fields set."""
+        d = dict(self.hf)
+        d.update(
+            model_type="baichuan",
+            architectures=d.get("architectures") or [ARCHITECTURE],
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act="silu",
+            tie_word_embeddings=False,
+        )
+        if self.pad_token_id is not None or "pad_token_id" in d:
+            d["pad_token_id"] = self.pad_token_id
+        return d
+
+
+def _refuse_unsupported(d: dict[str, Any]) -> None:
+    """Raise a ValueError naming the config key for a model_type "baichuan" config this model does not compute."""
+    mt = d.get("model_type", "baichuan")
+    if mt != "baichuan":
+        raise ValueError(f"model_type '{mt}' is not baichuan")
+    if "max_position_embeddings" not in d:
+        raise ValueError("config has no 'max_position_embeddings': that is the Baichuan 13B layout (ALiBi attention "
+                         "biases instead of rotary positions), which funcpar does not implement (Baichuan2-7B it does)")
+    shape = tuple(d.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
+    if shape == _13B_SHAPE:
+        raise ValueError(f"hidden_size, num_hidden_layers, num_attention_heads = {shape} are the Baichuan 13B sizes, "
+                         f"whose modelling uses ALiBi attention biases instead of rotary positions: not implemented")
+    archs = d.get("architectures") or []
+    if "BaiChuanForCausalLM" in archs:
+        raise ValueError("architectures ['BaiChuanForCausalLM'] is Baichuan 1 7B, whose head is a plain linear layer; "
+                         "funcpar's baichuan model is Baichuan2-7B (BaichuanForCausalLM, a normalised head)")
+    z = d.get("z_loss_weight", 0)
+    if isinstance(z, bool) or not isinstance(z, (int, float)) or z != 0:
+        raise ValueError(f"config key 'z_loss_weight' is {z!r}: funcpar's baichuan model supports only 0 (the "
+                         f"published z-loss averages over all positions, not over targets)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act '{act}' is not supported by funcpar's baichuan model (only 'silu')")
+    if d.get("tie_word_embeddings", False):
+        raise ValueError("tie_word_embeddings=true is not supported: Baichuan2's NormHead is its own weight")
+
+
+def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    """Global parameters as the published code initialises them: N(0, 0.02) linear and embedding weights (the
+    padding row zero), unit norms, and the NormHead uniform in +-1/sqrt(hidden). ``device="meta"``: shapes only."""
+    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+
+    def w(*shape, bound=None):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        if g is None:
+            return t
+        if bound is None:
+            return t.copy_(torch.randn(*shape, generator=g) * 0.02)
+        return t.copy_((torch.rand(*shape, generator=g) * 2 - 1) * bound)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    layers = [
+        {"attn_norm": ones(d), "wq": w(d, d), "wk": w(d, d), "wv": w(d, d), "wo": w(d, d), "mlp_norm": ones(d),
+         "w_gate": w(inter, d), "w_up": w(inter, d), "w_down": w(d, inter)}
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    embed, head = w(cfg.rows, d), w(cfg.rows, d, bound=1 / math.sqrt(d))
+    if g is not None:
+        embed[cfg.vocab_size :] = 0  # padding rows of a vocabulary tp does not divide: no token uses them
+        head[cfg.vocab_size :] = 0
+        if cfg.pad_token_id is not None:
+            embed[cfg.pad_token_id] = 0
+    return {"embed": embed, "layers": layers, "norm": ones(d), "lm_head": head}
+
+
+_LAYER_SPECS = {
+    "attn_norm": P(), "mlp_norm": P(),
+    "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None), "wo": P(None, "tp"),
+    "w_gate": P("tp", None), "w_up": P("tp", None), "w_down": P(None, "tp"),
+}
+
+
+def specs(cfg: Config, mesh=None):
+    """Megatron's plan: q/k/v column-parallel by heads, gate/up column-parallel, o/down row-parallel,
+    vocab-parallel embedding and NormHead."""
+    cfg.check_mesh(mesh)
+    tp = 1 if mesh is None else mesh.axis_size("tp")
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}: q/k/v are "
+                         f"split over tp by whole heads")
+    return {"embed": P("tp", None), "layers": [dict(_LAYER_SPECS) for _ in range(cfg.num_hidden_layers)],
+            "norm": P(), "lm_head": P("tp", None)}
+
+
+# published name <-> pytree path ({i} = layer index); W_pack is three leaves: part k of 3 along its rows
+_LAYER_HF = {
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "wq": "self_attn.W_pack.weight", "wk": "self_attn.W_pack.weight", "wv": "self_attn.W_pack.weight",
+    "wo": "self_attn.o_proj.weight", "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+HF_NAMES = [("embed", "model.embed_tokens.weight"), ("norm", "model.norm.weight"), ("lm_head", "lm_head.weight")] + [
+    (f"layers.{{i}}.{k}", f"model.layers.{{i}}.{v}") for k, v in _LAYER_HF.items()]
+HF = fp.HFNames(
+    HF_NAMES,
+    splits={"layers.{i}.wq": (0, 0, 3), "layers.{i}.wk": (0, 1, 3), "layers.{i}.wv": (0, 2, 3)},
+    vocab_padded=["embed", "lm_head"],  # rows beyond the real vocabulary are padding (absent from checkpoints)
+    ignored=[r".*\.rotary_emb\.inv_freq$"],  # a buffer some conversions carry; it holds nothing to load
+)
+
+
+# ------------------------------------------------------------------------------------------------- the model
+
+
+def _rope_cos_sin(cfg: Config, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, (T, hd), in float32 (the published code rotates in float32)."""
+    hd = cfg.head_dim
+    inv = 1.0 / (ROPE_BASE ** (torch.arange(0, hd, 2, device=device).float() / hd))  # (hd/2,)
+    angles = torch.outer(torch.arange(T, device=device).float(), inv)  # (T, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on (B, H, T, hd), computed in float32 and cast back (as the published code does)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)  # (B, T, 1)
+    return w * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def _attention(p, x, cos, sin, cfg: Config, mesh):
+    hd = cfg.head_dim
+    x = C.copy_to_region(x, mesh, "tp")
+    q = F.linear(x, p["wq"])  # (B, T, d) -> (B, T, H/tp*hd)
+    k = F.linear(x, p["wk"])  # (B, T, H/tp*hd)
+    v = F.linear(x, p["wv"])  # (B, T, H/tp*hd)
+    q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, H/tp, T, hd)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
+    return C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, H/tp*hd) -> (B, T, d), summed over tp
+
+
+def _mlp(p, x, mesh):
+    x = C.copy_to_region(x, mesh, "tp")
+    g = F.linear(x, p["w_gate"])  # (B, T, d) -> (B, T, I/tp)
+    u = F.linear(x, p["w_up"])  # (B, T, d) -> (B, T, I/tp)
+    return C.reduce_from_region(F.linear(F.silu(g) * u, p["w_down"]), mesh, "tp")  # (B, T, I/tp) -> (B, T, d)
+
+
+def _layer(lp, x, cos, sin, cfg: Config, mesh):
+    x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
+    return x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
+
+
+def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
+    ids = batch["input_ids"]
+    x = L.vocab_embedding(params["embed"], ids, mesh, "tp")  # (B, T) -> (B, T, d)
+    if cfg.pad_token_id is None:
+        return x
+    # nn.Embedding(padding_idx=pad): the same rows, but the pad row gets no gradient
+    return torch.where((ids == cfg.pad_token_id)[..., None], x.detach(), x)  # (B, T, d)
+
+
+def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
+    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device)  # (T, hd)
+    return _layer(lp, x, cos, sin, cfg, mesh)
+
+
+def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
+    """The last layer's output (B, T, d), replicated over tp. ``remat``: keep only each layer's input and
+    recompute the layer in the backward pass."""
+    x = _embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
+    cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device)  # (T, hd)
+    layer = functools.partial(_layer, cfg=cfg, mesh=mesh)
+    for lp in params["layers"]:
+        x = fp.remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
+    return x
+
+
+def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """NormHead: this rank's vocabulary rows, each divided by its L2 norm, times the final normed states."""
+    x = C.copy_to_region(_rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
+    return F.linear(x, F.normalize(params["lm_head"], dim=-1))  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+
+
+def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
+    logits = _head_logits(params, x, cfg, mesh)
+    return L.causal_lm_loss(logits, batch.get("labels", batch["input_ids"]), mesh, "tp", batch.get("loss_mask"),
+                            reduction, cfg.vocab_size)
+
+
+def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """This rank's logits, (B, T, V/tp): vocab-sharded over tp (all of them at ``Mesh()``), padding columns of a
+    padded vocabulary dropped."""
+    logits = _head_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh)
+    return L.unpad_logits(logits, mesh, "tp", cfg.vocab_size)
+
+
+def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat: bool = False) -> torch.Tensor:
+    """The published ``labels=`` loss with ``z_loss_weight`` 0: mean over counted tokens of the shifted
+    cross-entropy (``-100`` ignored, ``batch["loss_mask"]`` optional), computed vocab-parallel."""
+    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh, remat), batch, cfg, mesh, reduction)
+
+
+MODEL = fp.register_model(fp.ModelSpec(
+    name="baichuan", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True,
+    stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
+                     head_leaves=lambda cfg: ["norm", "lm_head"]),
+))

@@ -1,0 +1,201 @@
+"""LoRA (funcpar.lora): adapters as their own pytree, the base frozen outside the train state; at Mesh(tp=2, dp=2)
+training equals Mesh(), only the adapters change, no gradient or optimizer state exists for a base weight; the
+merged export is W + (alpha/r)·B·A and loads in transformers; the PEFT folder loads with peft."""
+
+import json
+
+import pytest
+import torch
+
+import funcpar as fp
+import harness
+from funcpar.lora import Lora, LoraConfig, LoraError
+from hf_fixtures import batch, make_checkpoint
+
+LCFG = LoraConfig(r=4, alpha=8.0, targets=("q", "v", "o_proj", "down"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora") / "base"
+    make_checkpoint("llama", str(folder))
+    return str(folder)
+
+
+def _map_b(tree, g):
+    import optree
+
+    return optree.tree_map_with_path(
+        lambda path, x: torch.randn(x.shape, generator=g) * 0.05 if path[-1] == "lora_B" else x, tree)
+
+
+def test_config_parse_and_errors(base):
+    c = LoraConfig.parse("r=16,alpha=32,targets=q,v,dropout=0.05")
+    assert (c.r, c.alpha, c.targets, c.dropout, c.scale) == (16, 32.0, ("q", "v"), 0.05, 2.0)
+    for text, msg in [("r=0", "the rank must be an integer >= 1"), ("rank=4", "unknown key 'rank'"),
+                      ("r=4,bogus", "'bogus' is not key=value"), ("alpha=-1", "alpha=-1.0: must be a positive number"),
+                      ("dropout=1", "dropout=1.0: must be in"), ("r=x", "invalid literal")]:
+        with pytest.raises(LoraError, match=msg):
+            LoraConfig.parse(text)
+    params, cfg = fp.hf.load(base)
+    with pytest.raises(LoraError, match=r"LoRA target 'qq' matches no weight of model 'llama'; its modules are: "
+                                        r"down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
+        Lora("llama", cfg, LoraConfig(targets=("qq",)))
+    with pytest.raises(LoraError, match=r"matches leaf 'layers.0.attn_norm' of shape \(64,\), not a 2-D weight"):
+        Lora("llama", cfg, LoraConfig(targets=(r"layers\.0\.attn_norm",)))
+
+
+def test_adapted_layer_equals_the_merged_weight(base):
+    """x Wᵀ + s·(x Aᵀ) Bᵀ (never forming B·A) against the loss on W + s·B·A, value and adapter gradients."""
+    params, cfg = fp.hf.load(base)
+    model, mesh, b = fp.get_model("llama"), fp.Mesh(), batch()
+    lora = Lora(model, cfg, LCFG, mesh)
+    assert sorted(lora.targets) == sorted(f"layers.{i}.{n}" for i in range(2) for n in ("wq", "wv", "wo", "w_down"))
+    ad = _map_b(lora.init(seed=0), torch.Generator().manual_seed(1))
+    loss = lora.loss_fn(model.loss_fn(cfg, mesh), params)
+    got = loss(ad, b)
+    via_merge = model.loss(lora.merge(params, ad), b, cfg=cfg, mesh=mesh)
+    assert abs(got.item() - via_merge.item()) <= 1e-6 * abs(via_merge.item())
+    assert got.item() != model.loss(params, b, cfg=cfg, mesh=mesh).item()  # the adapters do something
+
+    def merged_loss(a):
+        p = lora._over(params, a, lambda path, w, x: w + x["lora_B"] @ x["lora_A"] * LCFG.scale)
+        return model.loss(p, b, cfg=cfg, mesh=mesh)
+
+    def grad(f):
+        return [g for _, g in fp.tree.leaves_with_path(torch.func.grad(f)(ad))]
+    remat_loss = lora.loss_fn(model.loss_fn(cfg, mesh, remat=True), params)
+    # under remat the recomputed blocks take tensors: the adapters enter as W + s·B·A, the same gradients
+    g1, g2, g3 = grad(lambda a: loss(a, b)), grad(merged_loss), grad(lambda a: remat_loss(a, b))
+    paths = [p for p, _ in fp.tree.leaves_with_path(ad)]
+    for p, x, y, z in zip(paths, g1, g2, g3):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-7) and torch.allclose(x, z, rtol=1e-5, atol=1e-7), p
+        assert x.abs().sum() > 0, p
+    with pytest.raises(LoraError, match=r"LoRA dropout=0.1 with remat: the recomputed forward would draw other masks"):
+        Lora(model, cfg, LoraConfig(dropout=0.1), mesh).loss_fn(model.loss_fn(cfg, mesh, remat=True), params)
+
+
+def _train(folder, mesh, out=None, steps=3):
+    model = fp.get_model("llama")
+    params, cfg = fp.hf.load(folder, mesh=mesh)
+    before = [x.clone() for _, x in fp.tree.leaves_with_path(params)]
+    lora = Lora(model, cfg, LCFG, mesh)
+    step = fp.compile_step(lora.loss_fn(model.loss_fn(cfg, mesh), params), lora.specs(), mesh=mesh,
+                           optimizer=fp.optim.adamw(1e-2, weight_decay=0.01), zero=1, clip_norm=1.0)
+    state = step.init(lora.init(seed=0))
+    losses = []
+    for s in range(steps):
+        state, m = step(state, harness.dp_share(batch(seed=s), mesh) if mesh.size > 1 else batch(seed=s))
+        losses.append(m["loss"])
+    base_same = all(torch.equal(x, y) for x, (_, y) in zip(before, fp.tree.leaves_with_path(params)))
+    state_bytes = sum(x.numel() * x.element_size() for _, x in fp.tree.leaves_with_path(state.opt_state)
+                      if isinstance(x, torch.Tensor) and x.ndim)
+    out_d = {"losses": losses, "adapters": fp.gather(state.params, lora.specs(), mesh), "base_same": base_same,
+             "state_bytes": state_bytes, "buffer_numel": sum(b.numel() for b in step.buffers.params),
+             "adapter_numel": sum(x.numel() for _, x in fp.tree.leaves_with_path(state.params))}
+    if out is not None:
+        fp.hf.save(f"{out}/merged", lora.merge(params, state.params), model, cfg, mesh)
+        lora.save_peft(f"{out}/adapter", state.params, base_model=folder)
+        out_d["logits"] = fp.gather(model.forward(lora.apply(params, state.params, training=False),
+                                                  batch(seed=9)["input_ids"], cfg, mesh), fp.P(None, None, "tp"), mesh)
+    return out_d
+
+
+def _train_tp2dp2(folder, out):
+    return _train(folder, harness.mesh(tp=2, dp=2), out)
+
+
+def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
+    import transformers
+
+    ref = _train(base, fp.Mesh())
+    got = harness.run(4, _train_tp2dp2, base, str(tmp_path))
+    for g in got:
+        assert g["base_same"]  # the base weights are never written
+        for a, b in zip(g["losses"], ref["losses"]):
+            assert abs(a - b) <= 2e-6 * abs(b)
+        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(g["adapters"]), fp.tree.leaves_with_path(ref["adapters"])):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), p
+    assert ref["losses"][2] < ref["losses"][0]
+    # what the step holds: the adapters alone (flat buffers, AdamW's two moments in ZeRO-1 parts over dp=2)
+    n_adapters = sum(x.numel() for _, x in fp.tree.leaves_with_path(ref["adapters"]))
+    assert ref["buffer_numel"] == ref["adapter_numel"] == n_adapters
+    assert ref["state_bytes"] == 2 * 4 * n_adapters
+    r0 = got[0]
+    assert r0["buffer_numel"] == r0["adapter_numel"]  # this rank's tp shards of the adapters, nothing of the base
+    assert r0["state_bytes"] <= 2 * 4 * r0["adapter_numel"] / 2 + 64  # the moments of its half (ZeRO-1 over dp=2)
+    # the merged export: W + (alpha/r)·B·A, loading in transformers with the adapted model's logits
+    base_sd = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ad = ref["adapters"]["layers"]["1"]["wq"]
+    want = base_sd["model.layers.1.self_attn.q_proj.weight"] + LCFG.scale * r0["adapters"]["layers"]["1"]["wq"][
+        "lora_B"] @ r0["adapters"]["layers"]["1"]["wq"]["lora_A"]
+    assert torch.allclose(merged.state_dict()["model.layers.1.self_attn.q_proj.weight"], want, atol=1e-6)
+    assert torch.equal(merged.state_dict()["model.layers.1.mlp.up_proj.weight"],
+                       base_sd["model.layers.1.mlp.up_proj.weight"])  # not a target: unchanged
+    assert ad["lora_A"].shape == (4, 64)
+    with torch.no_grad():
+        logits = merged(input_ids=batch(seed=9)["input_ids"]).logits
+    assert (logits - r0["logits"]).abs().max().item() <= 1e-5
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["peft_type"]) == (4, 8.0, "LORA")
+    assert cfg["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
+    import peft  # (in the test extra)
+
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                           str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch(seed=9)["input_ids"]).logits
+    assert (logits - r0["logits"]).abs().max().item() <= 1e-5
+
+
+def test_funcpar_train_with_lora_exports_merged_and_peft_folders(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+
+    def train(*args):
+        return subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--mesh",
+                               "tp=2,dp=2", "--global-batch", "8", "--steps", "6", "--eval-every", "3",
+                               "--schedule", "constant", "--lr", "1e-2", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    p = train("--lora", "r=4,alpha=8,targets=zz")
+    assert p.returncode == 1 and p.stderr.startswith("funcpar: LoRA target 'zz' matches no weight of model 'llama'"), \
+        p.stderr
+    assert not (tmp_path / "out").exists()
+    p = train("--lora", "r=4,alpha=8,targets=q,v")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "out"
+    assert "(the adapters merged); adapter: out/adapter" in p.stdout
+    paths = [q["path"] for q in fp.checkpoint.metadata(out / "checkpoints")["params"]]
+    assert paths and all(".lora_" in q for q in paths), paths  # the checkpoint holds the adapters alone
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert model.config.num_hidden_layers == 2
+
+
+def _dropout_losses(folder, tp):
+    mesh = harness.mesh(tp=tp) if tp > 1 else fp.Mesh()
+    model = fp.get_model("llama")
+    params, cfg = fp.hf.load(folder, mesh=mesh)
+    lcfg = LoraConfig(r=4, alpha=8.0, targets=("q", "o"), dropout=0.3)
+    lora = Lora(model, cfg, lcfg, mesh)
+    whole = _map_b(Lora(model, fp.hf.load(folder)[1], lcfg).init(seed=0), torch.Generator().manual_seed(1))
+    ad = fp.shard(whole, lora.specs(), mesh)  # the same adapters as at Mesh(), this rank's shards
+    loss = lora.loss_fn(model.loss_fn(cfg, mesh), params)
+    return [loss(ad, batch()).item() for _ in range(2)] + [model.loss(lora.merge(params, ad), batch(), cfg=cfg,
+                                                                      mesh=mesh).item()]
+
+
+def test_dropout_masks_are_the_same_on_every_tp_rank_and_new_each_call(base):
+    ref = _dropout_losses(base, 1)
+    assert len({round(v, 7) for v in ref}) == 3  # two calls, two masks; both differ from no dropout
+    for got in harness.run(2, _dropout_losses, base, 2):  # column- (q) and row-parallel (o) adapters
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, ref)), (got, ref)
