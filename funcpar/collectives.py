@@ -17,6 +17,7 @@ function                     forward                 backward                typ
 ``reduce_scatter``           reduce-scatter          all-gather              sequence-parallel exit
 ``scatter_to_region``        keep own block of dim   all-gather              replicated -> sharded (split)
 ``gather_from_region``       all-gather along dim    keep own block          sharded -> replicated (gather)
+``all_to_all``               block j to rank j       the same exchange       expert parallelism (token dispatch)
 ===========================  ======================  ======================  =====================================
 
 Non-differentiable: :func:`all_reduce` (sum/max/min/avg, over one axis or several, for statistics such as a global
@@ -41,6 +42,7 @@ __all__ = [
     "reduce_scatter",
     "scatter_to_region",
     "gather_from_region",
+    "all_to_all",
     "all_reduce",
     "all_gather_nograd",
     "reduce_scatter_nograd",
@@ -201,6 +203,15 @@ def _ring_all_gather(xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: st
         _exchange(blocks[(i - s) % n], blocks[(i - s - 1) % n], mesh, axis, "all_gather")
 
 
+def _raw_all_to_all(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
+    n, xm = _check_divisible(x, dim, mesh, axis, "all_to_all"), x.detach().movedim(dim, 0).contiguous()
+    _count(mesh, axis, xm.numel() * xm.element_size())  # (n-1)/n of the blocks leave this rank, as in a ring
+    out = xm.view(n, -1)[mesh.coord(axis)].repeat(n, 1).view(xm.shape) if mesh.simulated else torch.empty_like(xm)
+    if not mesh.simulated:  # (simulated: every rank taken to hold this rank's values, each sends its own block)
+        _wait(dist.all_to_all_single(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_to_all", axis)
+    return out.movedim(0, dim).contiguous()
+
+
 def _own_block(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
     n = _check_divisible(x, dim, mesh, axis, "scatter_to_region")
     k = x.shape[dim] // n
@@ -254,6 +265,7 @@ _ScatterToRegion = _function("_ScatterToRegion", lambda x, mesh, axis, dim: _own
                              "_GatherFromRegion")
 _GatherFromRegion = _function("_GatherFromRegion", lambda x, mesh, axis, dim: _raw_all_gather(x, mesh, axis, dim),
                               "_ScatterToRegion")
+_AllToAll = _function("_AllToAll", _raw_all_to_all, "_AllToAll")  # even blocks: its own conjugate
 
 
 def _trivial(mesh: "Mesh", axis: str) -> bool:
@@ -300,6 +312,11 @@ def gather_from_region(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = -1) 
     if _trivial(mesh, axis):
         return x
     return _GatherFromRegion.apply(x, mesh, axis, _norm_dim(dim, x.ndim))
+
+
+def all_to_all(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:
+    """Block j of ``dim`` to rank j, rank j's block for this rank at place j; the same exchange backward."""
+    return x if _trivial(mesh, axis) else _AllToAll.apply(x, mesh, axis, _norm_dim(dim, x.ndim))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -178,7 +178,9 @@ def _check_leaf(path: str, spec: P, x: Any, data_axes: tuple[str, ...]) -> None:
     if not isinstance(x, torch.Tensor):
         raise StepError(f"leaf '{path}' is a {type(x).__name__}, not a tensor")
     for a in data_axes:
-        if a in spec.axes:
+        # "ep" is the one data axis a model shards leaves over itself (experts): it routes every row's tokens to
+        # the rank holding their expert (all_to_all), so the gradient of each shard is already whole
+        if a in spec.axes and a != "ep":
             raise SpecError(
                 f"leaf '{path}': spec {spec} shards over '{a}'; compile_step keeps parameters whole over the data "
                 f"axes ({', '.join(data_axes)}) and partitions their optimizer state instead (zero=1/2)"

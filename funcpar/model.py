@@ -248,6 +248,7 @@ _BUILTIN = {
     "gpt2": "funcpar.models.gpt2",
     "bloom": "funcpar.models.bloom",
     "glm": "funcpar.models.glm",
+    "mixtral": "funcpar.models.mixtral",
 }
 _REGISTRY: dict[str, ModelSpec] = {}
 

@@ -1,0 +1,377 @@
+"""Mixtral, the sparse mixture of experts, as transformers defines it, with expert parallelism on the ``ep`` axis.
+
+Attention and norms are Llama's (GQA, rope, RMSNorm, an optional sliding window). Each layer's MLP is a sparse MoE
+block: a router (a linear map to ``num_local_experts`` logits, softmax, the top ``num_experts_per_tok``
+probabilities renormalised to sum to one) and SwiGLU experts; a token's output is the weighted sum of its experts'.
+The loss is transformers' ``outputs.loss`` with ``output_router_logits``: the causal-LM loss plus
+``router_aux_loss_coef`` times the load-balancing loss (added when ``cfg.output_router_logits``, as transformers does;
+``loss(..., aux=True/False)`` overrides).
+
+Parallelism (per-shard code, docs/ARCHITECTURE.md). tp: Megatron's plan for attention, the vocab-parallel embedding,
+head and loss; inside every expert, w_gate/w_up column-parallel and w_down row-parallel. ep: the experts' weights are
+stacked ``(E, ...)`` leaves split over ``ep`` on the expert dimension (``P("ep", "tp", None)``), so a rank holds
+E/ep whole experts and checkpoints and ``fp.gather`` see ordinary sharded leaves; the router and everything else
+is replicated. ep is a *data* axis: every ep rank holds its own rows of the batch (``compile_step(...,
+data_axes=("dp", "ep"))``). In each layer a rank routes its tokens, lays each expert's tokens out in a block of a
+capacity the ep group agrees on, exchanges the blocks with ``all_to_all`` so each reaches the rank holding its
+expert, runs its experts on what it received and sends the results back the same way.
+
+Dropless, as transformers' Mixtral (each expert takes every token routed to it). The capacity is the largest number of
+tokens any rank of the ep group routes to any one expert in this layer and batch (an all-reduce max), so every
+assignment has a slot and none is dropped; the slots a block does not use are zero rows whose results are never
+read (compute spent on padding when the load is uneven; even blocks make the exchange one ``all_to_all`` that is its
+own conjugate).
+
+The load-balancing loss is transformers' ``load_balancing_loss_func`` without attention mask (funcpar batches have
+none: every token counts): ``E * sum_e f_e * p_e``, ``f_e`` the share of top-k assignments to expert e and ``p_e``
+its mean router probability, both over every token of every layer of the whole batch. Sharded, ``f`` comes from
+counts all-reduced over the data axes (no gradient) and ``p`` from a sum over them whose backward all-reduces the
+gradient too (:func:`_data_sum`), so each data rank's loss carries the global load-balancing loss and each rank's
+router the whole gradient of it (the step weighs each rank's loss by its share of the targets, and the shares sum
+to one). Under ``accum_steps > 1`` it is computed per micro-batch (over every data rank's share of it).
+
+Not supported: pipeline stages and ``zero=3`` (no staged form: the router statistics of every layer would have to
+ride along the stage carry), ``remat``, ``funcpar plan`` (the capacity depends on the routing, which meta tensors
+do not have), rope scaling, router jitter. Checkpoints hold the experts fused, as transformers 5 does in memory
+(see ``HF``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import einops
+import torch
+import torch.nn.functional as F
+
+import funcpar as fp
+from funcpar import P
+from funcpar import collectives as C
+from funcpar import layers as L
+
+DATA_AXES = ("dp", "ep")  # the axes the batch is split over (the load-balancing statistics are summed over them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(L.VocabPadding):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 4096 * 32
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    model_type: str = "mixtral"
+    vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
+    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        L.check_sizes(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+                      "num_experts_per_tok", "max_position_embeddings")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"mixtral.Config: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(f"mixtral.Config: num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_local_experts={self.num_local_experts}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"mixtral.Config: sliding_window={w!r}, expected a positive int or None")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "Config":
+        if d.get("model_type", "mixtral") != "mixtral":
+            raise ValueError(f"model_type '{d.get('model_type')}' is not 'mixtral'")
+        for key, want in (("hidden_act", "silu"), ("router_jitter_noise", 0)):
+            if d.get(key, want) != want:
+                raise ValueError(f"config key '{key}' is {d[key]!r}: funcpar's mixtral supports only {want!r}")
+        rp = d.get("rope_parameters") or {}
+        kind = rp.get("rope_type", (d.get("rope_scaling") or {}).get("rope_type", "default"))
+        if kind != "default":
+            raise ValueError(f"rope type '{kind}' is not supported by funcpar's mixtral (only 'default')")
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            num_local_experts=d.get("num_local_experts", 8), num_experts_per_tok=d.get("num_experts_per_tok", 2),
+            router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+            output_router_logits=bool(d.get("output_router_logits", False)),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 1e6))),
+            max_position_embeddings=d.get("max_position_embeddings", 4096 * 32),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), sliding_window=d.get("sliding_window"),
+            hf=dict(d),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict: the original one where this config came from a folder, with our fields set."""
+        d = dict(self.hf)
+        d.update(
+            model_type="mixtral", architectures=d.get("architectures") or ["MixtralForCausalLM"],
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
+            router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=self.output_router_logits,
+            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings, sliding_window=self.sliding_window, hidden_act="silu",
+        )
+        if "rope_theta" in self.hf and "rope_parameters" not in self.hf:  # transformers 4 style
+            d["rope_theta"] = self.rope_theta
+        else:
+            d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        return d
+
+
+def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    """Global parameters, N(0, 0.02) weights and unit norms as transformers initialises them. ``device="meta"``
+    gives shapes only. Expert weights are stacked: ``w_gate``/``w_up`` (E, I, d), ``w_down`` (E, d, I)."""
+    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    d, hd, inter, E = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_local_experts
+
+    def w(*shape):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    layers = [{
+        "attn_norm": ones(d), "wq": w(cfg.num_attention_heads * hd, d), "wk": w(cfg.num_key_value_heads * hd, d),
+        "wv": w(cfg.num_key_value_heads * hd, d), "wo": w(d, cfg.num_attention_heads * hd), "mlp_norm": ones(d),
+        "router": w(E, d), "w_gate": w(E, inter, d), "w_up": w(E, inter, d), "w_down": w(E, d, inter),
+    } for _ in range(cfg.num_hidden_layers)]
+    params = {"embed": _vocab_table(w(cfg.rows, d), cfg), "layers": layers, "norm": ones(d)}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = _vocab_table(w(cfg.rows, d), cfg)
+    return params
+
+
+def _vocab_table(t: torch.Tensor, cfg: Config) -> torch.Tensor:
+    if cfg.rows > cfg.vocab_size and t.device.type != "meta":
+        t[cfg.vocab_size :] = 0  # padding rows: no token uses them
+    return t
+
+
+def _size(mesh, axis: str) -> int:
+    """The size of ``axis`` on ``mesh``; 1 where the mesh has no such axis (``ep`` is named only where used)."""
+    return mesh.axis_size(axis) if mesh is not None and axis in mesh.axis_names else 1
+
+
+def specs(cfg: Config, mesh=None):
+    """Megatron's plan for attention, embedding and head; experts split over ``ep`` (expert dimension) and, inside
+    each, over tp (w_gate/w_up column-, w_down row-parallel); the router replicated. Refuses, by config key and
+    axis, sizes the mesh does not divide."""
+    cfg.check_mesh(mesh)
+    ep, tp = _size(mesh, "ep"), _size(mesh, "tp")
+    for key, axis, n in (("num_local_experts", "ep", ep), ("intermediate_size", "tp", tp),
+                         ("num_attention_heads", "tp", tp), ("num_key_value_heads", "tp", tp)):
+        if getattr(cfg, key) % n:
+            raise ValueError(f"mixtral: {key}={getattr(cfg, key)} is not divisible by mesh axis '{axis}' of size {n}")
+    e = "ep" if mesh is not None and "ep" in mesh.axis_names else None  # P names only the mesh's axes
+    layer = {"attn_norm": P(), "mlp_norm": P(), "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None),
+             "wo": P(None, "tp"), "router": P(), "w_gate": P(e, "tp", None), "w_up": P(e, "tp", None),
+             "w_down": P(e, None, "tp")}
+    out = {"embed": P("tp", None), "layers": [dict(layer) for _ in range(cfg.num_hidden_layers)], "norm": P()}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = P("tp", None)
+    return out
+
+
+# transformers name <-> pytree path. The experts are stored as transformers 5 holds them (and writes them with
+# save_pretrained(..., save_original_format=False)): gate_up_proj (E, 2I, d), gate rows first, and down_proj (E, d, I).
+# The original layout (block_sparse_moe.experts.{j}.w1/w2/w3, one tensor per expert: the Hub's Mixtral and
+# save_pretrained's default) would map E tensors onto one stacked leaf, which HFNames cannot say: it is refused by
+# name; transformers converts it (from_pretrained, then save_pretrained(..., save_original_format=False))
+_LAYER_HF = {
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight", "router": "mlp.gate.weight", "w_gate": "mlp.experts.gate_up_proj",
+    "w_up": "mlp.experts.gate_up_proj", "w_down": "mlp.experts.down_proj",
+}
+HF = fp.HFNames(
+    [("embed", "model.embed_tokens.weight"), ("norm", "model.norm.weight"), ("lm_head", "lm_head.weight")]
+    + [(f"layers.{{i}}.{k}", f"model.layers.{{i}}.{v}") for k, v in _LAYER_HF.items()],
+    splits={"layers.{i}.w_gate": (1, 0, 2), "layers.{i}.w_up": (1, 1, 2)},
+    vocab_padded=["embed", "lm_head"],
+    ignored=[r".*\.rotary_emb\.inv_freq$"],
+    ignored_if_tied=[r"^lm_head\.weight$"],
+)
+
+
+# ------------------------------------------------------------------------------------------------- the model
+
+
+def _rope_cos_sin(cfg: Config, T: int, device, dtype):
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
+    freqs = torch.arange(T, device=device).float()[:, None] * inv.to(device)[None, :]  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _attention(p, x, cos, sin, cfg: Config, mesh):
+    hd, T = cfg.head_dim, x.shape[1]
+    x = C.copy_to_region(x, mesh, "tp")
+    q, k, v = (einops.rearrange(F.linear(x, p[n]), "b t (h d) -> b h t d", d=hd)  # (B, T, d) -> (B, H/tp, T, hd)
+               for n in ("wq", "wk", "wv"))
+    q = q * cos + _rotate_half(q) * sin  # (B, Hq/tp, T, hd)
+    k = k * cos + _rotate_half(k) * sin  # (B, Hkv/tp, T, hd)
+    window = cfg.sliding_window
+    if window is not None and T > window:
+        i = torch.arange(T, device=x.device)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T): causal, last `window`
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq/tp, T, hd)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq/tp, T, hd)
+    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
+    return C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
+
+
+def _route(p, h: torch.Tensor, cfg: Config):
+    """The router on tokens ``h`` (N, d): top-k expert ids (N, k), their renormalised weights (N, k, float32), and
+    the load-balancing statistics: top-k assignments per expert (E,) and the sum of router probabilities (E,),
+    computed as transformers' loss computes them (a softmax in the logits' dtype)."""
+    logits = F.linear(h, p["router"])  # (N, d) -> (N, E)
+    top, ids = torch.topk(F.softmax(logits.float(), dim=-1), cfg.num_experts_per_tok, dim=-1)  # (N, k)
+    probs = F.softmax(logits, dim=-1)  # (N, E)
+    chosen = torch.topk(probs, cfg.num_experts_per_tok, dim=-1).indices  # (N, k)
+    counts = torch.bincount(chosen.reshape(-1), minlength=cfg.num_local_experts).float()  # (E,)
+    return ids, top / top.sum(-1, keepdim=True), counts, probs.float().sum(0)
+
+
+def _experts(p, x: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's experts on their tokens ``x`` (E/ep, R, d), tp inside each: gate/up column-, down row-parallel."""
+    x = C.copy_to_region(x, mesh, "tp")
+    g = torch.bmm(x, p["w_gate"].transpose(1, 2))  # (E/ep, R, d) @ (E/ep, d, I/tp) -> (E/ep, R, I/tp)
+    u = torch.bmm(x, p["w_up"].transpose(1, 2))  # (E/ep, R, d) @ (E/ep, d, I/tp) -> (E/ep, R, I/tp)
+    y = torch.bmm(F.silu(g) * u, p["w_down"].transpose(1, 2))  # (E/ep, R, I/tp) @ (E/ep, I/tp, d) -> (E/ep, R, d)
+    return C.reduce_from_region(y, mesh, "tp")  # summed over tp
+
+
+def _exchange(x: torch.Tensor, mesh, ep: int) -> torch.Tensor:
+    """``all_to_all`` over ep of (ep, ...) blocks: block j to ep rank j (nothing to do without an ep axis)."""
+    return C.all_to_all(x, mesh, "ep", 0) if ep > 1 else x
+
+
+def _moe(p, x: torch.Tensor, cfg: Config, mesh):
+    """The sparse MoE block on this rank's tokens ``x`` (B, T, d), experts over ep (see the module docstring);
+    returns the output (B, T, d) and the load-balancing statistics of :func:`_route`."""
+    B, T, d = x.shape
+    E, k, ep = cfg.num_local_experts, cfg.num_experts_per_tok, _size(mesh, "ep")
+    h = x.reshape(B * T, d)  # (N, d)
+    ids, weights, counts, prob_sum = _route(p, h, cfg)
+    flat = ids.reshape(-1)  # (N*k,): assignment a is token a // k's (a % k)-th choice
+    onehot = F.one_hot(flat, E)  # (N*k, E)
+    pos = (onehot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # (N*k,): its place among its expert's
+    cap = int(onehot.sum(0).max())
+    if ep > 1:  # one capacity for the ep group: the exchanged blocks are even
+        cap = int(C.all_reduce(torch.tensor(cap, device=x.device), mesh, "ep", "max"))
+    slot = flat * cap + pos  # (N*k,): row of the (E * cap, d) dispatch buffer
+    buf = h.new_zeros(E * cap, d).index_copy(0, slot, h.repeat_interleave(k, dim=0))  # (E*cap, d)
+    recv = _exchange(buf.view(ep, E // ep * cap, d), mesh, ep)  # (ep source ranks, E/ep*cap, d)
+    xe = einops.rearrange(recv, "s (e c) d -> e (s c) d", c=cap)  # (E/ep, ep*cap, d): each local expert's tokens
+    ye = einops.rearrange(_experts(p, xe, mesh), "e (s c) d -> s (e c) d", c=cap)  # (ep, E/ep*cap, d)
+    y = _exchange(ye, mesh, ep).reshape(E * cap, d)[slot].view(B * T, k, d)  # (N, k, d): each choice's output
+    out = (y * weights[..., None]).sum(1).to(x.dtype)  # (N, k, d) x (N, k, 1) -> (N, d)
+    return out.view(B, T, d), counts, prob_sum
+
+
+def _layer(lp, x, cos, sin, cfg: Config, mesh):
+    x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
+    y, counts, prob_sum = _moe(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
+    return x + y, counts, prob_sum
+
+
+def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh):
+    """The last layer's output (B, T, d), replicated over tp, and the load-balancing statistics summed over the
+    layers (assignments per expert, router probability per expert)."""
+    x = L.vocab_embedding(params["embed"], tokens, mesh, "tp")  # (B, T) -> (B, T, d)
+    cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
+    counts = prob_sum = 0
+    for lp in params["layers"]:
+        x, c, s = _layer(lp, x, cos, sin, cfg, mesh)
+        counts, prob_sum = counts + c, prob_sum + s
+    return x, counts, prob_sum
+
+
+def _data_sum(x: torch.Tensor, mesh) -> torch.Tensor:
+    """The sum of ``x`` over the data axes, on every data rank; backward, the sum of every data rank's gradient.
+    For a term that each data rank's loss carries whole (reduce_from_region, then copy_to_region)."""
+    axes = [a for a in DATA_AXES if _size(mesh, a) > 1]
+    for a in axes:
+        x = C.reduce_from_region(x, mesh, a)
+    for a in reversed(axes):
+        x = C.copy_to_region(x, mesh, a)
+    return x
+
+
+def _balance_loss(counts: torch.Tensor, prob_sum: torch.Tensor, rows: int, cfg: Config, mesh) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` over every data rank's ``rows`` (tokens x layers)."""
+    axes = [a for a in DATA_AXES if _size(mesh, a) > 1]
+    stats = torch.cat([counts, counts.new_tensor([float(rows)])])  # (E + 1,)
+    stats = C.all_reduce(stats, mesh, axes) if axes else stats  # statistics: no gradient
+    total = stats[-1]
+    return (stats[:-1] / total * (_data_sum(prob_sum, mesh) / total)).sum() * cfg.num_local_experts
+
+
+def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    x = C.copy_to_region(_rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+
+
+def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """This rank's logits (B, T, V/tp) for its rows ``tokens``: vocab-sharded over tp (full logits at tp=1)."""
+    x, _, _ = _trunk(params, tokens, cfg, mesh)
+    return L.unpad_logits(_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
+
+
+def router_aux_loss(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
+    """The load-balancing loss of the global batch (every data rank's ``tokens``): transformers' ``aux_loss``."""
+    _, counts, prob_sum = _trunk(params, tokens, cfg, mesh)
+    return _balance_loss(counts, prob_sum, tokens.numel() * cfg.num_hidden_layers, cfg, mesh)
+
+
+def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", aux: bool | None = None) -> torch.Tensor:
+    """transformers' ``labels=`` loss (mean over counted targets of the shifted cross-entropy, ``-100`` ignored,
+    ``batch["loss_mask"]`` optional), plus ``router_aux_loss_coef`` times the load-balancing loss of the global
+    batch when ``aux`` (default ``cfg.output_router_logits``, as transformers decides). Under ``reduction="sum"``
+    the load-balancing term is added as it is."""
+    tokens = batch["input_ids"]
+    x, counts, prob_sum = _trunk(params, tokens, cfg, mesh)
+    labels = batch.get("labels", tokens)
+    ce = L.causal_lm_loss(_head_logits(params, x, cfg, mesh), labels, mesh, "tp", batch.get("loss_mask"),
+                          reduction, cfg.vocab_size)
+    if not (cfg.output_router_logits if aux is None else aux):
+        return ce
+    rows = tokens.numel() * cfg.num_hidden_layers
+    return ce + cfg.router_aux_loss_coef * _balance_loss(counts, prob_sum, rows, cfg, mesh)
+
+
+MODEL = fp.register_model(fp.ModelSpec(
+    name="mixtral", model_types=("mixtral",), Config=Config, init=init, specs=specs, forward=forward, loss=loss,
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors,
+))

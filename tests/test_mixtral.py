@@ -1,0 +1,294 @@
+"""Mixtral (sparse mixture of experts) against transformers' MixtralForCausalLM, and expert parallelism (ep) against
+one process: the all_to_all collective, logits at Mesh(), Mesh(ep=2), Mesh(ep=2, tp=2) and Mesh(ep=2, dp=2), the
+loss with its load-balancing term, three AdamW steps of compile_step, and the HF checkpoint round trip.
+
+ep is a data axis: each (dp, ep) rank holds its own rows of the global batch, data axes major as the mesh orders
+them (rank k of dp x ep holds block k)."""
+
+import functools
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import funcpar as fp
+import harness
+from funcpar import collectives as C
+from funcpar.models import mixtral
+
+B, T, V, STEPS = 4, 12, 128, 3
+EP_MESHES = [({"ep": 2}, 2), ({"ep": 2, "tp": 2}, 4), ({"ep": 2, "dp": 2}, 4)]  # (mesh axes, processes)
+
+
+def hf_config():
+    import transformers as tf
+
+    # 4 experts (ep=2 holds 2 each), top-2, GQA, a sliding window shorter than the sequence
+    return tf.MixtralConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                            router_aux_loss_coef=0.02, output_router_logits=True, sliding_window=8,
+                            max_position_embeddings=64)
+
+
+def batches(n=STEPS):
+    out = []
+    for s in range(n):
+        ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(10 + s))
+        labels = ids.clone()
+        labels[s % B, : 3 + s] = -100  # the data ranks hold different numbers of targets
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def rows(batch: dict, mesh) -> dict:
+    """This rank's rows of a global batch: its block along the data axes (dp, ep)."""
+    k, n = 0, 1
+    for a in mixtral.DATA_AXES:
+        if a in mesh.axis_names:
+            k, n = k * mesh.axis_size(a) + mesh.coord(a), n * mesh.axis_size(a)
+    return {key: x.chunk(n)[k] for key, x in batch.items()}
+
+
+def assert_rel(got, want, tol=1e-5, what=""):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err, scale = (got - want).abs().max().item(), max(want.abs().max().item(), 1e-30)
+    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol:g} x {scale:.3g}"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A transformers Mixtral saved as transformers 5 holds it (fused experts), its outputs on the first batch."""
+    import transformers as tf
+
+    folder = tmp_path_factory.mktemp("mixtral") / "ckpt"
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(hf_config()).eval()
+    with torch.no_grad():  # non-trivial norms, so that a mix-up would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder, save_original_format=False)
+    b = batches(1)[0]
+    with torch.no_grad():
+        ref = model(**b, output_router_logits=True)
+    return str(folder), ref, b
+
+
+# ------------------------------------------------------------------------------------------------- all_to_all
+
+
+def _all_to_all(sizes, dim, seed):
+    """all_to_all over ep: each rank's forward, gradient (torch.func.grad, .backward(), vmap) and traffic."""
+    m = harness.mesh(**sizes)
+    n, r = m.axis_size("ep"), m.coord("ep")
+    Xs, Cs = _a2a_problem(n, dim, seed)
+    coll = lambda t: C.all_to_all(t, m, "ep", dim)  # noqa: E731
+    objective = lambda x: (Cs[r] * coll(x).sin()).sum()  # noqa: E731
+    before = m.traffic.get("ep", 0)
+    fwd = coll(Xs[r])
+    sent = m.traffic["ep"] - before
+    xb = Xs[r].clone().requires_grad_(True)
+    objective(xb).backward()
+    batch = torch.stack([Xs[r], 0.5 * Xs[r]])
+    vfwd = torch.func.vmap(coll, in_dims=1, out_dims=1)(batch.movedim(0, 1))
+    vgrad = torch.func.grad(lambda b: torch.func.vmap(objective)(b).sum())(batch)
+    sep_grad = torch.stack([torch.func.grad(objective)(Xs[r]), torch.func.grad(objective)(0.5 * Xs[r])])
+    return {"r": r, "n": n, "fwd": fwd, "grad": torch.func.grad(objective)(Xs[r]), "grad_bw": xb.grad, "sent": sent,
+            "vfwd": vfwd, "sep_fwd": torch.stack([coll(x) for x in batch]), "vgrad": vgrad, "sep_grad": sep_grad}
+
+
+def _a2a_problem(n, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = [3, 5]
+    shape[dim] = 2 * n
+    return torch.randn(n, *shape, generator=g), torch.randn(n, *shape, generator=g)
+
+
+def _a2a_reference(Xs, n, dim):
+    """One process: rank j receives block j of every rank's tensor, in rank order."""
+    return [torch.cat([Xs[s].chunk(n, dim)[j] for s in range(n)], dim) for j in range(n)]
+
+
+@pytest.mark.parametrize("sizes, world", [({"ep": 2}, 2), ({"ep": 4}, 4)], ids=str)
+def test_all_to_all_value_and_gradient_match_one_process(sizes, world):
+    for dim, seed in ((0, 1), (1, 2)):
+        for res in harness.run(world, _all_to_all, sizes, dim, seed):
+            r, n = res["r"], res["n"]
+            Xs, Cs = _a2a_problem(n, dim, seed)
+            want = _a2a_reference(Xs, n, dim)[r]
+            gX = torch.func.grad(lambda X: sum((Cs[j] * y.sin()).sum()
+                                               for j, y in enumerate(_a2a_reference(X, n, dim))))(Xs)
+            where = f"ep={n} rank {r} dim={dim}"
+            assert torch.equal(res["fwd"], want), where
+            assert_rel(res["grad"], gX[r], 1e-6, f"{where} torch.func.grad")
+            assert_rel(res["grad_bw"], gX[r], 1e-6, f"{where} .backward()")
+            assert_rel(res["vfwd"], res["sep_fwd"].movedim(0, 1), 1e-6, f"{where} vmap forward (in_dims=1)")
+            assert_rel(res["vgrad"], res["sep_grad"], 1e-6, f"{where} vmap gradient")
+            assert res["sent"] == Xs[r].numel() * 4 * (n - 1) / n, where  # the blocks for the other ranks
+
+
+def test_all_to_all_on_an_abstract_mesh_is_simulated_and_checks_its_blocks():
+    mesh = fp.Mesh.abstract(ep=4)  # seen from rank 0, every rank taken to hold its values: each sends it block 0
+    x = torch.arange(24.0).reshape(8, 3)
+    assert torch.equal(C.all_to_all(x, mesh, "ep"), x[:2].repeat(4, 1))
+    assert mesh.traffic["ep"] == x.numel() * 4 * 3 / 4
+    with pytest.raises(fp.CollectiveError, match="dimension 1 .* is not divisible by mesh axis 'ep' of size 4"):
+        C.all_to_all(x, mesh, "ep", dim=1)
+
+
+# --------------------------------------------------------------------------------------- against transformers
+
+
+def test_logits_loss_and_aux_loss_match_transformers_single_process(ckpt):
+    path, ref, b = ckpt
+    params, cfg = fp.hf.load(path)
+    assert cfg.model_type == "mixtral" and cfg.num_local_experts == 4 and cfg.output_router_logits
+    model = fp.get_model("mixtral")
+    assert (model.forward(params, b["input_ids"], cfg, fp.Mesh()) - ref.logits).abs().max().item() <= 1e-5
+    aux = mixtral.router_aux_loss(params, b["input_ids"], cfg, fp.Mesh())
+    assert abs(aux.item() - ref.aux_loss.item()) <= 1e-6 * ref.aux_loss.item() and aux.item() > 1.0
+    loss = model.loss(params, b, cfg, fp.Mesh())
+    assert abs(loss.item() - ref.loss.item()) <= 1e-6 * ref.loss.item()
+    ce = model.loss(params, b, cfg, fp.Mesh(), aux=False)  # transformers without output_router_logits
+    assert abs(ce.item() + cfg.router_aux_loss_coef * ref.aux_loss.item() - ref.loss.item()) <= 1e-6 * ref.loss.item()
+
+
+def _ep_forward(path, sizes, b, out):
+    """This rank's logits, loss, target count and the load-balancing loss; the gradient of the global loss
+    (gathered on rank 0); an export of the sharded weights."""
+    mesh = harness.mesh(**sizes)
+    params, cfg = fp.hf.load(path, mesh=mesh)
+    specs = mixtral.specs(cfg, mesh)
+    local = rows(b, mesh)
+    logits = mixtral.forward(params, local["input_ids"], cfg, mesh)
+    loss = mixtral.loss(params, local, cfg, mesh)
+    aux = mixtral.router_aux_loss(params, local["input_ids"], cfg, mesh)
+    share = fp.layers.count_targets(local) / fp.layers.count_targets(b)  # the step's weight of this rank's loss
+    grads = torch.func.grad(lambda p: mixtral.loss(p, local, cfg, mesh) * share)(params)
+    data = [a for a in mixtral.DATA_AXES if mesh.axis_size(a) > 1]
+    # the step's reduction: summed over the data axes a leaf is replicated along (the experts' over dp only)
+    grads = fp.tree.map_with_path(lambda _, g, s: C.all_reduce(g, mesh, [a for a in data if a not in s.axes]),
+                                  grads, specs)
+    fp.hf.save(out, params, mixtral, cfg, mesh)
+    return mesh.coords, logits, loss.item(), fp.layers.count_targets(local), aux.item(), fp.gather(grads, specs,
+                                                                                                   mesh, dst=0)
+
+
+@pytest.mark.parametrize("sizes, world", EP_MESHES, ids=str)
+def test_logits_and_loss_match_transformers_with_expert_parallelism(ckpt, sizes, world, tmp_path):
+    path, ref, b = ckpt
+    results = harness.run(world, _ep_forward, path, sizes, b, str(tmp_path / "out"))
+    n = sizes.get("dp", 1) * sizes["ep"]
+    targets = fp.layers.count_targets(b)
+    weighted = 0.0
+    for coords, logits, loss, count, aux, _ in results:
+        k = coords["dp"] * sizes["ep"] + coords["ep"]
+        tp, c = sizes.get("tp", 1), coords["tp"]
+        want = ref.logits.chunk(n)[k].chunk(tp, -1)[c]  # this rank's rows, its block of the vocabulary
+        assert (logits - want).abs().max().item() <= 1e-5, coords
+        assert abs(aux - ref.aux_loss.item()) <= 1e-6 * ref.aux_loss.item(), coords  # over the global batch
+        weighted += loss * count / targets / tp  # the step's weighting, each tp rank's copy once
+    assert abs(weighted - ref.loss.item()) <= 1e-6 * ref.loss.item()
+    params, cfg = fp.hf.load(path)
+    want = torch.func.grad(lambda p: mixtral.loss(p, b, cfg, fp.Mesh()))(params)  # one process, the whole batch
+    for (p, g), (_, w) in zip(fp.tree.leaves_with_path(results[0][5]), fp.tree.leaves_with_path(want)):
+        assert_rel(g, w, 1e-5, f"gradient of {p}")
+    assert sorted(load_file(os.path.join(tmp_path / "out", "model.safetensors"))) == sorted(_tensors(path))
+    for name, t in load_file(os.path.join(tmp_path / "out", "model.safetensors")).items():
+        assert torch.equal(t, _tensors(path)[name]), name  # gathered from the ep/tp shards exactly
+
+
+# ------------------------------------------------------------------------------------------------- training
+
+
+def train(path, mesh, data_axes):
+    params, cfg = fp.hf.load(path, mesh=mesh)
+    specs = mixtral.specs(cfg, mesh)
+    step = fp.compile_step(mixtral.MODEL.loss_fn(cfg, mesh), specs, mesh=mesh, data_axes=data_axes,
+                           optimizer=fp.optim.adamw(1e-3, weight_decay=0.1))
+    state = step.init(params)
+    losses = []
+    for b in batches():
+        state, m = step(state, rows(b, mesh))
+        losses.append(m["loss"])
+    return losses, fp.gather(state.params, specs, mesh, dst=0)
+
+
+@functools.lru_cache(maxsize=None)
+def single(path):
+    return train(path, fp.Mesh(), ("dp",))
+
+
+def _ep_train(path, sizes):
+    return train(path, harness.mesh(**sizes), ("dp", "ep"))
+
+
+@pytest.mark.parametrize("sizes, world", EP_MESHES, ids=str)
+def test_adamw_steps_with_expert_parallelism_equal_the_single_process_run(ckpt, sizes, world):
+    path, ref, _ = ckpt
+    s_losses, s_params = single(path)
+    assert abs(s_losses[0] - ref.loss.item()) <= 1e-6 * ref.loss.item()  # the loss with its load-balancing term
+    assert s_losses[-1] < s_losses[0]
+    losses, params = harness.run(world, _ep_train, path, sizes)[0]
+    for a, b in zip(losses, s_losses):
+        assert abs(a - b) <= 1e-5 * b, (losses, s_losses)
+    # per leaf, relative in norm (Adam turns the round-off of a near-zero gradient element into a whole step for
+    # that element, so element-wise the expert leaves differ by up to ~1e-5 of their largest value); and against
+    # the update: the difference is a tiny fraction of how far the three steps moved the leaf
+    for (p, x), (_, y), (_, x0) in zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(s_params),
+                                      fp.tree.leaves_with_path(fp.hf.load(path)[0])):
+        assert (x - y).norm() <= 1e-5 * y.norm(), p
+        assert (x - y).norm() <= 1e-3 * (y - x0).norm(), p  # every leaf moved, every expert included
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def _tensors(folder):
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpt, tmp_path):
+    import transformers as tf
+
+    path, ref, b = ckpt
+    params, cfg = fp.hf.load(path)
+    assert tuple(params["layers"][0]["w_gate"].shape) == (4, 64, 32)  # stacked experts, gate rows of gate_up_proj
+    fp.hf.save(tmp_path / "out", params, mixtral, cfg)
+    a, c = _tensors(path), _tensors(tmp_path / "out")
+    assert sorted(a) == sorted(c)
+    for name in a:
+        assert a[name].dtype == c[name].dtype, name
+        assert torch.equal(a[name].view(torch.uint8), c[name].view(torch.uint8)), name
+    hf = tf.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert (hf(input_ids=b["input_ids"]).logits - ref.logits).abs().max().item() == 0.0
+
+
+def test_a_checkpoint_in_the_original_per_expert_layout_is_refused_by_name(tmp_path):
+    import transformers as tf
+
+    # save_pretrained's default layout for a model built from its config: one w1/w2/w3 tensor per expert (HFNames
+    # maps a leaf to one HF tensor or a part of one, not to a stack of several); the fused layout above is
+    # save_original_format=False
+    tf.MixtralForCausalLM(hf_config()).save_pretrained(tmp_path / "orig")
+    with pytest.raises(fp.hf.HFError, match=r"(?s)missing.*mlp\.experts\.gate_up_proj.*unexpected.*"
+                                            r"block_sparse_moe\.experts\.0\.w1\.weight"):
+        fp.hf.load(tmp_path / "orig")
+
+
+def test_sizes_the_mesh_does_not_divide_are_refused_by_name():
+    cfg = mixtral.Config.from_hf(hf_config().to_dict())
+    with pytest.raises(ValueError, match="num_local_experts=4 is not divisible by mesh axis 'ep' of size 3"):
+        mixtral.specs(cfg, fp.Mesh.abstract(ep=3))
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 exceeds num_local_experts=4"):
+        mixtral.Config.from_hf({**hf_config().to_dict(), "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="config key 'router_jitter_noise' is 0.1"):
+        mixtral.Config.from_hf({**hf_config().to_dict(), "router_jitter_noise": 0.1})
