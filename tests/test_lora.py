@@ -161,12 +161,14 @@ def test_funcpar_train_with_lora_exports_merged_and_peft_folders(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
 
-    def train(*args):
-        return subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--mesh",
-                               "tp=2,dp=2", "--global-batch", "8", "--steps", "6", "--eval-every", "3",
-                               "--schedule", "constant", "--lr", "1e-2", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-    p = train("--lora", "r=4,alpha=8,targets=zz")
+    (tmp_path / "d.txt").write_text("\n\n".join(f"{a} plus {b} is {a + b}." for a in range(9) for b in range(9)))
+
+    def train(*args, mesh="tp=2,dp=2"):
+        return subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--mesh", mesh,
+                               "--data", "d.txt", "--seq-len", "32", "--global-batch", "8", "--steps", "4",
+                               "--eval-every", "2", "--schedule", "constant", "--lr", "1e-2", *args], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+    p = train("--lora", "r=4,alpha=8,targets=zz", mesh="1")
     assert p.returncode == 1 and p.stderr.startswith("funcpar: LoRA target 'zz' matches no weight of model 'llama'"), \
         p.stderr
     assert not (tmp_path / "out").exists()
