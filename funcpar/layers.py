@@ -1,4 +1,5 @@
-"""Per-shard building blocks shared by the models: vocab-parallel embedding and vocab-parallel cross-entropy.
+"""Per-shard building blocks shared by the models: vocab-parallel embedding and vocab-parallel cross-entropy, and
+the pieces the Llama-like models have in common (RMSNorm, the gated SiLU MLP, an embedding with a padding row).
 
 Both take this rank's block of vocabulary rows (``V/tp`` of them, block ``c`` = rows ``c*V/tp ..``) and never
 materialise full-vocabulary tensors. At ``Mesh()`` they are the plain ``F.embedding`` and cross-entropy.
@@ -17,7 +18,7 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
+__all__ = ["rms_norm", "swiglu_mlp", "padding_row_embedding", "check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
            "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
 
 IGNORE_INDEX = -100
@@ -198,3 +199,29 @@ def token_range_errors(batch: dict, cfg: Any) -> list[str]:
             out.append(f"batch['{name}'] holds {int(x[tuple(at)])} at {at} ({int(bad.sum())} such entries), outside "
                        f"the vocabulary [0, {cfg.vocab_size})" + (" (and not -100)" if name == "labels" else ""))
     return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' Llama family computes it: normalised in float32, cast back, then scaled by ``w``."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` on leaves ``w_gate``, ``w_up`` (column-parallel over ``axis``) and ``w_down``
+    (row-parallel), with ``b_gate``/``b_up``/``b_down`` when present: (B, T, d) -> (B, T, d), summed over ``axis``."""
+    x = C.copy_to_region(x, mesh, axis)
+    g = F.linear(x, p["w_gate"], p.get("b_gate"))  # (B, T, d) -> (B, T, I/tp)
+    u = F.linear(x, p["w_up"], p.get("b_up"))  # (B, T, d) -> (B, T, I/tp)
+    y = C.reduce_from_region(F.linear(F.silu(g) * u, p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
+    return y + p["b_down"] if "b_down" in p else y
+
+
+def padding_row_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: "Mesh", axis: str,
+                          pad_token_id: int | None) -> torch.Tensor:
+    """:func:`vocab_embedding` as ``nn.Embedding(padding_idx=pad_token_id)`` trains it: the same rows, but lookups of
+    the pad token send no gradient into its row (``None``: a plain embedding)."""
+    x = vocab_embedding(weight, ids, mesh, axis)  # (B, T) -> (B, T, d)
+    if pad_token_id is None:
+        return x
+    return torch.where((ids == pad_token_id)[..., None], x.detach(), x)

@@ -225,10 +225,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.float().pow(2).mean(-1, keepdim=True)  # (B, T, 1)
-    return w * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
-
 
 def _attention(p, x, cos, sin, cfg: Config, mesh):
     hd = cfg.head_dim
@@ -243,26 +239,15 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
     return C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, H/tp*hd) -> (B, T, d), summed over tp
 
 
-def _mlp(p, x, mesh):
-    x = C.copy_to_region(x, mesh, "tp")
-    g = F.linear(x, p["w_gate"])  # (B, T, d) -> (B, T, I/tp)
-    u = F.linear(x, p["w_up"])  # (B, T, d) -> (B, T, I/tp)
-    return C.reduce_from_region(F.linear(F.silu(g) * u, p["w_down"]), mesh, "tp")  # (B, T, I/tp) -> (B, T, d)
-
 
 def _layer(lp, x, cos, sin, cfg: Config, mesh):
-    x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
-    return x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
+    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
+    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
 
 
 def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
-    ids = batch["input_ids"]
-    x = L.vocab_embedding(params["embed"], ids, mesh, "tp")  # (B, T) -> (B, T, d)
-    if cfg.pad_token_id is None:
-        return x
-    # nn.Embedding(padding_idx=pad): the same rows, but the pad row gets no gradient
-    return torch.where((ids == cfg.pad_token_id)[..., None], x.detach(), x)  # (B, T, d)
-
+    # nn.Embedding(padding_idx=pad) as transformers builds it: no gradient into the pad row from its lookups
+    return L.padding_row_embedding(params["embed"], batch["input_ids"], mesh, "tp", cfg.pad_token_id)  # (B, T, d)
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device)  # (T, hd)
@@ -282,7 +267,7 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """NormHead: this rank's vocabulary rows, each divided by its L2 norm, times the final normed states."""
-    x = C.copy_to_region(_rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
+    x = C.copy_to_region(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
     return F.linear(x, F.normalize(params["lm_head"], dim=-1))  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 
 

@@ -233,10 +233,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((einops.rearrange(rotated, "b h t r two -> b h t (r two)"), x[..., R:]), dim=-1)  # (B,H,T,hd)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
 
 def _kv_weights(p, cfg: Config, mesh):
     """This rank's k/v projections (weights, biases or None): its shards, or, where tp does not divide the kv heads
@@ -272,26 +268,15 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
     return C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
 
 
-def _mlp(p, x, mesh):
-    x = C.copy_to_region(x, mesh, "tp")
-    gate = F.linear(x, p["w_gate"])  # (B, T, d) -> (B, T, I/tp)
-    up = F.linear(x, p["w_up"])  # (B, T, d) -> (B, T, I/tp)
-    return C.reduce_from_region(F.linear(up * F.silu(gate), p["w_down"]), mesh, "tp")  # (B, T, I/tp) -> (B, T, d)
-
 
 def _layer(lp, x, cos, sin, cfg: Config, mesh):
-    x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
-    return x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
+    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
+    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
 
 
 def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
-    ids = batch["input_ids"]
-    x = L.vocab_embedding(params["embed"], ids, mesh, "tp")  # (B, T) -> (B, T, d)
-    if cfg.pad_token_id is None:
-        return x
-    # nn.Embedding(padding_idx=pad): the same values, no gradient into the padding row from its lookups
-    return torch.where((ids == cfg.pad_token_id)[..., None], x.detach(), x)  # (B, T, d)
-
+    # nn.Embedding(padding_idx=pad) as transformers builds it: no gradient into the pad row from its lookups
+    return L.padding_row_embedding(params["embed"], batch["input_ids"], mesh, "tp", cfg.pad_token_id)  # (B, T, d)
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, R/2)
@@ -310,7 +295,7 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    x = C.copy_to_region(_rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
+    x = C.copy_to_region(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 

@@ -279,11 +279,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
 
 def _kv_weights(p, cfg: Config, mesh):
     """This rank's k/v projections: its shards, or, where they are replicated because tp does not divide the kv
@@ -328,17 +323,10 @@ def _attention(p, x, cos, sin, window, cfg: Config, mesh):
     return y + p["bo"] if "bo" in p else y
 
 
-def _mlp(p, x, mesh):
-    x = C.copy_to_region(x, mesh, "tp")
-    g = F.linear(x, p["w_gate"], p.get("b_gate"))  # (B, T, d) -> (B, T, I/tp)
-    u = F.linear(x, p["w_up"], p.get("b_up"))  # (B, T, d) -> (B, T, I/tp)
-    y = C.reduce_from_region(F.linear(F.silu(g) * u, p["w_down"]), mesh, "tp")  # (B, T, I/tp) -> (B, T, d)
-    return y + p["b_down"] if "b_down" in p else y
-
 
 def _layer(lp, x, cos, sin, window, cfg: Config, mesh):
-    x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, window, cfg, mesh)
-    return x + _mlp(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
+    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, window, cfg, mesh)
+    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
 
 
 def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
@@ -363,11 +351,11 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
 
 def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
     """The final normed hidden states (B, T, d), replicated over tp."""
-    return _rms_norm(_trunk(params, tokens, cfg, mesh, remat), params["norm"], cfg.rms_norm_eps)
+    return L.rms_norm(_trunk(params, tokens, cfg, mesh, remat), params["norm"], cfg.rms_norm_eps)
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    x = C.copy_to_region(_rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
+    x = C.copy_to_region(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 

@@ -227,10 +227,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
 
 def _attention(p, x, cos, sin, cfg: Config, mesh):
     hd, T = cfg.head_dim, x.shape[1]
@@ -300,8 +296,8 @@ def _moe(p, x: torch.Tensor, cfg: Config, mesh):
 
 
 def _layer(lp, x, cos, sin, cfg: Config, mesh):
-    x = x + _attention(lp, _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
-    y, counts, prob_sum = _moe(lp, _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
+    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
+    y, counts, prob_sum = _moe(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
     return x + y, counts, prob_sum
 
 
@@ -338,7 +334,7 @@ def _balance_loss(counts: torch.Tensor, prob_sum: torch.Tensor, rows: int, cfg: 
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    x = C.copy_to_region(_rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
+    x = C.copy_to_region(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 
