@@ -231,7 +231,13 @@ def _finish(run: _Run) -> None:
           f"wrote {run.ckpts}, {run.metrics_file}, {run.out / 'loss.png'} and a transformers folder {run.out / 'hf'}"
           + (f" (the adapters merged); adapter: {peft}" if run.lora else ""), flush=True)
     if run.opts["data"] == "builtin:arithmetic" and run.opts["tokenizer"] == "byte":
-        show_arithmetic(run.out / "hf", run.model)
+        if run.state.step >= ANSWER_CHECK_STEPS:  # (before that the model has not learnt the task: 0/100 says nothing)
+            show_arithmetic(run.out / "hf", run.model)
+        else:
+            print(f"(the answers to the built-in task are checked after {ANSWER_CHECK_STEPS} steps or more)", flush=True)
+
+
+ANSWER_CHECK_STEPS = 100
 
 
 def train(argv: list[str]) -> None:

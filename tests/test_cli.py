@@ -54,7 +54,8 @@ def test_bare_train_writes_everything_and_the_loss_falls(bare_run):
     ids = torch.tensor([list(b"3+4=\n")])
     gen = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=256)
     assert gen.shape[1] > ids.shape[1]
-    assert "transformers loads" in stdout and "greedy answers of the exported model" in stdout
+    # 6 steps have not learnt the task: no answer check (the 300-step runs of test_cli_run.py show one)
+    assert "greedy answers" not in stdout and "answers to the built-in task are checked after 100 steps" in stdout
 
 
 def test_torchrun_and_bare_give_the_same_losses(bare_run, tmp_path):

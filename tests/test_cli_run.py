@@ -221,6 +221,9 @@ def test_transformers_pipeline_answers_a_shipped_arithmetic_prompt_from_the_expo
     p = _funcpar(tmp_path, "train", "--mesh", "1", "--model", "llama-micro", "--steps", "300", "--eval-every", "0",
                  "--save-every", "0", "--log-every", "100")
     assert p.returncode == 0, p.stderr
+    # after 300 steps the run checks its own answers, with funcpar's forward and with transformers
+    assert "greedy answers of the exported model: " in p.stdout and "transformers loads out/hf and generates: 7+5= " \
+        "-> '12'" in p.stdout, p.stdout
     hf = tmp_path / "out" / "hf"
     assert json.loads((hf / "generation_config.json").read_text()) == {"bos_token_id": 257, "eos_token_id": 258,
                                                                        "pad_token_id": 256}
