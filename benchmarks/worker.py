@@ -16,6 +16,7 @@ prints ``ERROR {json}`` (the exception, one line) on the rank where it happened 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -42,16 +43,22 @@ def _mean_over_world(loss, world: int) -> float:
     return t.item() / world
 
 
-def build_funcpar(args, size, rank, world):
+def build_funcpar(args, size, rank, world, lora: bool = False):
+    """funcpar's step on the weights; with ``lora``, adapters ``common.LORA`` on the base frozen
+    (``--impl funcpar-lora``, for benchmarks/lora.py)."""
     import funcpar as fp
 
     mesh = fp.Mesh(**C.MESHES[args.mesh]["axes"])
     model = fp.get_model("llama")
     params, cfg = fp.hf.load(args.weights, model, mesh)
-    step = fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), mesh=mesh,
-                           optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1, clip_norm=C.CLIP)
-    box = {"state": step.init(params)}
-    del params
+    loss, specs, init = model.loss_fn(cfg, mesh), model.specs(cfg, mesh), params
+    if lora:
+        adapters = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(C.LORA), mesh)
+        loss, specs, init = adapters.loss_fn(loss, params), adapters.specs(), adapters.init(seed=0)
+    step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1,
+                           clip_norm=C.CLIP)
+    box = {"state": step.init(init)}
+    del params, init
 
     def run(i):
         ids = C.local_rows(C.global_batch(size, i), args.mesh, mesh.rank)
@@ -61,27 +68,6 @@ def build_funcpar(args, size, rank, world):
     run.step = step  # (benchmarks/profile_step.py marks its phases)
     if isinstance(getattr(mesh, "traffic", None), dict):  # bytes sent by axis, counted by funcpar's collectives
         run.traffic = lambda: dict(mesh.traffic)
-    return run
-
-
-def build_funcpar_lora(args, size, rank, world):
-    """funcpar with LoRA adapters (``common.LORA``) on the same weights, the base frozen (benchmarks/lora.py)."""
-    import funcpar as fp
-
-    mesh = fp.Mesh(**C.MESHES[args.mesh]["axes"])
-    model = fp.get_model("llama")
-    params, cfg = fp.hf.load(args.weights, model, mesh)
-    lora = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(C.LORA), mesh)
-    step = fp.compile_step(lora.loss_fn(model.loss_fn(cfg, mesh), params), lora.specs(), mesh=mesh,
-                           optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1, clip_norm=C.CLIP)
-    box = {"state": step.init(lora.init(seed=0))}
-
-    def run(i):
-        ids = C.local_rows(C.global_batch(size, i), args.mesh, mesh.rank)
-        box["state"], m = step(box["state"], {"input_ids": ids, "labels": ids})
-        return float(m["loss"])
-
-    run.step = step
     return run
 
 
@@ -231,7 +217,8 @@ def build_torch(args, size, rank, world):
     return run
 
 
-BUILDERS = {"funcpar": build_funcpar, "funcpar-lora": build_funcpar_lora, "hf-eager": build_hf_eager, "ds-zero1": build_deepspeed,
+BUILDERS = {"funcpar": build_funcpar, "funcpar-lora": functools.partial(build_funcpar, lora=True),
+            "hf-eager": build_hf_eager, "ds-zero1": build_deepspeed,
             "ds-zero2": build_deepspeed, "ds-autotp": build_deepspeed, "ds-autotp-zero1": build_deepspeed,
             "torch-fsdp2": build_torch, "torch-tp": build_torch, "torch-tp-fsdp2": build_torch}
 

@@ -213,10 +213,7 @@ class Lora:
 
     def specs(self) -> Any:
         """The adapters' specs: ``{"lora_A": P(None, i), "lora_B": P(o, None)}`` at each targeted ``P(o, i)``."""
-        def one(p, s, shape):
-            o, i = s.axes_of(0), s.axes_of(1)
-            return {"lora_A": P(None, _one(i)), "lora_B": P(_one(o), None)}
-        return self._tree(one)
+        return self._tree(lambda p, s, shape: self.specs_of(p))
 
     def init(self, seed: int = 0, dtype: torch.dtype = torch.float32, device=None) -> Any:
         """This rank's shards: ``A`` uniform in ±1/sqrt(in) (PEFT's default, Kaiming-uniform with a=sqrt(5)), drawn
@@ -235,6 +232,7 @@ class Lora:
         return self._tree(one)
 
     def specs_of(self, path: str) -> dict[str, P]:
+        """The specs of the adapters of the targeted leaf at ``path``."""
         s = self.targets[path][0]
         return {"lora_A": P(None, _one(s.axes_of(1))), "lora_B": P(_one(s.axes_of(0)), None)}
 

@@ -232,19 +232,25 @@ def build_optimizer(opts):
     return optimizers[opts["optimizer"]]()
 
 
-def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
-    """The train step: the model's loss (with its micro-batch weighting, and remat if asked) and the options."""
+def _step_parts(opts, model, cfg, mesh):
+    """The model's loss (with remat if asked) and the ``compile_step`` options every train step takes from
+    ``opts``, checked: shared by the full step and the ``--lora`` one."""
     precisions = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     if opts["precision"] not in precisions:
         raise SystemExit(f"funcpar: unknown --precision '{opts['precision']}' (fp32, bf16, fp16)")
     if opts["remat"] and not model.remat:
         raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
                          f"checkpointing); train it without --remat")
+    return model.loss_fn(cfg, mesh, remat=opts["remat"]), dict(
+        mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
+        clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]])
+
+
+def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
+    """The train step: the model's loss (with its micro-batch weighting, and remat if asked) and the options."""
+    loss, kw = _step_parts(opts, model, cfg, mesh)
     parts = [int(p) for p in str(opts["parts"]).replace(" ", "").split(",") if p] or None
-    return fp.compile_step(model.loss_fn(cfg, mesh, remat=opts["remat"]), specs, mesh=mesh,
-                           optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
-                           clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]],
-                           pipeline=opts["pipeline"], chunks=opts["chunks"] or None, parts=parts)
+    return fp.compile_step(loss, specs, pipeline=opts["pipeline"], chunks=opts["chunks"] or None, parts=parts, **kw)
 
 
 def build_lora(opts, model, cfg, mesh, specs):
@@ -253,14 +259,12 @@ def build_lora(opts, model, cfg, mesh, specs):
     if mesh.axis_size("pp") > 1 or opts["zero"] == 3:
         raise SystemExit("funcpar: --lora trains on tp and dp meshes with --zero 0, 1 or 2 (the adapters are small: "
                          "ZeRO-3 and pipeline stages have nothing to gain)")
+    base_loss, kw = _step_parts(opts, model, cfg, mesh)
     try:
         lora = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(opts["lora"]), mesh, specs)
         params = build_params(opts, model, cfg, specs, mesh)
-        loss = lora.loss_fn(model.loss_fn(cfg, mesh, remat=opts["remat"]), params)
+        loss = lora.loss_fn(base_loss, params)
     except fp.lora.LoraError as e:
         raise SystemExit(f"funcpar: {e}") from None
-    precisions = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    step = fp.compile_step(loss, lora.specs(), mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"],
-                           accum_steps=opts["micro_batches"], clip_norm=opts["clip"] or None,
-                           param_dtype=precisions.get(opts["precision"]))
+    step = fp.compile_step(loss, lora.specs(), **kw)
     return lora, params, step, step.init(lora.init(seed=opts["seed"]))
