@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import math
 import re
+import threading
 import weakref
 from typing import Any
 
@@ -164,35 +165,46 @@ class MemoryTrace(TorchDispatchMode):
     Every operator's outputs are registered by storage (views share it) and counted until the storage is freed,
     so the trace follows what the real run allocates and frees. A value read back to the host from a meta tensor
     (``.item()``: one; ``.cpu()``: zeros) is a stand-in: the plan is about shapes, not numbers.
+
+    On a real gloo mesh a collective's buffer is sometimes released by gloo's worker thread, a moment after the wait
+    for it returned (the thread drops its reference after it marks the work done), so by then the step may have
+    allocated its next tensor: the real peak can hold one such buffer more than the plan, depending on timing.
+    ``late`` is the largest storage freed on a thread other than the one tracing: the most that timing can add.
     """
 
     def __init__(self, device: str = "meta"):
         super().__init__()
         self.device = torch.device(device).type
-        self.live = self.peak = 0
+        self.live = self.peak = self.late = 0
         self.phase, self.peaks = "setup", {}
         self._seen: set[int] = set()
+        self._lock, self._thread = threading.RLock(), threading.get_ident()  # frees come from gloo's threads too
 
     def mark(self, phase: str) -> None:
-        self.phase = phase
-        self.peaks[phase] = max(self.peaks.get(phase, 0), self.live)
+        with self._lock:
+            self.phase = phase
+            self.peaks[phase] = max(self.peaks.get(phase, 0), self.live)
 
     def _free(self, key: int, n: int) -> None:
-        self._seen.discard(key)
-        self.live -= n
+        with self._lock:
+            self._seen.discard(key)
+            self.live -= n
+            if threading.get_ident() != self._thread:
+                self.late = max(self.late, n)
 
     def _track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
-        key = id(st)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        n = st.nbytes()
-        self.live += n
-        weakref.finalize(st, self._free, key, n)
-        if self.live > self.peaks.get(self.phase, 0):
-            self.peaks[self.phase] = self.live
-            self.peak = max(self.peak, self.live)
+        with self._lock:
+            key = id(st)
+            if key in self._seen:
+                return
+            self._seen.add(key)
+            n = st.nbytes()
+            self.live += n
+            weakref.finalize(st, self._free, key, n)
+            if self.live > self.peaks.get(self.phase, 0):
+                self.peaks[self.phase] = self.live
+                self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -216,7 +228,8 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
     leaves (:func:`local_params`). Returns bytes: ``state`` (parameters and optimizer state between steps),
     ``activations`` (what the forward of one micro-batch keeps for the backward), ``step_peak`` (the most live at
     any point of a step, transients included), ``peak`` (the same over ``init`` too: the parameters and their copy
-    into the step's buffers) and ``traffic`` (bytes this rank sends per step, by mesh axis).
+    into the step's buffers), ``traffic`` (bytes this rank sends per step, by mesh axis) and ``late``
+    (:class:`MemoryTrace`: on a real mesh, the largest buffer the transport's own thread released; 0 on meta).
 
     ``device="cpu"`` traces a real step on a real mesh the same way (params and batch real): what the tests compare
     the plan with."""
@@ -239,7 +252,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         for _ in range(steps):
             state, _ = step(state, batch)
         return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": tr.peak,
-                "traffic": {a: n / steps for a, n in traffic.items()}}
+                "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late}
 
 
 class _fused_attention_on_meta:

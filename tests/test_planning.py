@@ -59,8 +59,11 @@ def test_the_traced_plan_allocates_what_the_real_step_allocates(world):
     for case, real in zip(CASES[world], harness.run(world, _real, world)[0]):
         plan = _planned(*case)
         for key in ("state", "activations", "step_peak", "peak"):
-            # the real run's few host scalars (weights, statistics) are the only difference: well under 1%
-            assert abs(plan[key] - real[key]) <= 0.01 * real[key], (case, key, plan, real)
+            # the real run's few host scalars (weights, statistics) are the only difference: well under 1%; and a
+            # peak may hold one buffer more that gloo's thread released late (MemoryTrace.late, measured, not fixed)
+            late = real["late"] if key in ("step_peak", "peak") else 0
+            assert abs(plan[key] - real[key]) <= 0.01 * real[key] + late, (case, key, plan, real)
+        assert real["late"] <= 0.05 * real["step_peak"] and plan["late"] == 0
         assert plan["activations"] > 0 and plan["step_peak"] > plan["state"]
 
 
@@ -109,3 +112,19 @@ def test_the_plan_is_the_same_every_time():
     # nothing the step let go of may linger (a reference cycle would hold it until some gc pass)
     first = _planned({"dp": 2}, 1, False, 1)
     assert all(_planned({"dp": 2}, 1, False, 1) == first for _ in range(2))
+
+
+def test_memory_trace_counts_a_buffer_another_thread_releases():
+    import threading
+
+    from funcpar.planning import MemoryTrace
+
+    with MemoryTrace("cpu") as tr:
+        kept, box = torch.ones(1000), [torch.zeros(256)]
+        assert tr.live == 1000 * 4 + 256 * 4 and tr.late == 0
+        worker = threading.Thread(target=box.clear)  # as gloo's thread drops a finished collective's buffer
+        worker.start()
+        worker.join()
+        assert tr.live == 1000 * 4 and tr.late == 256 * 4
+        del kept
+        assert tr.live == 0 and tr.late == 256 * 4
