@@ -9,10 +9,13 @@ The job is built exactly as ``worker.py`` builds it. After ``--warmup`` steps, `
 profiler. funcpar's phases are marked by wrapping its methods here (``record_function``; nothing in funcpar changes):
 
 - ``forward+backward``: the ``torch.func`` gradient of the loss, per micro-batch;
-- ``bucket copies``: the gradients copied into their flat buckets (``ZeroLayout.flat``);
-- ``reduce``: the buckets' reduce-scatter (ZeRO) or all-reduce over the data axes (``ZeroLayout.reduce``);
+- ``bucket copies``: the gradients copied into their flat buckets (``ZeroLayout.flat``; on host tensors ZeRO's
+  reduce-scatter reads the gradient leaves where they lie instead);
+- ``reduce``: the buckets' reduce-scatter (ZeRO) or all-reduce over the data axes (``ZeroLayout.reduce``,
+  ``collectives.reduce_scatter_segments``);
 - ``norm+stats``: the global gradient norm and loss all-reduce (``Step._statistics``);
-- ``optimizer``: AdamW's update (``optimizer.update``) and its application (``Step._apply``);
+- ``optimizer``: AdamW's update (``optimizer.update``) and its application (``Step._apply``), or both at once
+  (``optimizer.fused.apply``);
 - ``gather``: the updated parameters all-gathered into every rank's buffers (``StateBuffers.publish``);
 - ``rest``: the step's remaining wall time (batch checks, bookkeeping, the barrier waits are outside the step).
 
@@ -77,20 +80,24 @@ def _wrap(owner, attr: str, label: str) -> None:
 def mark_funcpar(run) -> None:
     """Phase markers around funcpar's step methods (class-level, plus the step's own gradient function)."""
     import funcpar.buffers as B
+    import funcpar.collectives as FC
     import funcpar.layout as L
     import funcpar.step as S
 
     _wrap(L.ZeroLayout, "flat", "phase:bucket copies")
     _wrap(L.ZeroLayout, "reduce", "phase:reduce")
+    _wrap(FC, "reduce_scatter_segments", "phase:reduce")  # ZeRO's reduce-scatter from the gradient leaves (host)
     _wrap(S.Step, "_statistics", "phase:norm+stats")
     _wrap(S.Step, "_apply", "phase:optimizer")
     _wrap(B.StateBuffers, "publish", "phase:gather")
     step = run.step
     _wrap(step, "_grad", "phase:forward+backward")
     opt = step.optimizer  # a NamedTuple of functions: a copy with the update wrapped
-    box = type("Box", (), {"update": opt.update})
+    box = type("Box", (), {"update": opt.update, "apply": opt.fused.apply if opt.fused else None})
     _wrap(box, "update", "phase:optimizer")
-    step.optimizer = opt._replace(update=box.update)
+    if opt.fused is not None:  # AdamW's fused update, written into the parameters
+        _wrap(box, "apply", "phase:optimizer")
+    step.optimizer = opt._replace(update=box.update, fused=opt.fused and opt.fused._replace(apply=box.apply))
 
 
 def mark_eager(model, optimizer) -> None:

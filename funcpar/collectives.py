@@ -1,4 +1,4 @@
-"""Differentiable collectives over one mesh axis, and the only module that calls torch.distributed ops.
+"""Differentiable collectives over one mesh axis, and (with :mod:`funcpar.transport`) what calls torch.distributed.
 
 Each collective is a ``torch.autograd.Function`` with a separate ``setup_context`` and a ``vmap`` rule, so it works
 under ``torch.func.grad``, ``vjp`` and ``vmap`` as well as ``.backward()``. Its backward is its conjugate collective
@@ -22,7 +22,8 @@ function                     forward                 backward                typ
 
 Non-differentiable: :func:`all_reduce` (sum/max/min/avg, over one axis or several, for statistics such as a global
 gradient norm) and :func:`broadcast`; point-to-point operations (pipeline stages) live in :mod:`funcpar.p2p`. Every
-wait is bounded by the mesh's timeout: a dead or stuck peer becomes an error, not a hang.
+wait is bounded by the mesh's timeout: a dead or stuck peer becomes an error, not a hang (:mod:`funcpar.transport`,
+which also holds the rings host tensors reduce-scatter and all-gather over).
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.distributed as dist
 
+from .transport import CollectiveError, count as _count, fill, pieces, ring_all_gather, ring_reduce_scatter
+from .transport import wait as _wait
+
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
+    from .transport import Segments
 
 __all__ = [
     "copy_to_region",
@@ -46,14 +51,11 @@ __all__ = [
     "all_reduce",
     "all_gather_nograd",
     "reduce_scatter_nograd",
+    "reduce_scatter_segments",
     "broadcast",
     "barrier",
     "CollectiveError",
 ]
-
-
-class CollectiveError(RuntimeError):
-    """A collective that cannot run: bad shape for the axis, or a peer that failed or timed out."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,26 +66,6 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 # torch 2.13 renamed the flat-tensor collectives; keep working on the older names too
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _wait(work, mesh: "Mesh", what: str, axis: str) -> None:
-    where = (
-        f"mesh axis '{axis}' of {mesh!r} (rank {mesh.rank}, group ranks {mesh.group_ranks(axis)})"
-        if axis in mesh.axis_names
-        else f"{mesh!r} (rank {mesh.rank})"
-    )
-    try:
-        ok = work.wait(timeout=mesh.timeout)
-    except Exception as e:  # gloo/nccl raise on a dead peer or on the timeout
-        raise CollectiveError(
-            f"{what} over {where} failed: a peer rank has died or stopped responding "
-            f"(timeout {mesh.timeout.total_seconds():g} s). Cause: {e}"
-        ) from e
-    if ok is False:
-        raise CollectiveError(
-            f"{what} over {where} did not complete within {mesh.timeout.total_seconds():g} s: "
-            f"a peer rank has died or stopped responding"
-        )
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -99,15 +81,6 @@ def _check_divisible(x: torch.Tensor, dim: int, mesh: "Mesh", axis: str, what: s
             f"{what}: dimension {dim} of a tensor of shape {tuple(x.shape)} (size {x.shape[dim]}) is not divisible "
             f"by mesh axis '{axis}' of size {n}"
         )
-    return n
-
-
-def _count(mesh: "Mesh", axis: str, nbytes: float) -> int:
-    """Add to ``mesh.traffic[axis]`` what a ring algorithm sends from this rank for a collective moving ``nbytes``
-    ((n-1)/n of them); returns the group's size. Real and simulated meshes count alike, so a run's measured bytes
-    per axis can be set beside the plan's and the analytic figure."""
-    n = mesh.size if axis == "world" else mesh.axis_size(axis)
-    mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
     return n
 
 
@@ -142,7 +115,7 @@ def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int, out: tor
         return out.movedim(0, dim).contiguous() if dim else out
     _count(mesh, axis, out.numel() * out.element_size())
     if out.device.type == "cpu":
-        _ring_all_gather(xm, out, mesh, axis)
+        ring_all_gather(xm, out, mesh, axis)
     else:
         _wait(_all_gather_flat(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_gather", axis)
     return out.movedim(0, dim).contiguous() if dim else out
@@ -152,55 +125,24 @@ def _raw_reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> t
     n = _check_divisible(x, dim, mesh, axis, "reduce_scatter")
     xm = x.detach().movedim(dim, 0).contiguous()
     out = xm.new_empty((xm.shape[0] // n, *xm.shape[1:]))
-    if mesh.simulated:  # on host tensors the ring (below) holds one more block while it runs (n > 2: two)
-        staged = [out.new_empty(out.shape) for _ in range(min(n - 2, 2))] if mesh.device.type == "cpu" else []
-        out.copy_(xm[: out.shape[0]]).mul_(_simulated(mesh, axis, xm.numel() * xm.element_size()))
-        staged.clear()  # (held while the ring would run)
-        return out.movedim(0, dim).contiguous() if dim else out
-    _count(mesh, axis, xm.numel() * xm.element_size())
-    if out.device.type == "cpu":
-        _ring_reduce_scatter(xm, out, mesh, axis)
+    if mesh.simulated or out.device.type == "cpu":  # the host ring, over the one segment
+        _reduce_scatter_segments([(0, xm.view(-1))], xm.numel(), out.view(-1), mesh, axis)
     else:
+        _count(mesh, axis, xm.numel() * xm.element_size())
         _wait(_reduce_scatter_flat(out, xm, group=mesh.group(axis), async_op=True), mesh, "reduce_scatter", axis)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-# gloo's own reduce-scatter and all-gather stage whole copies of their tensors and take 2.5-3x the time of its
-# all-reduce of the same bytes (64 MB over 2 ranks on the 2-core benchmark machine: 82 and 82 ms against 40 ms).
-# On host tensors (gloo) funcpar runs them as rings of send/recv pairs instead (torch.distributed's
-# batch_isend_irecv): 30 and 27 ms there, (n-1)/n of the bytes sent per rank as a ring's, the sums in one fixed
-# order. CUDA tensors (NCCL) keep the native collectives.
-def _exchange(send: torch.Tensor, recv: torch.Tensor, mesh: "Mesh", axis: str, what: str) -> None:
-    """Send ``send`` to the next rank of ``axis``'s ring and receive ``recv`` from the previous one."""
-    ranks, i = mesh.group_ranks(axis), mesh.coord(axis)
-    n, group = len(ranks), mesh.group(axis)
-    ops = [dist.P2POp(dist.isend, send, ranks[(i + 1) % n], group),
-           dist.P2POp(dist.irecv, recv, ranks[(i - 1) % n], group)]
-    for work in dist.batch_isend_irecv(ops):
-        _wait(work, mesh, what, axis)
-
-
-def _ring_reduce_scatter(xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
-    """``out`` = the sum over ``axis`` of block ``coord(axis)`` of ``xm``: at step s each rank passes on its
-    running sum of block (i-1-s) mod n and adds its own term to the one it receives; the last lands in ``out``."""
-    n, i = mesh.axis_size(axis), mesh.coord(axis)
-    blocks = xm.chunk(n)
-    spare = [torch.empty_like(out) for _ in range(min(n - 2, 2))]
-    send = blocks[(i - 1) % n]
-    for s in range(n - 1):
-        recv = out if s == n - 2 else spare[s % 2]
-        _exchange(send, recv, mesh, axis, "reduce_scatter")
-        send = recv.add_(blocks[(i - s - 2) % n])
-
-
-def _ring_all_gather(xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
-    """Every rank's ``xm`` as block ``coord`` of ``out``: at step s each rank passes on block (i-s) mod n."""
-    n, i = mesh.axis_size(axis), mesh.coord(axis)
-    blocks = out.chunk(n)
-    if blocks[i].data_ptr() != xm.data_ptr():
-        blocks[i].copy_(xm)
-    for s in range(n - 1):
-        _exchange(blocks[(i - s) % n], blocks[(i - s - 1) % n], mesh, axis, "all_gather")
+def _reduce_scatter_segments(segs: "Segments", total: int, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
+    nbytes = total * out.element_size()
+    if mesh.simulated:  # on host tensors the ring holds one more block while it runs (n > 2: two)
+        host = mesh.device.type == "cpu"
+        staged = [torch.empty_like(out) for _ in range(min(mesh.axis_size(axis) - 2, 2))] if host else []
+        fill(out, pieces(segs, 0, out.numel())).mul_(_simulated(mesh, axis, nbytes))
+        staged.clear()  # (held while the ring would run)
+    else:
+        _count(mesh, axis, nbytes)
+        ring_reduce_scatter(segs, total, out, mesh, axis)
 
 
 def _raw_all_to_all(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
@@ -370,7 +312,8 @@ def all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str | Sequence[str], op: str
 def all_gather_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """The ranks' blocks of ``x`` concatenated along ``dim`` (no autograd; for the train step's own plumbing).
-    ``out`` (``dim=0`` only, not overlapping ``x``): write the result there instead of into a new tensor."""
+    ``out`` (``dim=0`` only): write the result there instead of into a new tensor; ``x`` must not overlap it, or on
+    host tensors may be exactly this rank's block of it (gathered in place)."""
     if out is not None and (dim != 0 or out.shape[0] != x.shape[0] * mesh.axis_size(axis)):
         raise CollectiveError(f"all_gather_nograd: out {tuple(out.shape)} does not fit {mesh.axis_size(axis)} blocks "
                               f"of {tuple(x.shape)} along dim 0")
@@ -382,6 +325,21 @@ def all_gather_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0,
 def reduce_scatter_nograd(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:
     """This rank's block along ``dim`` of the sum of the ranks' ``x`` (no autograd; the train step's plumbing)."""
     return x if _trivial(mesh, axis) else _raw_reduce_scatter(x, mesh, axis, _norm_dim(dim, x.ndim))
+
+
+def reduce_scatter_segments(segs: "Segments", total: int, mesh: "Mesh", axis: str) -> torch.Tensor:
+    """:func:`reduce_scatter_nograd` of the 1-D tensor of ``total`` elements that ``segs`` describe (``[(offset, 1-D
+    tensor)]``, sorted, zeros between them) without building it: host tensors only (the ring sends and adds each
+    block's pieces where they lie: the train step's gradient leaves, no bucket-sized copy of them)."""
+    n, first = mesh.axis_size(axis), segs[0][1]
+    if total % n or not (first.is_cpu or mesh.simulated):
+        raise CollectiveError(f"reduce_scatter_segments: {total} elements over mesh axis '{axis}' of size {n}, on "
+                              f"{first.device}: needs a multiple of {n}, on the host")
+    out = first.new_empty(total // n)
+    if _trivial(mesh, axis):
+        return fill(out, pieces(segs, 0, total))
+    _reduce_scatter_segments(segs, total, out, mesh, axis)
+    return out
 
 
 def barrier(mesh: "Mesh") -> None:

@@ -163,10 +163,26 @@ class ZeroLayout:
                 flat = flat[self.mesh.coord(a) * k : (self.mesh.coord(a) + 1) * k]
         return flat
 
+    def reduce_leaves(self, b: Bucket, leaves: list) -> torch.Tensor:
+        """``reduce(b, flat(b, leaves, free=True))``; on host tensors reduced over one ZeRO axis, straight from the
+        leaves (:func:`funcpar.collectives.reduce_scatter_segments`): no bucket-sized flat copy is made, and each
+        leaf is dropped from ``leaves`` as ``flat`` does."""
+        ts = [leaves[i] for i in b.leaves]
+        if len(b.zero_axes) != 1 or b.sum_axes != b.zero_axes or self.mesh.device.type != "cpu" or any(
+                t.dtype != b.dtype or t.device.type not in ("cpu", "meta") for t in ts):
+            return self.reduce(b, self.flat(b, leaves, free=True))
+        segs = [(o, t.reshape(-1)) for o, t in zip(b.offsets, ts) if t.numel()]
+        for i in b.leaves:
+            leaves[i] = None
+        return C.reduce_scatter_segments(segs, b.padded, self.mesh, b.zero_axes[0])
+
     def gather_into(self, b: Bucket, whole: torch.Tensor) -> None:
         """All-gather this rank's updated part of bucket ``b`` (``whole[lo:hi]``) into every rank's ``whole``, over
         its ZeRO axes (minor first, as the parts were cut); the last gather writes straight into ``whole``."""
         if not b.zero_axes:
+            return
+        if len(b.zero_axes) == 1 and self.mesh.device.type == "cpu":  # the host ring gathers in place
+            C.all_gather_nograd(whole[b.lo : b.hi], self.mesh, b.zero_axes[0], 0, out=whole)
             return
         part = whole[b.lo : b.hi].clone()  # an all-gather's input must not overlap its output
         for a in reversed(b.zero_axes[1:]):

@@ -11,12 +11,12 @@ A step reads as accumulate -> reduce -> update -> gather:
   batch as one process would compute it;
 - **reduce**: per ZeRO bucket (:mod:`funcpar.layout`), the sum over the data axes; the global gradient norm over
   every shard, each element counted once;
-- **update**: the optimizer (with clipping and, under mixed precision, loss scaling as wrappers) on this rank's part;
+- **update**: the optimizer (clipping, loss scaling as wrappers) on this rank's part, fused where it can be (AdamW);
 - **gather**: the updated parts all-gathered back into whole local leaves.
 
-- ``zero=0``: all-reduce gradients over the data axes; every rank updates its whole local leaves.
-- ``zero=1``: accumulate micro-batch gradients locally, then one reduce-scatter per bucket.
-- ``zero=2``: reduce-scatter after every micro-batch and keep only the local part across micro-batches.
+``zero=0``: all-reduce gradients over the data axes; every rank updates its whole local leaves. ``zero=1``: accumulate
+micro-batch gradients locally, then one reduce-scatter per bucket. ``zero=2``: reduce-scatter after every micro-batch
+and keep only the local part across micro-batches.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 from . import checkpoint
 from . import collectives as C
 from .batching import batch_items, check_consistency, rows as _rows, split as _split
+from .buffers import StateBuffers
 from .layout import ZeroLayout
 from .mesh import Mesh
-from .buffers import StateBuffers
 from .model import carried_check, carried_weight
 from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
@@ -171,9 +171,11 @@ class Step:
         lay, slices = self.layout, self.buffers.part_slices()
         parts = [p.to(s.device) for p, s in zip(parts, slices)]  # offload: the gradient parts to the host
         g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
-        extra = {"finite": finite} if self.loss_scale is not None else {}
-        updates, inner = self.optimizer.update(g_views, inner, p_views, global_norm=grad_norm.to(parts[0].device),
-                                               _fresh=True, inplace_state=True, **extra)
+        extra, fused = {"global_norm": grad_norm.to(parts[0].device)}, self.optimizer.fused
+        extra |= {"finite": finite} if self.loss_scale is not None else {}
+        fused = fused if fused is not None and fused.can(g_views, p_views) else None  # written into the params
+        updates, inner = ((None, fused.apply(g_views, inner, p_views, **extra)) if fused is not None else
+                          self.optimizer.update(g_views, inner, p_views, _fresh=True, inplace_state=True, **extra))
         del parts, g_views
         metrics = {"loss": loss_value, "step": state.step}
         if not finite:  # an overflow anywhere: no update anywhere (the wrapper adapted the scale)
@@ -274,7 +276,7 @@ class Step:
         loss_sum, auxes = torch.zeros((), dtype=torch.float64), []
         if self.pipe is not None:  # every micro-batch through the pipeline, then one reduction per bucket
             g_leaves, loss_sum = self.pipe.run(params, micro, [wm / total for wm in w.tolist()], scale)
-            return [lay.reduce(b, lay.flat(b, g_leaves, free=True)) for b in lay.buckets], loss_sum, auxes
+            return [lay.reduce_leaves(b, g_leaves) for b in lay.buckets], loss_sum, auxes
         for mb, wm in zip(micro, w.tolist()):
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
             grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale)
@@ -286,10 +288,8 @@ class Step:
                 continue
             g_leaves = lay.treedef.flatten_up_to(grads)
             del grads  # each leaf's gradient is dropped once copied into its bucket
-            for k, b in enumerate(lay.buckets):
-                flat = lay.flat(b, g_leaves, free=True)
-                if eager:
-                    flat = lay.reduce(b, flat)
+            for k, b in enumerate(lay.buckets):  # (reduced from the leaves where they lie: no flat copy on host)
+                flat = lay.reduce_leaves(b, g_leaves) if eager else lay.flat(b, g_leaves, free=True)
                 acc[k] = flat if acc[k] is None else acc[k].add_(flat)
         parts = acc if self.zero == 3 or eager else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc)]
         return parts, loss_sum, auxes
@@ -317,9 +317,9 @@ class Step:
         return stats[0].sqrt().float(), stats[1].item(), not stats[2].item() > 0
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
-        """Update: this rank's parts += updates, in place in the step's buffers."""
-        pairs = [(v, u) for v, u in zip(self.layout.views(slices), self.layout.treedef.flatten_up_to(updates))
-                 if u is not None and v.numel()]
+        """Update: this rank's parts += updates, in place in the step's buffers (``None``: a fused optimizer did)."""
+        us = [] if updates is None else self.layout.treedef.flatten_up_to(updates)
+        pairs = [(v, u) for v, u in zip(self.layout.views(slices), us) if u is not None and v.numel()]
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
 

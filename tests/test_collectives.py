@@ -203,17 +203,32 @@ def _rings(sizes):
         part = C.reduce_scatter_nograd(xs[s], m, "dp", 0)
         whole = C.all_gather_nograd(part, m, "dp", 0)
         cols = C.all_gather_nograd(xs[s][:, :1].contiguous(), m, "dp", 1)  # a gather along dim 1
+        sent = m.traffic["dp"] - before.get("dp", 0)
+        # the same reduce-scatter from segments of a flat range, zeros between them (the step's gradient leaves), and
+        # the all-gather in place (the input is this rank's block of the output)
+        flat = xs[s].reshape(-1).clone()
+        flat[17:20] = 0.0
+        segs = [(0, flat[0:5].clone()), (5, flat[5:17].clone()), (20, flat[20:].clone())]
+        seg_part = C.reduce_scatter_segments(segs, flat.numel(), m, "dp")
+        flat_part = C.reduce_scatter_nograd(flat, m, "dp", 0)
+        in_place = torch.full((4 * n, 3), float("nan"))
+        in_place[4 * s : 4 * s + 4] = part
+        C.all_gather_nograd(in_place[4 * s : 4 * s + 4], m, "dp", 0, out=in_place)
     finally:
         C._reduce_scatter_flat, C._all_gather_flat = saved
-    sent = m.traffic["dp"] - before.get("dp", 0)
-    return m.rank, xs, s, part, whole, cols, native, sent
+    return m.rank, xs, s, part, whole, cols, native, sent, (seg_part, flat_part, in_place)
 
 
 @pytest.mark.parametrize("sizes", [{"dp": 2}, {"tp": 2, "dp": 4}])
 def test_host_reduce_scatter_and_all_gather_rings(sizes):
     outs = harness.run(2 if len(sizes) == 1 else 8, _rings, sizes)
     n = sizes["dp"]
-    for rank, xs, s, part, whole, cols, native, sent in outs:
+    for rank, xs, s, part, whole, cols, native, sent, (seg_part, flat_part, in_place) in outs:
+        assert torch.equal(seg_part, flat_part) and torch.equal(in_place, whole)
+        mod = xs.reshape(n, -1).double()
+        mod[:, 17:20] = 0.0  # the gap between the segments
+        k = mod.shape[1] // n
+        assert torch.allclose(seg_part.double(), mod.sum(0)[k * s : k * s + k], rtol=1e-6, atol=1e-6)
         total = xs.double().sum(0)
         assert part.shape == (4, 3) and native == []  # gloo's own reduce-scatter and all-gather were not called
         assert torch.allclose(part.double(), total[4 * s : 4 * s + 4], rtol=1e-6, atol=1e-6)

@@ -115,7 +115,9 @@ def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
         for a, b in zip(g["losses"], ref["losses"]):
             assert abs(a - b) <= 2e-6 * abs(b)
         for (p, x), (_, y) in zip(fp.tree.leaves_with_path(g["adapters"]), fp.tree.leaves_with_path(ref["adapters"])):
-            assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), p
+            # the gradients agree to 1e-5 (test above); AdamW's m/sqrt(v) amplifies their round-off where an element's
+            # gradient is tiny: per leaf 3.5e-6 of its norm with torch's fused AdamW kernel (9e-7 with the chain)
+            assert (x - y).norm() <= 1e-5 * y.norm() and torch.allclose(x, y, rtol=1e-4, atol=1e-5), p
     assert ref["losses"][2] < ref["losses"][0]
     # what the step holds: the adapters alone (flat buffers, AdamW's two moments in ZeRO-1 parts over dp=2)
     n_adapters = sum(x.numel() for _, x in fp.tree.leaves_with_path(ref["adapters"]))

@@ -87,6 +87,61 @@ def test_adamw_with_schedule_equals_torch_adamw_lr_per_step():
     _assert_close(ours, ref)
 
 
+def _run_fused(opt, params, steps=STEPS, clip=None):
+    """The train step's path: ``opt.fused`` writes each update into (copies of) the params; the final params and
+    state. ``clip``: with ``clip_by_global_norm(clip)`` in front, as ``compile_step(clip_norm=)`` builds it."""
+    if clip is not None:
+        opt = fp.optim.chain(fp.optim.clip_by_global_norm(clip), opt)
+    params = {k: v.clone() for k, v in params.items()}
+    state = opt.init(params)
+    for k in range(steps):
+        grads = _grads(params, k)
+        assert opt.fused.can(grads, params)
+        state = opt.fused.apply(grads, state, params, global_norm=fp.optim.global_norm(grads))
+    return params, state
+
+
+def test_fused_adamw_equals_the_chain_and_torch_adamw():
+    params = {**_params(2), "empty": torch.zeros(0)}  # ZeRO hands some ranks empty slices
+    mask = {**fp.optim.decay_mask(params), "empty": True}
+    sched = fp.optim.warmup_cosine(2e-2, warmup=2, total=STEPS, end=1e-3, start=1e-3)
+    opt = fp.optim.adamw(sched, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.3, mask=mask)
+    calls = []
+    real = torch._fused_adamw_
+    torch._fused_adamw_ = lambda *a, **k: calls.append(k["weight_decay"]) or real(*a, **k)
+    try:
+        fused, state = _run_fused(opt, params)
+    finally:
+        torch._fused_adamw_ = real
+    assert calls == [0.3, 0.0] * STEPS  # torch's kernel, once per decay group per step
+    chained = _run(opt, params)
+    _assert_close(fused, chained)
+    ref = _run_torch(lambda g: torch.optim.AdamW(g, lr=0.0, betas=(0.8, 0.95), eps=1e-6),
+                     {k: v for k, v in params.items() if k != "empty"}, _decay_groups(0.3), schedule=sched)
+    _assert_close({k: v for k, v in fused.items() if k != "empty"}, ref)
+    chain_state = opt.init(params)
+    for k in range(STEPS):
+        chain_state = opt.update(_grads(params, k), chain_state, _run(opt, params, k))[1]
+    assert [x.tolist() for x in optree.tree_leaves(state) if x.ndim == 0] == [STEPS, STEPS]  # the counts
+    for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(chain_state)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the moments: the same state, a checkpoint's too
+    assert _state_types(state) == _state_types(chain_state)
+
+
+def test_fused_adamw_after_clipping_and_what_has_no_fused_path():
+    params = _params(3)
+    opt = fp.optim.adamw(1e-2, weight_decay=0.1)
+    clipped, _ = _run_fused(opt, params, clip=0.5)
+    chained = _run(fp.optim.chain(fp.optim.clip_by_global_norm(0.5), opt), params)
+    _assert_close(clipped, chained)
+    assert not torch.allclose(clipped["w"], _run_fused(opt, params)[0]["w"])  # the clipping mattered
+    assert fp.optim.lion(1e-3).fused is None and fp.optim.sgd(1e-2).fused is None
+    assert fp.optim.masked(opt, {"w": True, "b": False, "t": True}).fused is None
+    assert fp.optim.chain(opt, fp.optim.scale(0.5)).fused is None  # a stage after AdamW's: not fused
+    half = {k: v.half() for k, v in params.items()}
+    assert not opt.fused.can(half, half) and not opt.fused.can({}, {})
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_momentum_weight_decay_equals_torch_sgd(nesterov):
     params = _params(2)

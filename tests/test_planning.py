@@ -128,3 +128,4 @@ def test_memory_trace_counts_a_buffer_another_thread_releases():
         assert tr.live == 1000 * 4 and tr.late == 256 * 4
         del kept
         assert tr.live == 0 and tr.late == 256 * 4
+

@@ -211,18 +211,18 @@ def _count_collectives(layers):
     calls = []
     names = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_gather", "reduce_scatter")
     saved = (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv,
-             C._ring_all_gather, C._ring_reduce_scatter)
+             C.ring_all_gather, C.ring_reduce_scatter)
 
     def spy(name, f):
         return lambda *a, **k: (calls.append(name), f(*a, **k))[1]
 
     (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv,
-     C._ring_all_gather, C._ring_reduce_scatter) = [spy(n, f) for n, f in zip(names, saved)]
+     C.ring_all_gather, C.ring_reduce_scatter) = [spy(n, f) for n, f in zip(names, saved)]
     try:
         step(state, b)
     finally:
         (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv,
-         C._ring_all_gather, C._ring_reduce_scatter) = saved
+         C.ring_all_gather, C.ring_reduce_scatter) = saved
     return len(fp.tree.leaves_with_path(state.params)), sorted(calls)
 
 

@@ -16,6 +16,7 @@ sharded caller passes ``global_norm=`` to :func:`clip_by_global_norm`. Masks are
 :func:`add_decayed_weights` is the one place weight decay is masked.
 """
 
+from .base import Fused as Fused
 from .base import GradientTransformation as GradientTransformation
 from .base import apply_updates as apply_updates
 from .base import chain as chain

@@ -16,10 +16,21 @@ from typing import Any, Callable, NamedTuple
 import optree
 
 
+class Fused(NamedTuple):
+    """A transformation's update and its application to the parameters in one pass per leaf, in place: for the
+    train step, which donates its state and owns its gradients. ``can(grads, params)``: whether it applies to these
+    leaves (dtypes, devices; checked before anything is written); ``apply(grads, state, params, **extra)``: writes
+    the new parameters into ``params`` and the moments into ``state``'s tensors, returns the new state."""
+
+    can: Callable[[Any, Any], bool]
+    apply: Callable[..., Any]
+
+
 class GradientTransformation(NamedTuple):
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
     schedule: Callable[[int], float] | None = None  # the learning rate at a step, for reporting
+    fused: Fused | None = None  # the same update fused with its application (``None``: not available)
 
 
 def leaves(tree: Any) -> list:
@@ -92,7 +103,24 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return fresh
 
     schedule = next((t.schedule for t in transforms if t.schedule is not None), None)
-    return GradientTransformation(init, fresh_protocol(update, fresh_out), schedule)
+    return GradientTransformation(init, fresh_protocol(update, fresh_out), schedule, _chain_fused(transforms))
+
+
+def _chain_fused(transforms: tuple) -> Fused | None:
+    """A chain is fused when its last stage is and every earlier one turns fresh updates into fresh ones (clipping,
+    scaling, in place): those run as they are, on the step's own gradients, then the last stage's fused update."""
+    if not transforms or transforms[-1].fused is None or not all(_fresh_after(t, True) for t in transforms[:-1]):
+        return None
+    last = transforms[-1].fused
+
+    def apply(grads, state, params=None, **extra):
+        new, fresh = [], True
+        for t, s in zip(transforms[:-1], state):
+            (grads, s), fresh = _call(t, grads, s, params, fresh, extra)
+            new.append(s)
+        return (*new, last.apply(grads, state[-1], params, **extra))
+
+    return Fused(last.can, apply)
 
 
 def _select(tree: Any, keep: list[bool]) -> Any:

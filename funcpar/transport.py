@@ -1,0 +1,124 @@
+"""What every collective stands on: bounded waits, traffic counting, and the host rings.
+
+:func:`wait` bounds each wait by the mesh's timeout and turns a dead or stuck peer into a :class:`CollectiveError`
+naming the axis and the ranks; :func:`count` adds what a ring sends to ``mesh.traffic``. :mod:`funcpar.collectives`
+and :mod:`funcpar.p2p` are the only other modules that call torch.distributed.
+
+The rings. gloo's own reduce-scatter and all-gather stage whole copies of their tensors and take 2.5-3x the time of
+its all-reduce of the same bytes (64 MB over 2 ranks on the 2-core benchmark machine: 82 and 82 ms against 40 ms).
+On host tensors (gloo) funcpar runs them as rings of send/recv pairs instead (torch.distributed's
+``batch_isend_irecv``): 30 and 27 ms there, (n-1)/n of the bytes sent per rank as a ring's, the sums in one fixed
+order. CUDA tensors (NCCL) keep the native collectives.
+
+A reduce-scatter's input need not exist as one tensor: it is given as *segments*, ``[(offset, 1-D tensor)]`` placed
+in a flat range of ``total`` elements (zeros between them). The train step hands its gradient leaves so, and the
+ring sends and adds each block's pieces where they lie, with no bucket-sized copy of them (:func:`pieces`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .mesh import Mesh
+
+Segments = list[tuple[int, torch.Tensor]]  # (offset in the flat range, 1-D tensor), sorted, not overlapping
+
+
+class CollectiveError(RuntimeError):
+    """A collective that cannot run: bad shape for the axis, or a peer that failed or timed out."""
+
+
+def wait(work, mesh: "Mesh", what: str, axis: str) -> None:
+    """Wait for ``work`` at most the mesh's timeout; a failure or the timeout raises, naming the axis and ranks."""
+    where = (
+        f"mesh axis '{axis}' of {mesh!r} (rank {mesh.rank}, group ranks {mesh.group_ranks(axis)})"
+        if axis in mesh.axis_names
+        else f"{mesh!r} (rank {mesh.rank})"
+    )
+    try:
+        ok = work.wait(timeout=mesh.timeout)
+    except Exception as e:  # gloo/nccl raise on a dead peer or on the timeout
+        raise CollectiveError(
+            f"{what} over {where} failed: a peer rank has died or stopped responding "
+            f"(timeout {mesh.timeout.total_seconds():g} s). Cause: {e}"
+        ) from e
+    if ok is False:
+        raise CollectiveError(
+            f"{what} over {where} did not complete within {mesh.timeout.total_seconds():g} s: "
+            f"a peer rank has died or stopped responding"
+        )
+
+
+def count(mesh: "Mesh", axis: str, nbytes: float) -> int:
+    """Add to ``mesh.traffic[axis]`` what a ring algorithm sends from this rank for a collective moving ``nbytes``
+    ((n-1)/n of them); returns the group's size. Real and simulated meshes count alike, so a run's measured bytes
+    per axis can be set beside the plan's and the analytic figure."""
+    n = mesh.size if axis == "world" else mesh.axis_size(axis)
+    mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
+    return n
+
+
+def pieces(segs: Segments, lo: int, hi: int) -> Segments:
+    """The parts of ``segs`` inside ``[lo, hi)``, as (offset from ``lo``, view) pairs."""
+    out = []
+    for start, t in segs:
+        a, z = max(lo, start), min(hi, start + t.numel())
+        if a < z:
+            out.append((a - lo, t[a - start : z - start]))
+    return out
+
+
+def fill(out: torch.Tensor, part: Segments) -> torch.Tensor:
+    """``out`` (1-D) = the pieces ``part`` at their offsets, zeros elsewhere."""
+    if sum(t.numel() for _, t in part) < out.numel():
+        out.zero_()
+    for o, t in part:
+        out[o : o + t.numel()].copy_(t)
+    return out
+
+
+def exchange(send: list[torch.Tensor], recv: list[torch.Tensor], mesh: "Mesh", axis: str, what: str) -> None:
+    """Send the tensors ``send`` to the next rank of ``axis``'s ring and receive ``recv`` from the previous one,
+    pairwise in order (both ranks cut their blocks alike)."""
+    ranks, i = mesh.group_ranks(axis), mesh.coord(axis)
+    n, group = len(ranks), mesh.group(axis)
+    ops = [dist.P2POp(dist.isend, t, ranks[(i + 1) % n], group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, ranks[(i - 1) % n], group) for t in recv]
+    for work in dist.batch_isend_irecv(ops) if ops else []:  # (a block of padding alone: nothing to send)
+        wait(work, mesh, what, axis)
+
+
+def ring_reduce_scatter(segs: Segments, total: int, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
+    """``out`` (1-D) = the sum over ``axis`` of block ``coord(axis)`` of the flat range ``segs`` describe: at step s
+    each rank passes on its running sum of block (i-1-s) mod n and adds its own term to the one it receives; the
+    last lands in ``out``. Step 0 sends the block's pieces as they lie and receives them into their places."""
+    n, i, k = mesh.axis_size(axis), mesh.coord(axis), out.numel()
+    block = [pieces(segs, j * k, (j + 1) * k) for j in range(n)]
+    spare = [torch.empty_like(out) for _ in range(min(n - 2, 2))]
+    send = [t for _, t in block[(i - 1) % n]]
+    for s in range(n - 1):
+        recv, mine = out if s == n - 2 else spare[s % 2], block[(i - s - 2) % n]
+        if s == 0:  # the previous rank's raw pieces of the block this rank adds to, into their places
+            if sum(t.numel() for _, t in mine) < k:
+                recv.zero_()  # (padding: no piece covers it)
+            exchange(send, [recv[o : o + t.numel()] for o, t in mine], mesh, axis, "reduce_scatter")
+        else:
+            exchange(send, [recv], mesh, axis, "reduce_scatter")
+        for o, t in mine:
+            recv[o : o + t.numel()].add_(t)
+        send = [recv]
+
+
+def ring_all_gather(xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
+    """Every rank's ``xm`` as block ``coord`` of ``out``: at step s each rank passes on block (i-s) mod n. ``xm``
+    may be that block of ``out`` already (in place)."""
+    n, i = mesh.axis_size(axis), mesh.coord(axis)
+    blocks = out.chunk(n)
+    if blocks[i].data_ptr() != xm.data_ptr():
+        blocks[i].copy_(xm)
+    for s in range(n - 1):
+        exchange([blocks[(i - s) % n]], [blocks[(i - s - 1) % n]], mesh, axis, "all_gather")
