@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from .base import Fused, GradientTransformation, chain, leaves, mask_list
-from .schedules import Schedule, check_hyper
-from .transforms import (_count, _sched, add_decayed_weights, scale_by_adam, scale_by_learning_rate, scale_by_lion,
-                         trace)
+from .schedules import Schedule
+from .transforms import (_count, _sched, add_decayed_weights, lr_at, scale_by_adam, scale_by_learning_rate,
+                         scale_by_lion, trace)
 
 
 def _decay(weight_decay: float, mask: Any) -> list[GradientTransformation]:
@@ -52,9 +52,7 @@ def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: An
 
     def apply(grads, state, params=None, **extra):
         adam, lrs = state[0], state[-1]
-        k = _count(lrs.count)
-        lr = schedule(k)
-        check_hyper("scale_by_learning_rate", f"the schedule's lr at step {k}", lr)
+        lr = lr_at(schedule, lrs.count)
         gs, ps, mus, nus = leaves(grads), leaves(params), leaves(adam.mu), leaves(adam.nu)
         decayed = mask_list(mask, params) if weight_decay else [False] * len(ps)
         t = torch.full((), float(_count(adam.count) + 1), device=ps[0].device)

@@ -126,6 +126,14 @@ def scale(factor: float) -> GradientTransformation:
     return GradientTransformation(init, fresh_protocol(update, _always))
 
 
+def lr_at(schedule: Schedule, count: torch.Tensor) -> float:
+    """The learning rate for the update after ``count`` updates, checked (finite, not negative)."""
+    k = _count(count)
+    lr = schedule(k)
+    check_hyper("scale_by_learning_rate", f"the schedule's lr at step {k}", lr)
+    return lr
+
+
 class ScaleByLearningRateState(NamedTuple):
     count: torch.Tensor  # int64 scalar: updates done before this one (0 at the first update)
 
@@ -142,10 +150,7 @@ def scale_by_learning_rate(lr: float | Schedule) -> GradientTransformation:
         new = ScaleByLearningRateState(state.count + 1)
         if not xs:
             return grads, new
-        k = _count(state.count)
-        lr = schedule(k)
-        check_hyper("scale_by_learning_rate", f"the schedule's lr at step {k}", lr)
-        return unflatten_like(grads, _mul(xs, -lr, _fresh)), new
+        return unflatten_like(grads, _mul(xs, -lr_at(schedule, state.count), _fresh)), new
 
     return GradientTransformation(init, fresh_protocol(update, _always), schedule)
 
