@@ -28,7 +28,7 @@ which also holds the rings host tensors reduce-scatter and all-gather over).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ __all__ = [
     "all_gather_nograd",
     "reduce_scatter_nograd",
     "reduce_scatter_segments",
+    "all_reduce_start",
     "broadcast",
     "barrier",
     "CollectiveError",
@@ -102,6 +103,26 @@ def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -
     work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=group, async_op=True)
     _wait(work, mesh, f"all_reduce({op})", axis)
     return y
+
+
+def all_reduce_start(x: torch.Tensor, mesh: "Mesh", axis: str) -> "Callable[[], torch.Tensor]":
+    """Start summing ``x`` over ``axis`` *in place* and return a function that waits for it (bounded by the mesh's
+    timeout) and returns ``x``. For work that overlaps communication with computation: ``x`` must be the caller's
+    own tensor, left untouched until the wait. Not differentiable (a layer's backward calls it)."""
+    nbytes = 2 * x.numel() * x.element_size()  # reduce-scatter + all-gather
+    if _trivial(mesh, axis):
+        return lambda: x
+    if mesh.simulated:
+        x.mul_(_simulated(mesh, axis, nbytes))
+        return lambda: x
+    _count(mesh, axis, nbytes)
+    work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=mesh.group(axis), async_op=True)
+
+    def done() -> torch.Tensor:
+        _wait(work, mesh, "all_reduce(sum)", axis)
+        return x
+
+    return done
 
 
 def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:

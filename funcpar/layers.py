@@ -18,7 +18,7 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["rms_norm", "swiglu_mlp", "padding_row_embedding", "check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
+__all__ = ["rms_norm", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
            "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
 
 IGNORE_INDEX = -100
@@ -207,12 +207,74 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def column_parallel(
+    x: torch.Tensor, weights: "list[torch.Tensor]", mesh: "Mesh", axis: str = "tp",
+    biases: "list[torch.Tensor | None] | None" = None,
+) -> tuple[torch.Tensor, ...]:
+    """``F.linear(copy_to_region(x), w_i, b_i)`` for column-parallel weights sharing one replicated input ``x``
+    (q/k/v, gate/up, the head): ``(..., d) -> (..., out_i/tp)`` each, as one operation.
+
+    Its backward forms the input gradient first, starts its all-reduce over ``axis`` and computes the weights' (and
+    biases') gradients while the all-reduce runs (Megatron's overlap of tensor-parallel communication with the
+    weight-gradient matmuls), then waits. The gradients are those of the composition. Where the backward itself is
+    differentiated (``torch.func`` transforms, ``create_graph``, ``vmap``) it runs the composition's collective
+    instead, without the overlap. On an axis of size 1 it is the plain linears; weights that are not plain tensors
+    (LoRA's :class:`funcpar.lora.LoraWeight`) take the composition."""
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if mesh.axis_size(axis) == 1 or not all(isinstance(w, torch.Tensor) for w in weights):
+        x = C.copy_to_region(x, mesh, axis)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    return _ColumnParallel.apply(x, mesh, axis, len(weights), *weights, *biases)
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+class _ColumnParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(x, mesh, axis, k, *wb):
+        return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:]))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, mesh, axis, k, *wb = inputs
+        ctx.mesh, ctx.axis, ctx.k = mesh, axis, k
+        ctx.save_for_backward(x, *wb[:k])
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, *ws = ctx.saved_tensors
+        need, k, (mesh, axis) = ctx.needs_input_grad, ctx.k, (ctx.mesh, ctx.axis)
+        g2 = [g.reshape(-1, g.shape[-1]) for g in gs]  # (N, out_i/tp)
+        done = None
+        if need[0]:
+            gx = g2[0].mm(ws[0])
+            for g, w in zip(g2[1:], ws[1:]):
+                gx.addmm_(g, w)  # (N, d): this rank's part of x's gradient
+            gx = gx.view(x.shape)
+            if torch.is_grad_enabled() or _functorch_wrapped(gx):  # differentiated again: the composable collective
+                gx = C.reduce_from_region(gx, mesh, axis)
+                done = lambda: gx  # noqa: E731
+            else:
+                done = C.all_reduce_start(gx, mesh, axis)  # runs while the weight gradients are computed
+        x2 = x.reshape(-1, x.shape[-1])
+        gw = [g.t().mm(x2) if need[4 + i] else None for i, g in enumerate(g2)]
+        gb = [g.sum(0) if need[4 + k + i] else None for i, g in enumerate(g2)]
+        return (done() if done else None, None, None, None, *gw, *gb)
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis, k, *wb):
+        if any(d is not None for d in in_dims[1:]):
+            raise NotImplementedError("column_parallel under vmap: only the input may be batched, not the weights")
+        x = C.copy_to_region(x.movedim(in_dims[0], 0), mesh, axis)
+        return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:])), (0,) * k
+
+
 def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` on leaves ``w_gate``, ``w_up`` (column-parallel over ``axis``) and ``w_down``
     (row-parallel), with ``b_gate``/``b_up``/``b_down`` when present: (B, T, d) -> (B, T, d), summed over ``axis``."""
-    x = C.copy_to_region(x, mesh, axis)
-    g = F.linear(x, p["w_gate"], p.get("b_gate"))  # (B, T, d) -> (B, T, I/tp)
-    u = F.linear(x, p["w_up"], p.get("b_up"))  # (B, T, d) -> (B, T, I/tp)
+    g, u = column_parallel(x, [p["w_gate"], p["w_up"]], mesh, axis, [p.get("b_gate"), p.get("b_up")])  # (B, T, I/tp)
     y = C.reduce_from_region(F.linear(F.silu(g) * u, p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
     return y + p["b_down"] if "b_down" in p else y
 

@@ -8,6 +8,7 @@ import sys
 import einops
 import pytest
 import torch
+import torch.nn.functional as F
 
 import funcpar as fp
 import harness
@@ -145,3 +146,74 @@ def test_tp_mlp_example_trains_on_four_ranks():
     assert "tensor-parallel MLP on Mesh(tp=2, dp=2), 4 process(es)" in p.stdout
     first, last = (float(x) for x in p.stdout.split("\nloss ")[1].split(" (")[0].split(" -> "))
     assert last < 0.8 * first
+
+
+def _column_parallel_case(tp):
+    """column_parallel(x, [w1, w2, w3], biases) on this rank's column shards against the composition
+    copy_to_region + F.linear: forward, and gradients through autograd (the overlapped backward), torch.func.grad
+    (the composable one), a frozen weight, and vmap over x; plus the order of the overlapped backward's work."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from funcpar import layers as L
+
+    m = harness.mesh(tp=tp)
+    g = torch.Generator().manual_seed(3)
+    outs = [4 * tp, 2 * tp, 6 * tp]  # global output widths: each rank holds outs/tp rows of each weight
+    ws = [torch.randn(o, D, generator=g).chunk(tp)[m.coord("tp")].contiguous() for o in outs]
+    bs = [torch.randn(o, generator=g).chunk(tp)[m.coord("tp")].contiguous() for o in outs]
+    bs[1] = None  # one linear without a bias
+    x = torch.randn(B, T, D, generator=g)
+    cs = [torch.randn(B, T, w.shape[0], generator=torch.Generator().manual_seed(10 + m.coord("tp"))) for w in ws]
+
+    def objective(fn, x, *wb):
+        return sum((c * y.sin()).sum() for c, y in zip(cs, fn(x, list(wb[:3]), list(wb[3:]))))
+
+    fused = lambda x, w, b: L.column_parallel(x, w, m, "tp", b)  # noqa: E731
+    composed = lambda x, w, b: [F.linear(C.copy_to_region(x, m, "tp"), wi, bi) for wi, bi in zip(w, b)]  # noqa: E731
+    out = {"fwd": [(a - b).abs().max().item() for a, b in zip(fused(x, ws, bs), composed(x, ws, bs))]}
+    leaves = [x, *ws, bs[0], bs[2]]
+    for name, fn in (("fused", fused), ("composed", composed)):
+        args = [t.detach().requires_grad_(t is not ws[2]) for t in leaves]  # ws[2] frozen
+        a_x, a_w, a_b0, a_b2 = args[0], args[1:4], args[4], args[5]
+        out[name + " autograd"] = torch.autograd.grad(objective(fn, a_x, *a_w, a_b0, None, a_b2),
+                                                      [a_x, *a_w[:2], a_b0, a_b2])
+        out[name + " func"] = torch.func.grad(lambda x, w0, b0: objective(fn, x, w0, ws[1], ws[2], b0, None, bs[2]),
+                                              argnums=(0, 1, 2))(x, ws[0], bs[0])
+        per_example = torch.func.vmap(lambda xi: objective(fn, xi[None], *ws, *bs))(x)  # a value per row of x
+        out[name + " vmap"] = per_example
+
+    class Log(TorchDispatchMode):  # the overlapped backward: the all-reduce starts before the weight matmuls
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            events.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    events, start = [], C.all_reduce_start
+
+    def logged_start(t, mesh, axis):
+        events.append("START")
+        wait = start(t, mesh, axis)
+        return lambda: (events.append("WAIT"), wait())[1]
+
+    L.C.all_reduce_start = logged_start
+    try:
+        args = [t.detach().requires_grad_() for t in (x, *ws)]
+        loss = objective(fused, args[0], *args[1:], *bs)
+        with Log():
+            torch.autograd.grad(loss, args)
+    finally:
+        L.C.all_reduce_start = start
+    out["events"] = events[events.index("START"):events.index("WAIT") + 1] if "START" in events else events
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_parallel_equals_the_composition_and_overlaps_its_all_reduce(tp):
+    for rank, res in enumerate(harness.run(tp, _column_parallel_case, tp)):
+        assert max(res["fwd"]) == 0.0, f"rank {rank}: forward differs from copy_to_region + F.linear"
+        for path in ("autograd", "func"):
+            for got, want in zip(res["fused " + path], res["composed " + path]):
+                assert_rel(got, want, what=f"tp={tp} rank {rank} {path} gradient")
+        assert_rel(res["fused vmap"], res["composed vmap"], what=f"tp={tp} rank {rank} vmap")
+        ev = res["events"]
+        assert ev[0] == "START" and ev[-1] == "WAIT", f"rank {rank}: no overlapped all-reduce in the backward: {ev}"
+        assert ev.count("mm") == 3, f"rank {rank}: the 3 weight gradients must run between start and wait: {ev}"
