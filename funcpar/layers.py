@@ -18,7 +18,7 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["rms_norm", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
+__all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
            "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
 
 IGNORE_INDEX = -100
@@ -271,11 +271,79 @@ class _ColumnParallel(torch.autograd.Function):
         return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:])), (0,) * k
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding as transformers applies it, ``x * cos + rotate_half(x) * sin`` (``rotate_half``: the
+    last dim's halves swapped, the new first half negated), as one operation: ``x`` (..., T, hd), ``cos``/``sin``
+    (T, hd) or broadcastable to ``x``, constants. The composition's values and gradients bit for bit, with two new
+    ``x``-sized tensors each way where the composition makes five. ``cos``/``sin`` that need a gradient take the
+    composition."""
+    if cos.requires_grad or sin.requires_grad or _functorch_wrapped(cos) or _functorch_wrapped(sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return _Rotary.apply(x, cos, sin)
+
+
+class _Rotary(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, cos, sin):
+        h = x.shape[-1] // 2
+        out = x * cos  # (..., T, hd); then out1 -= x2 * sin1, out2 += x1 * sin2 (rounded as the composition)
+        out[..., :h].sub_(x[..., h:] * sin[..., :h])
+        out[..., h:].add_(x[..., :h] * sin[..., h:])
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        h = g.shape[-1] // 2
+        gx = g * cos  # the transpose of the rotation: gx1 += g2 * sin2, gx2 -= g1 * sin1
+        gx[..., :h].add_(g[..., h:] * sin[..., h:])
+        gx[..., h:].sub_(g[..., :h] * sin[..., :h])
+        return gx, None, None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with the composition's values and gradients bit for bit, keeping only its inputs for the
+    backward (the composition also keeps ``silu(gate)``) and writing one new tensor forward and two backward (where
+    it is not differentiated again) where the composition writes two and three."""
+    return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gate, up):
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, go):
+        gate, up = ctx.saved_tensors
+        g_up = F.silu(gate).mul_(go) if ctx.needs_input_grad[1] else None  # go * silu(gate)
+        if not ctx.needs_input_grad[0]:
+            return None, g_up
+        g_act = go * up  # the gradient of silu(gate)
+        if torch.is_grad_enabled() or _functorch_wrapped(g_act):  # differentiated again: autograd's own formula
+            s = gate.sigmoid()
+            return g_act * s * (1.0 + gate * (1.0 - s)), g_up
+        return torch.ops.aten.silu_backward.grad_input(g_act, gate, grad_input=g_act), g_up
+
+
 def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` on leaves ``w_gate``, ``w_up`` (column-parallel over ``axis``) and ``w_down``
     (row-parallel), with ``b_gate``/``b_up``/``b_down`` when present: (B, T, d) -> (B, T, d), summed over ``axis``."""
     g, u = column_parallel(x, [p["w_gate"], p["w_up"]], mesh, axis, [p.get("b_gate"), p.get("b_up")])  # (B, T, I/tp)
-    y = C.reduce_from_region(F.linear(F.silu(g) * u, p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
+    y = C.reduce_from_region(F.linear(swiglu(g, u), p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
     return y + p["b_down"] if "b_down" in p else y
 
 

@@ -274,11 +274,6 @@ def _rope_cos_sin(cfg: Config, T: int, device, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 
 def _kv_weights(p, cfg: Config, mesh):
     """This rank's k/v projections: its shards, or, where they are replicated because tp does not divide the kv
@@ -308,8 +303,8 @@ def _attention(p, x, cos, sin, window, cfg: Config, mesh):
     # (B, T, d) -> (B, T, Hq/tp*hd), (B, T, Hkv/tp*hd) twice; x's gradient summed over tp
     q, k, v = L.column_parallel(x, [p["wq"], wk, wv], mesh, "tp", [p.get("bq"), bk, bv])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
-    q = q * cos + _rotate_half(q) * sin  # (B, Hq/tp, T, hd)
-    k = k * cos + _rotate_half(k) * sin  # (B, Hkv/tp, T, hd)
+    q = L.rotary(q, cos, sin)  # (B, Hq/tp, T, hd)
+    k = L.rotary(k, cos, sin)  # (B, Hkv/tp, T, hd)
     if window is not None and T > window:
         i = torch.arange(T, device=x.device)
         mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T): causal, last `window`

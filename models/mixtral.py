@@ -222,19 +222,14 @@ def _rope_cos_sin(cfg: Config, T: int, device, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 
 def _attention(p, x, cos, sin, cfg: Config, mesh):
     hd, T = cfg.head_dim, x.shape[1]
     x = C.copy_to_region(x, mesh, "tp")
     q, k, v = (einops.rearrange(F.linear(x, p[n]), "b t (h d) -> b h t d", d=hd)  # (B, T, d) -> (B, H/tp, T, hd)
                for n in ("wq", "wk", "wv"))
-    q = q * cos + _rotate_half(q) * sin  # (B, Hq/tp, T, hd)
-    k = k * cos + _rotate_half(k) * sin  # (B, Hkv/tp, T, hd)
+    q = L.rotary(q, cos, sin)  # (B, Hq/tp, T, hd)
+    k = L.rotary(k, cos, sin)  # (B, Hkv/tp, T, hd)
     window = cfg.sliding_window
     if window is not None and T > window:
         i = torch.arange(T, device=x.device)

@@ -217,3 +217,54 @@ def test_column_parallel_equals_the_composition_and_overlaps_its_all_reduce(tp):
         ev = res["events"]
         assert ev[0] == "START" and ev[-1] == "WAIT", f"rank {rank}: no overlapped all-reduce in the backward: {ev}"
         assert ev.count("mm") == 3, f"rank {rank}: the 3 weight gradients must run between start and wait: {ev}"
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+FUSED = {  # fused layer, its composition, the shapes of its inputs, which inputs are differentiable
+    "rotary": (fp.layers.rotary, lambda x, c, s: x * c + _rotate_half(x) * s, [(3, 4, 6, 8), (6, 8), (6, 8)], 1),
+    "swiglu": (fp.layers.swiglu, lambda g, u: F.silu(g) * u, [(3, 5, 7), (3, 5, 7)], 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_fused_elementwise_layers_equal_their_composition(name):
+    fused, ref, shapes, k = FUSED[name]
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    w = torch.randn(shapes[0], generator=gen, dtype=torch.float64)
+    assert torch.equal(fused(*args), ref(*args))
+
+    def loss(f):
+        return lambda *a: (f(*a) ** 2 * w).sum()  # not linear in the inputs: second derivatives exist
+
+    argnums = tuple(range(k))
+    got, want = torch.func.grad(loss(fused), argnums)(*args), torch.func.grad(loss(ref), argnums)(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
+    leaves = [a.clone().requires_grad_(i < k) for i, a in enumerate(args)]  # autograd, once and differentiable
+    once = torch.autograd.grad(loss(fused)(*leaves), leaves[:k])
+    for a, b in zip(once, torch.autograd.grad(loss(ref)(*leaves), leaves[:k])):
+        assert torch.equal(a, b)
+    g1 = torch.autograd.grad(loss(fused)(*leaves), leaves[:k], create_graph=True)
+    g2 = torch.autograd.grad(loss(ref)(*leaves), leaves[:k], create_graph=True)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
+    h1 = torch.autograd.grad(sum((g ** 2).sum() for g in g1), leaves[:k])  # differentiated twice
+    h2 = torch.autograd.grad(sum((g ** 2).sum() for g in g2), leaves[:k])
+    for a, b in zip(h1, h2):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):  # bit for bit
+        assert torch.equal(a, b)
+    if name == "swiglu":  # it keeps only its inputs for the backward
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fused(*leaves)
+        assert len(saved) == 2 and all(any(s is a for a in leaves) for s in saved)
+    per_example = torch.func.vmap(torch.func.grad(loss(fused)), in_dims=(0,) + (None,) * (len(args) - 1))
+    ref_example = torch.func.vmap(torch.func.grad(loss(ref)), in_dims=(0,) + (None,) * (len(args) - 1))
+    batched = [torch.stack([args[0], 2 * args[0]])] + args[1:]
+    torch.testing.assert_close(per_example(*batched), ref_example(*batched), rtol=1e-14, atol=1e-14)
