@@ -118,6 +118,7 @@ def mark_collectives() -> None:
     for name in ("_raw_all_reduce", "_raw_all_gather", "_raw_reduce_scatter"):
         _wrap(FC, name, "comm:" + name[5:])
     _wrap(FC, "reduce_scatter_segments", "comm:reduce_scatter")  # ZeRO's, from the gradient leaves: its ring's waits
+    _wrap(FC, "_wait", "comm:wait")  # every bounded wait, e.g. column_parallel's for the all-reduce it overlaps
     for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "batch_isend_irecv", "broadcast",
                  "all_gather", "reduce_scatter"):
         if hasattr(dist, name):

@@ -228,10 +228,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _attention(p, x, cos, sin, cfg: Config, mesh):
     hd = cfg.head_dim
-    x = C.copy_to_region(x, mesh, "tp")
-    q = F.linear(x, p["wq"])  # (B, T, d) -> (B, T, H/tp*hd)
-    k = F.linear(x, p["wk"])  # (B, T, H/tp*hd)
-    v = F.linear(x, p["wv"])  # (B, T, H/tp*hd)
+    q, k, v = L.column_parallel(x, [p["wq"], p["wk"], p["wv"]], mesh)  # (B, T, d) -> (B, T, H/tp*hd) each
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, H/tp, T, hd)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
@@ -267,8 +264,8 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """NormHead: this rank's vocabulary rows, each divided by its L2 norm, times the final normed states."""
-    x = C.copy_to_region(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
-    return F.linear(x, F.normalize(params["lm_head"], dim=-1))  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+    x = L.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return L.column_parallel(x, [F.normalize(params["lm_head"], dim=-1)], mesh)[0]  # (B, T, d) -> (B, T, V/tp)
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:

@@ -220,8 +220,7 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(p, h: torch.Tensor, bias: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    h = C.copy_to_region(h, mesh, "tp")
-    qkv = F.linear(h, p["w_qkv"], p["b_qkv"])  # (B, T, d) -> (B, T, H/tp*3*hd)
+    qkv = L.column_parallel(h, [p["w_qkv"]], mesh, "tp", [p["b_qkv"]])[0]  # (B, T, d) -> (B, T, H/tp*3*hd)
     q, k, v = einops.rearrange(qkv, "b t (h s d) -> s b h t d", s=3, d=cfg.head_dim).unbind(0)  # (B, H/tp, T, hd)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, H/tp, T, hd); bias (H/tp, T, T)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
@@ -229,7 +228,7 @@ def _attention(p, h: torch.Tensor, bias: torch.Tensor, cfg: Config, mesh) -> tor
 
 
 def _mlp(p, h: torch.Tensor, mesh) -> torch.Tensor:
-    h = _gelu(F.linear(C.copy_to_region(h, mesh, "tp"), p["w_fc"], p["b_fc"]))  # (B, T, d) -> (B, T, 4d/tp)
+    h = _gelu(L.column_parallel(h, [p["w_fc"]], mesh, "tp", [p["b_fc"]])[0])  # (B, T, d) -> (B, T, 4d/tp)
     return C.reduce_from_region(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, 4d/tp) -> (B, T, d)
 
 
@@ -265,7 +264,7 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     x = _layer_norm(x, params["ln_f_w"], params["ln_f_b"], cfg)
-    return F.linear(C.copy_to_region(x, mesh, "tp"), params["wte"])  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+    return L.column_parallel(x, [params["wte"]], mesh)[0]  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:

@@ -257,10 +257,8 @@ def _kv_weights(p, cfg: Config, mesh):
 def _attention(p, x, cos, sin, cfg: Config, mesh):
     hd = cfg.head_dim
     wk, wv, bk, bv = _kv_weights(p, cfg, mesh)
-    x = C.copy_to_region(x, mesh, "tp")
-    q = F.linear(x, p["wq"], p.get("bq"))  # (B, T, d) -> (B, T, Hq/tp*hd)
-    k = F.linear(x, wk, bk)  # (B, T, d) -> (B, T, Hkv/tp*hd)
-    v = F.linear(x, wv, bv)  # (B, T, d) -> (B, T, Hkv/tp*hd)
+    # (B, T, d) -> (B, T, Hq/tp*hd), (B, T, Hkv/tp*hd) twice; x's gradient summed over tp
+    q, k, v = L.column_parallel(x, [p["wq"], wk, wv], mesh, "tp", [p.get("bq"), bk, bv])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, H/tp, T, hd)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq/tp, T, hd)
@@ -295,9 +293,8 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    x = C.copy_to_region(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+    return L.column_parallel(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), [head], mesh)[0]  # (B, T, V/tp)
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:

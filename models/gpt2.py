@@ -176,16 +176,15 @@ def _gelu(x, cfg: Config):
 
 def _block(p, x, cfg: Config, mesh):
     hd = cfg.head_dim
-    h = C.copy_to_region(F.layer_norm(x, (cfg.n_embd,), p["ln1_w"], p["ln1_b"], cfg.layer_norm_epsilon), mesh, "tp")
-    q = F.linear(h, p["wq"], p["bq"])  # (B, T, d) -> (B, T, H/tp*hd)
-    k = F.linear(h, p["wk"], p["bk"])  # (B, T, H/tp*hd)
-    v = F.linear(h, p["wv"], p["bv"])  # (B, T, H/tp*hd)
+    h = F.layer_norm(x, (cfg.n_embd,), p["ln1_w"], p["ln1_b"], cfg.layer_norm_epsilon)
+    # (B, T, d) -> (B, T, H/tp*hd) each; h's gradient summed over tp
+    q, k, v = L.column_parallel(h, [p["wq"], p["wk"], p["wv"]], mesh, "tp", [p["bq"], p["bk"], p["bv"]])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
     x = x + C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
-    h = C.copy_to_region(F.layer_norm(x, (cfg.n_embd,), p["ln2_w"], p["ln2_b"], cfg.layer_norm_epsilon), mesh, "tp")
-    h = _gelu(F.linear(h, p["w_fc"], p["b_fc"]), cfg)  # (B, T, d) -> (B, T, I/tp)
+    h = F.layer_norm(x, (cfg.n_embd,), p["ln2_w"], p["ln2_b"], cfg.layer_norm_epsilon)
+    h = _gelu(L.column_parallel(h, [p["w_fc"]], mesh, "tp", [p["b_fc"]])[0], cfg)  # (B, T, d) -> (B, T, I/tp)
     return x + C.reduce_from_region(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, I/tp) -> (B, T, d)
 
 
@@ -202,7 +201,7 @@ def _stage_block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     x = F.layer_norm(x, (cfg.n_embd,), params["ln_f_w"], params["ln_f_b"], cfg.layer_norm_epsilon)
-    return F.linear(C.copy_to_region(x, mesh, "tp"), params["wte"])  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+    return L.column_parallel(x, [params["wte"]], mesh)[0]  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:

@@ -225,9 +225,8 @@ def _rope_cos_sin(cfg: Config, T: int, device, dtype):
 
 def _attention(p, x, cos, sin, cfg: Config, mesh):
     hd, T = cfg.head_dim, x.shape[1]
-    x = C.copy_to_region(x, mesh, "tp")
-    q, k, v = (einops.rearrange(F.linear(x, p[n]), "b t (h d) -> b h t d", d=hd)  # (B, T, d) -> (B, H/tp, T, hd)
-               for n in ("wq", "wk", "wv"))
+    q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd)  # (B, T, d) -> (B, H/tp, T, hd)
+               for t in L.column_parallel(x, [p["wq"], p["wk"], p["wv"]], mesh))
     q = L.rotary(q, cos, sin)  # (B, Hq/tp, T, hd)
     k = L.rotary(k, cos, sin)  # (B, Hkv/tp, T, hd)
     window = cfg.sliding_window
@@ -258,7 +257,7 @@ def _experts(p, x: torch.Tensor, mesh) -> torch.Tensor:
     x = C.copy_to_region(x, mesh, "tp")
     g = torch.bmm(x, p["w_gate"].transpose(1, 2))  # (E/ep, R, d) @ (E/ep, d, I/tp) -> (E/ep, R, I/tp)
     u = torch.bmm(x, p["w_up"].transpose(1, 2))  # (E/ep, R, d) @ (E/ep, d, I/tp) -> (E/ep, R, I/tp)
-    y = torch.bmm(F.silu(g) * u, p["w_down"].transpose(1, 2))  # (E/ep, R, I/tp) @ (E/ep, I/tp, d) -> (E/ep, R, d)
+    y = torch.bmm(L.swiglu(g, u), p["w_down"].transpose(1, 2))  # (E/ep, R, I/tp) @ (E/ep, I/tp, d) -> (E/ep, R, d)
     return C.reduce_from_region(y, mesh, "tp")  # summed over tp
 
 
@@ -329,9 +328,8 @@ def _balance_loss(counts: torch.Tensor, prob_sum: torch.Tensor, rows: int, cfg: 
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    x = C.copy_to_region(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), mesh, "tp")
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return F.linear(x, head)  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
+    return L.column_parallel(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), [head], mesh)[0]  # (B, T, V/tp)
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
