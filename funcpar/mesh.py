@@ -63,7 +63,7 @@ def _destroy_process_groups() -> None:
     active exception"; pytorch/pytorch#190489, #179291)."""
     lifeline.stop()  # first: the peers stop watching this rank
     for mesh in list(_BUILT):
-        mesh._groups, mesh.device_mesh = {}, None
+        mesh._groups, mesh._lanes, mesh.device_mesh = {}, {}, None
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -128,6 +128,7 @@ class Mesh:
         self.simulated = False  # Mesh.abstract: collectives simulated, no processes
         self.traffic: dict[str, float] = {}  # bytes this rank has sent by axis (ring count; funcpar.collectives)
         self._groups: dict[str, Any] = {}
+        self._lanes: dict[str, Any] = {}  # a second group per axis, built on first use (see lane)
         self._group_ranks: dict[str, list[int]] = {}
         self.device_mesh = None
 
@@ -275,6 +276,20 @@ class Mesh:
         """This rank's ProcessGroup along ``axis`` (``None`` on a process-local mesh)."""
         self._check_axis(axis)
         return self._groups.get(axis)
+
+    def lane(self, axis: str):
+        """A second ProcessGroup over this rank's ``axis`` group, for communication that runs beside the main
+        thread's (:mod:`funcpar.overlap`). Built on first use, by every rank of the mesh, collectively: call it on
+        all ranks at the same point of the program."""
+        self._check_axis(axis)
+        if axis not in self._lanes and self._groups:
+            ranks = torch.arange(self.size).reshape(*self._sizes.values())
+            i = self.axis_names.index(axis)
+            for line in ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist():
+                g = dist.new_group(line, timeout=self.timeout)
+                if self.rank in line:
+                    self._lanes[axis] = g
+        return self._lanes.get(axis)
 
     def group_ranks(self, axis: str) -> list[int]:
         """The global ranks of this rank's group along ``axis``, in coordinate order."""

@@ -39,9 +39,10 @@ from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
 from .optim.transforms import sum_of_squares
+from .overlap import Overlap
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
-from .step_options import pipeline_executor, validate_options, zero3_model
+from .step_options import nonfinite_policy, pipeline_executor, validate_options, zero3_model
 from .zero3 import Zero3Loss, gather_params, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
@@ -66,7 +67,8 @@ class Step:
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20):
+                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20,
+                 overlap: bool = False):
         mesh = mesh if mesh is not None else Mesh.current()
         if nonfinite not in ("error", "skip") or not isinstance(max_skips, int) or max_skips < 0:
             raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got {nonfinite!r}, "
@@ -99,6 +101,7 @@ class Step:
             self._grad = torch.compile(torch.func.grad_and_value(self._scaled_loss, has_aux=True))
         else:  # the same gradient, each activation freed once the backward used it (see remat.grad_and_value)
             self._grad = grad_and_value(self._scaled_loss)
+        self._overlap = Overlap() if overlap and not compile else None  # ZeRO's reduce-scatters beside the backward
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
@@ -165,7 +168,7 @@ class Step:
         if self.loss_scale is not None:
             parts = [p.div_(scale.to(p.device)) for p in parts]
         grad_norm, loss_value, finite = self._statistics(parts, loss_sum)
-        skip = self._nonfinite(state, inner, loss_value, grad_norm.item(), finite)
+        skip = nonfinite_policy(self, state, inner, loss_value, grad_norm.item(), finite)
         if skip is not None:
             return skip
         lay, slices = self.layout, self.buffers.part_slices()
@@ -202,41 +205,8 @@ class Step:
         return self.buffers.state(inner, state.step + 1), metrics
 
     # --------------------------------------------------------------------------------------------- parts
-    def _nonfinite(self, state, inner, loss: float, norm: float, finite: bool):
-        """The non-finite policy, decided alike on every rank (the values are global). A step whose loss or
-        gradient norm is not finite updates nothing; by default (``nonfinite="error"``) it raises, the state before
-        it kept as the error's ``.state``; ``"skip"`` skips it, and so does loss scaling when it overflows, up to
-        ``max_skips`` in a row. Returns ``(state, metrics)`` of a skipped step, or ``None`` to go on."""
-        lr = self.schedule(state.step) if self.schedule else 0.0
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):  # before the update touches anything
-            e = StepError(f"step {state.step + 1}: the learning rate schedule gives {lr!r}, not a finite number >= 0; "
-                          f"nothing was updated")
-            e.state = self.buffers.state(inner, state.step)
-            raise e
-        bad = "loss" if not math.isfinite(loss) else "gradient norm" if not math.isfinite(norm) else None
-        if bad is None and finite:
-            return None
-        self._skips += 1
-        kept = self.buffers.state(inner, state.step)
-        what = f"the {bad} is {loss if bad == 'loss' else norm}" if bad else "the gradients overflow"
-        if self.loss_scale is None and self.nonfinite == "error" or self._skips > self.max_skips:
-            why = (f"{self._skips} steps in a row skipped (max_skips={self.max_skips}"
-                   + (f", loss scale now {loss_scale(inner).item():g})" if self.loss_scale is not None else ")")
-                   if self._skips > 1 or self.nonfinite == "skip" else "nonfinite='error'")
-            e = StepError(f"step {state.step + 1}: {what}; nothing was updated and training stops ({why}): lower "
-                          f"the learning rate, check the data and the weights, or resume from the last checkpoint")
-            e.state = kept
-            raise e
-        if self.loss_scale is not None:
-            return None  # the loss-scaling wrapper skips the update and adapts the scale
-        return kept, {"loss": loss, "step": state.step, "grad_norm": norm, "lr": float("nan"), "tokens": 0,
-                      "tokens_per_s": 0.0, "skipped": True}
-
     def _data_size(self) -> int:
-        n = 1
-        for a in self.data_axes:
-            n *= self.mesh.axis_size(a)
-        return n
+        return math.prod(self.mesh.axis_size(a) for a in self.data_axes)
 
     def _check_batch(self, state: TrainState, batch: Any) -> int:
         rows, A, dp = _rows(batch), self.accum_steps, self._data_size()
@@ -278,8 +248,10 @@ class Step:
             g_leaves, loss_sum = self.pipe.run(params, micro, [wm / total for wm in w.tolist()], scale)
             return [lay.reduce_leaves(b, g_leaves) for b in lay.buckets], loss_sum, auxes
         for mb, wm in zip(micro, w.tolist()):
+            red = self._overlap.reducer(lay) if eager and self._overlap and self.zero < 3 else None
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
-            grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale)
+            grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale,
+                                         **({"hook": red.hook} if red else {}))
             loss, aux = out if self.has_aux else (out, None)
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
@@ -288,9 +260,9 @@ class Step:
                 continue
             g_leaves = lay.treedef.flatten_up_to(grads)
             del grads  # each leaf's gradient is dropped once copied into its bucket
-            for k, b in enumerate(lay.buckets):  # (reduced from the leaves where they lie: no flat copy on host)
-                flat = lay.reduce_leaves(b, g_leaves) if eager else lay.flat(b, g_leaves, free=True)
-                acc[k] = flat if acc[k] is None else acc[k].add_(flat)
+            flats = red.finish(g_leaves) if red else [  # (reduced from the leaves where they lie: no flat copy on host)
+                lay.reduce_leaves(b, g_leaves) if eager else lay.flat(b, g_leaves, free=True) for b in lay.buckets]
+            acc = [f if a is None else a.add_(f) for a, f in zip(acc, flats)]
         parts = acc if self.zero == 3 or eager else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc)]
         return parts, loss_sum, auxes
 
@@ -365,7 +337,8 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20) -> Step:
+                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20,
+                 overlap: bool = False) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -390,9 +363,13 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     ``parts`` (layers per virtual stage; default balanced). ``nonfinite``: a step whose loss or gradient norm is
     not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``) or is
     skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or by loss scaling.
+    ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker thread
+    (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, not with ``compile``); off by
+    default: on the 2-core CPU the ring's copies and sums take the core the backward runs on, and it did not pay.
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
                 bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
                 growth_interval=growth_interval, donate=donate, offload=offload,
-                pipeline=pipeline, chunks=chunks, parts=parts, nonfinite=nonfinite, max_skips=max_skips)
+                pipeline=pipeline, chunks=chunks, parts=parts, nonfinite=nonfinite, max_skips=max_skips,
+                overlap=overlap)
