@@ -216,7 +216,8 @@ def column_parallel(
 
     Its backward forms the input gradient first, starts its all-reduce over ``axis`` and computes the weights' (and
     biases') gradients while the all-reduce runs (Megatron's overlap of tensor-parallel communication with the
-    weight-gradient matmuls), then waits. The gradients are those of the composition. Where the backward itself is
+    weight-gradient matmuls), then waits. The gradients are the composition's to round-off (the input gradient's
+    terms are summed in another order). Where the backward itself is
     differentiated (``torch.func`` transforms, ``create_graph``, ``vmap``) it runs the composition's collective
     instead, without the overlap. On an axis of size 1 it is the plain linears; weights that are not plain tensors
     (LoRA's :class:`funcpar.lora.LoraWeight`) take the composition."""
@@ -309,9 +310,9 @@ class _Rotary(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` with the composition's values and gradients bit for bit, keeping only its inputs for the
-    backward (the composition also keeps ``silu(gate)``) and writing one new tensor forward and two backward (where
-    it is not differentiated again) where the composition writes two and three."""
+    """``silu(gate) * up`` with the composition's values and gradients bit for bit (second derivatives to round-off),
+    keeping only its inputs for the backward (the composition also keeps ``silu(gate)``) and writing one new tensor
+    forward and two backward (where it is not differentiated again) where the composition writes two and three."""
     return _SwiGLU.apply(gate, up)
 
 
@@ -320,7 +321,10 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(gate, up):
-        return F.silu(gate).mul_(up)
+        act = F.silu(gate)
+        if act.shape != up.shape or act.dtype != up.dtype or _functorch_wrapped(up) and not _functorch_wrapped(act):
+            return act * up  # (broadcast, promoted, or only ``up`` batched under vmap: not into ``act``)
+        return act.mul_(up)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

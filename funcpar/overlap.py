@@ -63,6 +63,9 @@ class _Lane:
     def __init__(self, mesh: "Mesh"):
         self._mesh = mesh
 
+    def __repr__(self) -> str:
+        return f"{self._mesh!r} (lane)"
+
     def group(self, axis: str):
         return self._mesh.lane(axis)
 
@@ -115,4 +118,23 @@ class BucketReducer:
             self._start(k, self.lane)
         for k in self.rest:
             self._start(k, self.lay.mesh)
-        return [self.started[k].result() for k in range(len(self.lay.buckets))]
+        return self._collect()
+
+    def _collect(self) -> list[torch.Tensor]:
+        """Every bucket's result; the first failure is raised once all have ended (none left running)."""
+        out, err = {}, None
+        for k, f in self.started.items():
+            try:
+                out[k] = f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
+                err = err or e
+        if err is not None:
+            raise err
+        return [out[k] for k in range(len(self.lay.buckets))]
+
+    def abandon(self) -> None:
+        """After a backward that raised: start nothing more, and wait for what runs (its waits are bounded), so
+        that no ring of this step is left running on the lane; its errors give way to the backward's."""
+        for f in self.started.values():
+            f.cancel()
+        concurrent.futures.wait(list(self.started.values()))

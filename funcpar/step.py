@@ -101,7 +101,8 @@ class Step:
             self._grad = torch.compile(torch.func.grad_and_value(self._scaled_loss, has_aux=True))
         else:  # the same gradient, each activation freed once the backward used it (see remat.grad_and_value)
             self._grad = grad_and_value(self._scaled_loss)
-        self._overlap = Overlap() if overlap and not compile else None  # ZeRO's reduce-scatters beside the backward
+        # ZeRO's reduce-scatters beside the backward (fp32 gradients: a mixed bucket takes the flat path)
+        self._overlap = Overlap() if overlap and not compile and param_dtype is None else None
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
@@ -250,8 +251,13 @@ class Step:
         for mb, wm in zip(micro, w.tolist()):
             red = self._overlap.reducer(lay) if eager and self._overlap and self.zero < 3 else None
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
-            grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale,
-                                         **({"hook": red.hook} if red else {}))
+            try:
+                grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale,
+                                             **({"hook": red.hook} if red else {}))
+            except BaseException:
+                if red is not None:
+                    red.abandon()
+                raise
             loss, aux = out if self.has_aux else (out, None)
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
@@ -364,7 +370,7 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``) or is
     skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or by loss scaling.
     ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker thread
-    (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, not with ``compile``); off by
+    (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, fp32, not with ``compile``); off by
     default: on the 2-core CPU the ring's copies and sums take the core the backward runs on, and it did not pay.
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,

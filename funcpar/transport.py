@@ -17,6 +17,7 @@ ring sends and adds each block's pieces where they lie, with no bucket-sized cop
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
+_COUNTING = threading.Lock()
 Segments = list[tuple[int, torch.Tensor]]  # (offset in the flat range, 1-D tensor), sorted, not overlapping
 
 
@@ -58,7 +60,8 @@ def count(mesh: "Mesh", axis: str, nbytes: float) -> int:
     ((n-1)/n of them); returns the group's size. Real and simulated meshes count alike, so a run's measured bytes
     per axis can be set beside the plan's and the analytic figure."""
     n = mesh.size if axis == "world" else mesh.axis_size(axis)
-    mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
+    with _COUNTING:  # (funcpar.overlap's worker thread counts too)
+        mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
     return n
 
 
