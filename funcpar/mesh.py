@@ -221,15 +221,20 @@ class Mesh:
         atexit.register(_destroy_process_groups)
         _report_fatal_signals()
 
+    def _lines(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along ``axis`` (each in coordinate order), in one order on every rank."""
+        ranks = torch.arange(self.size).reshape(*self._sizes.values())
+        i = self.axis_names.index(axis)
+        return ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist()
+
     def _build_groups(self) -> None:
         names = self.axis_names
         ranks = torch.arange(self.size).reshape(*self._sizes.values())
         groups = []
-        for i, axis in enumerate(names):
+        for axis in names:
             # every rank takes part in creating every group of this axis, in the same order
-            lines = ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist()
             mine = None
-            for line in lines:
+            for line in self._lines(axis):
                 g = dist.new_group(line, timeout=self.timeout)
                 if self.rank in line:
                     mine, self._group_ranks[axis] = g, line
@@ -283,9 +288,7 @@ class Mesh:
         all ranks at the same point of the program."""
         self._check_axis(axis)
         if axis not in self._lanes and self._groups:
-            ranks = torch.arange(self.size).reshape(*self._sizes.values())
-            i = self.axis_names.index(axis)
-            for line in ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist():
+            for line in self._lines(axis):
                 g = dist.new_group(line, timeout=self.timeout)
                 if self.rank in line:
                     self._lanes[axis] = g
