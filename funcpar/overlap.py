@@ -88,7 +88,7 @@ class BucketReducer:
         self.started: dict[int, concurrent.futures.Future] = {}
         self.next = 0  # position in ``order`` of the next bucket to start
         self.lane = _Lane(lay.mesh)
-        for a in sorted({b.zero_axes[0] for b in lay.buckets if overlappable(lay, b)}):
+        for a in sorted({lay.buckets[k].zero_axes[0] for k in self.order}):
             lay.mesh.lane(a)  # (built now, by every rank in the same order, if not yet)
 
     def hook(self, i: int, g: torch.Tensor) -> None:

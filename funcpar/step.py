@@ -249,7 +249,7 @@ class Step:
             g_leaves, loss_sum = self.pipe.run(params, micro, [wm / total for wm in w.tolist()], scale)
             return [lay.reduce_leaves(b, g_leaves) for b in lay.buckets], loss_sum, auxes
         for mb, wm in zip(micro, w.tolist()):
-            red = self._overlap.reducer(lay) if eager and self._overlap and self.zero < 3 else None
+            red = self._overlap.reducer(lay) if eager and self._overlap else None  # (eager: ZeRO-1/2)
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
             try:
                 grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale,

@@ -68,10 +68,10 @@ def validate_options(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss
 
 def nonfinite_policy(step, state, inner, loss: float, norm: float, finite: bool):
     """The non-finite policy of ``step`` (a :class:`funcpar.step.Step`), decided alike on every rank (the values are
-    global). A step whose loss or
-    gradient norm is not finite updates nothing; by default (``nonfinite="error"``) it raises, the state before
-    it kept as the error's ``.state``; ``"skip"`` skips it, and so does loss scaling when it overflows, up to
-    ``max_skips`` in a row. Returns ``(state, metrics)`` of a skipped step, or ``None`` to go on."""
+    global). A step whose loss or gradient norm is not finite updates nothing; by default (``nonfinite="error"``)
+    it raises, the state before it kept as the error's ``.state``; ``"skip"`` skips it, and so does loss scaling
+    when it overflows, up to ``max_skips`` in a row. Returns ``(state, metrics)`` of a skipped step, or ``None`` to
+    go on."""
     lr = step.schedule(state.step) if step.schedule else 0.0
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):  # before the update touches anything
         e = StepError(f"step {state.step + 1}: the learning rate schedule gives {lr!r}, not a finite number >= 0; "
