@@ -13,6 +13,7 @@ function                     forward                 backward                typ
 ===========================  ======================  ======================  =====================================
 ``copy_to_region``  (f)      identity                all-reduce sum          input of a column-parallel layer
 ``reduce_from_region`` (g)   all-reduce sum          identity                output of a row-parallel layer
+``reduce_from_region_``      all-reduce sum in place identity                the same, on a temporary it consumes
 ``all_gather``               all-gather along dim    reduce-scatter          sequence-parallel entry
 ``reduce_scatter``           reduce-scatter          all-gather              sequence-parallel exit
 ``scatter_to_region``        keep own block of dim   all-gather              replicated -> sharded (split)
@@ -41,21 +42,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .transport import Segments
 
 __all__ = [
-    "copy_to_region",
-    "reduce_from_region",
-    "all_gather",
-    "reduce_scatter",
-    "scatter_to_region",
-    "gather_from_region",
-    "all_to_all",
-    "all_reduce",
-    "all_gather_nograd",
-    "reduce_scatter_nograd",
-    "reduce_scatter_segments",
-    "all_reduce_start",
-    "broadcast",
-    "barrier",
-    "CollectiveError",
+    "copy_to_region", "reduce_from_region", "reduce_from_region_", "all_gather", "reduce_scatter",
+    "scatter_to_region", "gather_from_region", "all_to_all", "all_reduce", "all_gather_nograd",
+    "reduce_scatter_nograd", "reduce_scatter_segments", "all_reduce_start", "broadcast", "barrier", "CollectiveError",
 ]
 
 
@@ -92,9 +81,10 @@ def _simulated(mesh: "Mesh", axis: str, nbytes: float) -> int:
     return _count(mesh, axis, nbytes)
 
 
-def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum") -> torch.Tensor:
-    """All-reduce over ``axis``, or over the whole mesh for ``axis="world"``."""
-    y = x.detach().clone(memory_format=torch.contiguous_format)
+def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum", inplace: bool = False) -> torch.Tensor:
+    """All-reduce over ``axis``, or over the whole mesh for ``axis="world"``: into a copy, or ``inplace`` into ``x``
+    (contiguous)."""
+    y = x.detach() if inplace else x.detach().clone(memory_format=torch.contiguous_format)
     if mesh.simulated:
         n = _simulated(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
         return y.mul_(n) if op == "sum" else y
@@ -243,6 +233,36 @@ def copy_to_region(x: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
 def reduce_from_region(x: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
     """g: all-reduce-sum of partial results forward, identity backward (output of a row-parallel layer)."""
     return x if _trivial(mesh, axis) else _ReduceFromRegion.apply(x, mesh, axis)
+
+
+class _ReduceFromRegionInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(x, mesh, axis):
+        _raw_all_reduce(x, mesh, axis, inplace=True)
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])  # anything that saved x for its backward now fails loudly there
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _CopyToRegion.apply(g, *ctx.args), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, mesh, axis):
+        fn = _ReduceFromRegionInPlace if x.is_contiguous() else _ReduceFromRegion  # (element-wise: any layout)
+        return fn.apply(x, mesh, axis), in_dims[0]
+
+
+def reduce_from_region_(x: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+    """:func:`reduce_from_region` summing ``x`` *in place* and returning it: for a temporary nothing else reads
+    (a row-parallel linear's fresh output), it saves a copy of the activation per call. An operation that saved
+    ``x`` for its backward raises there (``x`` is marked dirty). Not contiguous: a copy is summed instead."""
+    if _trivial(mesh, axis):
+        return x
+    return (_ReduceFromRegionInPlace if x.is_contiguous() else _ReduceFromRegion).apply(x, mesh, axis)
 
 
 def all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int = 0) -> torch.Tensor:

@@ -95,7 +95,7 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: "Mesh", axis:
     inside = (local >= 0) & (local < n)
     rows = F.embedding(local.clamp(0, n - 1), weight)  # (B, T, d), wrong rows where not inside
     rows = torch.where(inside[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-    return C.reduce_from_region(rows, mesh, axis)
+    return C.reduce_from_region_(rows, mesh, axis)  # (rows: a fresh temporary, summed in place)
 
 
 def vocab_cross_entropy(
@@ -202,9 +202,46 @@ def token_range_errors(batch: dict, cfg: Any) -> list[str]:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers' Llama family computes it: normalised in float32, cast back, then scaled by ``w``."""
+    """RMSNorm as transformers' Llama family computes it: normalised in float32, cast back, then scaled by ``w``.
+
+    float32 ``x`` and ``w``: one operation, the composition's values bit for bit, its gradients to round-off (the
+    backward written out: five ``x``-sized passes where autograd's makes nine, and one ``x``-sized tensor kept for it
+    instead of two). Other dtypes take the composition."""
+    if x.dtype == w.dtype == torch.float32 and not (_functorch_wrapped(w) and not _functorch_wrapped(x)):
+        return _RMSNorm.apply(x, w, eps)[0]
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w, eps):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        return (x * r).mul_(w), r  # the composition's w * (x * r), rounded alike
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])
+        ctx.eps = inputs[2]
+
+    @staticmethod
+    def backward(ctx, g, _):
+        x, w, r = ctx.saved_tensors
+        again = torch.is_grad_enabled() or _functorch_wrapped(g)  # differentiated again: no in-place steps, and r
+        if again:  # as a function of x
+            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        n, need_x, need_w = x * r, *ctx.needs_input_grad[:2]  # the normalised x
+        gw = (n * g).sum(tuple(range(g.ndim - 1))) if need_w else None
+        if not need_x:
+            return None, gw, None
+        gn = g * w  # d/dx (n_j) = r (e_j - n n_j / d): gx = r (gn - n mean(gn n))
+        if again:
+            return r * (gn - n * (gn * n).mean(-1, keepdim=True)), gw, None
+        dot = (gn * n).mean(-1, keepdim=True)
+        return gn.sub_(n.mul_(dot)).mul_(r), gw, None
 
 
 def column_parallel(
@@ -347,7 +384,7 @@ def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torc
     """``down(silu(gate(x)) * up(x))`` on leaves ``w_gate``, ``w_up`` (column-parallel over ``axis``) and ``w_down``
     (row-parallel), with ``b_gate``/``b_up``/``b_down`` when present: (B, T, d) -> (B, T, d), summed over ``axis``."""
     g, u = column_parallel(x, [p["w_gate"], p["w_up"]], mesh, axis, [p.get("b_gate"), p.get("b_up")])  # (B, T, I/tp)
-    y = C.reduce_from_region(F.linear(swiglu(g, u), p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
+    y = C.reduce_from_region_(F.linear(swiglu(g, u), p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
     return y + p["b_down"] if "b_down" in p else y
 
 

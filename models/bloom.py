@@ -224,12 +224,12 @@ def _attention(p, h: torch.Tensor, bias: torch.Tensor, cfg: Config, mesh) -> tor
     q, k, v = einops.rearrange(qkv, "b t (h s d) -> s b h t d", s=3, d=cfg.head_dim).unbind(0)  # (B, H/tp, T, hd)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, H/tp, T, hd); bias (H/tp, T, T)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
-    return C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
+    return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
 
 
 def _mlp(p, h: torch.Tensor, mesh) -> torch.Tensor:
     h = _gelu(L.column_parallel(h, [p["w_fc"]], mesh, "tp", [p["b_fc"]])[0])  # (B, T, d) -> (B, T, 4d/tp)
-    return C.reduce_from_region(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, 4d/tp) -> (B, T, d)
+    return C.reduce_from_region_(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, 4d/tp) -> (B, T, d)
 
 
 def _layer(p, x: torch.Tensor, bias: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:

@@ -182,10 +182,10 @@ def _block(p, x, cfg: Config, mesh):
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
-    x = x + C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
+    x = x + C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
     h = F.layer_norm(x, (cfg.n_embd,), p["ln2_w"], p["ln2_b"], cfg.layer_norm_epsilon)
     h = _gelu(L.column_parallel(h, [p["w_fc"]], mesh, "tp", [p["b_fc"]])[0], cfg)  # (B, T, d) -> (B, T, I/tp)
-    return x + C.reduce_from_region(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, I/tp) -> (B, T, d)
+    return x + C.reduce_from_region_(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, I/tp) -> (B, T, d)
 
 
 def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:

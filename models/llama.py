@@ -312,7 +312,7 @@ def _attention(p, x, cos, sin, window, cfg: Config, mesh):
     else:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
-    y = C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
+    y = C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
     return y + p["bo"] if "bo" in p else y
 
 

@@ -237,7 +237,7 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
     else:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
-    return C.reduce_from_region(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
+    return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
 
 
 def _route(p, h: torch.Tensor, cfg: Config):
@@ -258,7 +258,7 @@ def _experts(p, x: torch.Tensor, mesh) -> torch.Tensor:
     g = torch.bmm(x, p["w_gate"].transpose(1, 2))  # (E/ep, R, d) @ (E/ep, d, I/tp) -> (E/ep, R, I/tp)
     u = torch.bmm(x, p["w_up"].transpose(1, 2))  # (E/ep, R, d) @ (E/ep, d, I/tp) -> (E/ep, R, I/tp)
     y = torch.bmm(L.swiglu(g, u), p["w_down"].transpose(1, 2))  # (E/ep, R, I/tp) @ (E/ep, I/tp, d) -> (E/ep, R, d)
-    return C.reduce_from_region(y, mesh, "tp")  # summed over tp
+    return C.reduce_from_region_(y, mesh, "tp")  # summed over tp, in place (y: a fresh temporary)
 
 
 def _exchange(x: torch.Tensor, mesh, ep: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import harness
 from funcpar import collectives as C
 from funcpar import p2p as P2P
 
-NAMES = ["copy_to_region", "reduce_from_region", "all_gather", "reduce_scatter", "scatter_to_region", "gather_from_region"]
+NAMES = ["copy_to_region", "reduce_from_region", "reduce_from_region_", "all_gather", "reduce_scatter", "scatter_to_region", "gather_from_region"]
 # (mesh sizes, axis, world): tp=2 and tp=4 on their own, and both axes of Mesh(tp=4, dp=2)
 MESHES = [({"tp": 2}, "tp", 2), ({"tp": 4}, "tp", 4), ({"tp": 4, "dp": 2}, "tp", 8), ({"tp": 4, "dp": 2}, "dp", 8)]
 
@@ -38,7 +38,7 @@ def local_case(name, pr, n, r, dim, coll):
     X, Ps, Cs, CC = pr["X"], pr["Ps"], pr["Cs"], pr["CC"]
     if name == "copy_to_region":
         return X, lambda x: (Cs[r] * coll(x).sin()).sum()
-    if name == "reduce_from_region":
+    if name in ("reduce_from_region", "reduce_from_region_"):
         return Ps[r], lambda p: (CC * coll(p).sin()).sum()
     if name == "all_gather":
         return chunk(X, n, r, dim), lambda x: (Cs[r] * coll(x).sin()).sum()
@@ -65,7 +65,7 @@ def reference(name, pr, n, r, dim):
         return fwd, grad
     gP = torch.func.grad(lambda P: (CC * P.sum(0).sin()).sum())(Ps)
     total = Ps.sum(0)
-    return (total if name == "reduce_from_region" else chunk(total, n, r, dim)), gP[r]
+    return (total if name.startswith("reduce_from_region") else chunk(total, n, r, dim)), gP[r]
 
 
 def _run(name, sizes, axis, dim, seed):
@@ -73,6 +73,8 @@ def _run(name, sizes, axis, dim, seed):
     n, r = m.axis_size(axis), m.coord(axis)
     fn = getattr(C, name)
     coll = (lambda t: fn(t, m, axis)) if name in ("copy_to_region", "reduce_from_region") else (lambda t: fn(t, m, axis, dim))
+    if name == "reduce_from_region_":  # sums its argument in place: give it a temporary (clone keeps the strides,
+        coll = lambda t: fn(t.clone(), m, axis)  # noqa: E731  so in_dims=1 below takes its non-contiguous path)
     pr = problem(n, dim, seed)
     x, objective = local_case(name, pr, n, r, dim, coll)
     fwd = coll(x)
@@ -123,17 +125,29 @@ def _second_order(sizes):
     # objective: sum_r of (sum_k x_k)^3 pieces, through g then f; its Hessian-vector product needs conjugates of conjugates
     f = lambda x: (C.copy_to_region(C.reduce_from_region(x, m, "tp"), m, "tp") ** 3).sum() * (r + 1)  # noqa: E731
     hvp = torch.func.grad(lambda x: torch.func.grad(f)(x).sum())(x)
-    return r, m.axis_size("tp"), hvp
+    f_ = lambda x: (C.copy_to_region(C.reduce_from_region_(x.clone(), m, "tp"), m, "tp") ** 3).sum() * (r + 1)  # noqa: E731
+    hvp_ = torch.func.grad(lambda x: torch.func.grad(f_)(x).sum())(x)
+    # reduce_from_region_ on a tensor another op saved for its backward (exp saves its result): that backward raises
+    saved = x.clone().requires_grad_(True).exp()
+    C.reduce_from_region_(saved, m, "tp")
+    try:
+        saved.sum().backward()
+        dirty = None
+    except RuntimeError as e:
+        dirty = str(e)
+    return r, m.axis_size("tp"), hvp, hvp_, dirty
 
 
 def test_second_order_gradients_through_collectives():
     for res in harness.run(4, _second_order, {"tp": 4}):
-        r, n, hvp = res
+        r, n, hvp, hvp_, dirty = res
+        assert dirty is not None and "modified by an inplace operation" in dirty, dirty
         X = torch.stack([torch.linspace(-1, 1, 6) + k for k in range(n)])
         # global objective: sum_k (k+1) * sum((sum_j X_j)^3)
         F = lambda X: sum((k + 1) * (X.sum(0) ** 3).sum() for k in range(n))  # noqa: E731
         want = torch.func.grad(lambda X: torch.func.grad(F)(X).sum())(X)[r]
         assert_rel(hvp, want, what="second order")
+        assert_rel(hvp_, want, what="second order, reduce_from_region_")
 
 
 def _stats(sizes):

@@ -272,3 +272,52 @@ def test_fused_elementwise_layers_equal_their_composition(name, dtype):
     ref_example = torch.func.vmap(torch.func.grad(loss(ref)), in_dims=(0,) + (None,) * (len(args) - 1))
     batched = [torch.stack([args[0], 2 * args[0]])] + args[1:]
     assert torch.equal(per_example(*batched), ref_example(*batched))
+
+
+def _rms_composed(x, w, eps):  # transformers' LlamaRMSNorm, written out
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_fused_rms_norm_values_bit_equal_gradients_to_round_off():
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 64, generator=gen)
+    w, eps = 1 + 0.1 * torch.randn(64, generator=gen), 1e-6
+    assert torch.equal(fp.layers.rms_norm(x, w, eps), _rms_composed(x, w, eps))  # forward: the same operations
+
+    def vjp(f, *a):
+        return torch.func.vjp(lambda x, w: f(x, w, eps), *a)[1](g.to(a[0].dtype))
+
+    exact = torch.func.vjp(lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)),
+                           x.double(), w.double())[1](g.double())  # float64 (the composition casts to float32)
+    fused, composed = vjp(fp.layers.rms_norm, x, w), vjp(_rms_composed, x, w)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    fp.layers.rms_norm(*leaves, eps).backward(g)
+    for got, ref, want, lv in zip(fused, composed, exact, leaves):
+        err = lambda t: ((t.double() - want).abs().max() / want.abs().max()).item()  # noqa: E731
+        assert err(got) <= max(2 * err(ref), 2e-7), (err(got), err(ref))  # round-off, as the composition's
+        assert torch.equal(lv.grad, got)  # .backward() and torch.func agree
+    # it keeps x, w and the per-row scale only (the composition also keeps x * r, an x-sized tensor)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp.layers.rms_norm(*leaves, eps)
+    assert sorted(t.numel() for t in saved) == [15, 64, x.numel()], [tuple(t.shape) for t in saved]
+    # differentiated twice (autograd and torch.func), per-example under vmap, only w batched, bf16: as composed
+    f3 = lambda f: lambda x, w: (f(x, w, eps) ** 3).sum()  # noqa: E731
+    for argnum in (0, 1):
+        h = [torch.func.grad(lambda *a: torch.func.grad(f3(f))(*a).sum(), argnum)(x, w) for f in
+             (fp.layers.rms_norm, _rms_composed)]
+        assert_rel(h[0], h[1], tol=1e-5, what=f'second order, argument {argnum}')
+    g1 = torch.autograd.grad(f3(fp.layers.rms_norm)(*leaves), leaves[0], create_graph=True)[0]
+    g2 = torch.autograd.grad(f3(_rms_composed)(*leaves), leaves[0], create_graph=True)[0]
+    assert_rel(torch.autograd.grad(g1.pow(2).sum(), leaves)[0], torch.autograd.grad(g2.pow(2).sum(), leaves)[0],
+               tol=1e-5, what="second order, create_graph")
+    xs = torch.stack([x, 2 * x])
+    per = [torch.func.vmap(torch.func.grad(f3(f)), in_dims=(0, None))(xs, w) for f in (fp.layers.rms_norm,
+                                                                                      _rms_composed)]
+    assert_rel(per[0], per[1], tol=1e-6, what='per-example gradients (vmap)')
+    ws = torch.stack([w, 2 * w])
+    assert torch.equal(torch.func.vmap(lambda w: fp.layers.rms_norm(x, w, eps))(ws),
+                       torch.func.vmap(lambda w: _rms_composed(x, w, eps))(ws))
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(fp.layers.rms_norm(xb, wb, eps), _rms_composed(xb, wb, eps))
