@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any, Callable
 
 import optree
@@ -42,7 +43,7 @@ from .optim.transforms import sum_of_squares
 from .overlap import Overlap
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
-from .step_options import nonfinite_policy, pipeline_executor, validate_options, zero3_model
+from .step_options import nonfinite_policy, overlap_unused, pipeline_executor, validate_options, zero3_model
 from .zero3 import Zero3Loss, gather_params, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
@@ -102,6 +103,9 @@ class Step:
         else:  # the same gradient, each activation freed once the backward used it (see remat.grad_and_value)
             self._grad = grad_and_value(self._scaled_loss)
         # ZeRO's reduce-scatters beside the backward (fp32 gradients: a mixed bucket takes the flat path)
+        unused = overlap_unused(mesh, zero, accum_steps, compile, param_dtype) if overlap else None
+        if unused:  # said, not silently ignored
+            warnings.warn(f"compile_step(overlap=True) has no effect here: {unused}", stacklevel=3)
         self._overlap = Overlap() if overlap and not compile and param_dtype is None else None
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None

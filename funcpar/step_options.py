@@ -96,3 +96,18 @@ def nonfinite_policy(step, state, inner, loss: float, norm: float, finite: bool)
         return None  # the loss-scaling wrapper skips the update and adapts the scale
     return kept, {"loss": loss, "step": state.step, "grad_norm": norm, "lr": float("nan"), "tokens": 0,
                   "tokens_per_s": 0.0, "skipped": True}
+
+
+def overlap_unused(mesh: Mesh, zero: int, accum_steps: int, compile: bool, param_dtype) -> str | None:
+    """Why ``overlap=True`` cannot start any reduction during the backward with these options (None: it can)."""
+    reasons = [why for why, bad in (
+        (f"zero={zero} (only ZeRO-1 and ZeRO-2 reduce-scatter the gradients)", zero not in (1, 2)),
+        (f"ZeRO-1 with accum_steps={accum_steps} (it reduces once, after the micro-batches)",
+         zero == 1 and accum_steps > 1),
+        ("compile=True (one compiled graph: no leaf hooks)", compile),
+        ("param_dtype (mixed precision reduces after the backward)", param_dtype is not None),
+        ("a pipeline mesh (pp > 1: the stages reduce after the schedule)", mesh.axis_size("pp") > 1),
+        ("a simulated mesh", mesh.simulated),
+        (f"{mesh.device.type} tensors (the host rings only)", mesh.device.type != "cpu"),
+    ) if bad]
+    return "; ".join(reasons) or None

@@ -143,3 +143,20 @@ def _failing_worker():
 def test_a_failure_on_the_worker_thread_is_raised_by_the_step():
     for msg in harness.run(2, _failing_worker):
         assert msg is not None and "injected failure reducing bucket" in msg and "on funcpar-reduce" in msg, msg
+
+
+@pytest.mark.parametrize("options, reason", [
+    (dict(zero=0), "zero=0"), (dict(zero=1, accum_steps=2), "accum_steps=2"), (dict(compile=True), "compile=True"),
+    (dict(param_dtype=torch.bfloat16), "param_dtype"), (dict(zero=1), None), (dict(zero=2, accum_steps=2), None)])
+def test_overlap_says_when_it_cannot_apply(options, reason):
+    import warnings
+
+    mesh = fp.Mesh()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fp.compile_step(_loss(mesh), _specs(mesh), mesh=mesh, overlap=True, **options)
+    said = [str(w.message) for w in seen if "overlap=True" in str(w.message)]
+    if reason is None:
+        assert not said, said
+    else:
+        assert len(said) == 1 and reason in said[0] and "has no effect" in said[0], said
