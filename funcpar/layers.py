@@ -207,7 +207,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     float32 ``x`` and ``w``: one operation, the composition's values bit for bit, its gradients to round-off (the
     backward written out: five ``x``-sized passes where autograd's makes nine, and one ``x``-sized tensor kept for it
     instead of two). Other dtypes take the composition."""
-    if x.dtype == w.dtype == torch.float32 and not (_functorch_wrapped(w) and not _functorch_wrapped(x)):
+    if x.dtype == w.dtype == torch.float32 and not torch.compiler.is_compiling() and not (
+            _functorch_wrapped(w) and not _functorch_wrapped(x)):
         return _RMSNorm.apply(x, w, eps)[0]
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -266,7 +267,9 @@ def column_parallel(
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+    """Whether ``t`` is a ``torch.func`` transform's tensor; under ``torch.compile`` always (a constant to dynamo,
+    which cannot trace the query: the fused layers then take their composable paths, for inductor to fuse)."""
+    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 class _ColumnParallel(torch.autograd.Function):
