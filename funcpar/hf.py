@@ -20,6 +20,7 @@ the registry by the folder's ``model_type`` (:func:`funcpar.model.get_model`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -50,6 +51,7 @@ class _Map:
     transposed: bool
     split: tuple[int, int, int] | None
     vocab: int | None = None  # a vocab table padded beyond its real rows: the checkpoint holds this many
+    parts: tuple[int, ...] | None = None  # a split leaf: the sizes of the fused tensor's n parts along its dim
 
     def hf_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         s = list(leaf_shape)
@@ -58,7 +60,8 @@ class _Map:
         if self.transposed:
             s.reverse()
         if self.split:
-            s[self.split[0]] *= self.split[2]
+            dim, _, n = self.split
+            s[dim] = sum(self.parts) if self.parts else s[dim] * n
         return tuple(s)
 
     def file_region(self, region: tuple[slice, ...], hf_shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -67,13 +70,14 @@ class _Map:
             r.reverse()
         if self.split:
             dim, k, n = self.split
-            off = k * (hf_shape[dim] // n)
+            off = sum(self.parts[:k]) if self.parts else k * (hf_shape[dim] // n)
             r[dim] = slice(r[dim].start + off, r[dim].stop + off)
         return tuple(r)
 
 
 def _plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
-    """The HF tensor (and transform) of every leaf path, from the model's literal table."""
+    """The HF tensor (and transform) of every leaf path, from the model's literal table. With ``cfg``, a fused
+    tensor's parts are as large as their leaves (ChatGLM's q, k, v rows differ); without, taken to be equal."""
     model = get_model(model)
     names = model.hf
     rules = []
@@ -83,18 +87,31 @@ def _plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
     transposed, splits = set(names.transposed), dict(names.splits)
     padded = getattr(cfg, "rows", 0) > getattr(cfg, "vocab_size", 0)
     vocab_leaves = set(names.vocab_padded) if padded else set()
-    out = []
-    for p in paths:
+
+    def one(p: str) -> _Map:
         for rx, pat, hf in rules:
             m = rx.match(p)
             if m:
                 i = m.groupdict().get("i")
-                out.append(_Map(hf.format(i=i) if i is not None else hf, pat in transposed, splits.get(pat),
-                                 cfg.vocab_size if pat in vocab_leaves else None))
-                break
-        else:
-            raise HFError(f"model '{model.name}' has no Hugging Face name for leaf '{p}' in its HFNames table")
-    return out
+                return _Map(hf.format(i=i) if i is not None else hf, pat in transposed, splits.get(pat),
+                            cfg.vocab_size if pat in vocab_leaves else None)
+        raise HFError(f"model '{model.name}' has no Hugging Face name for leaf '{p}' in its HFNames table")
+
+    out = [one(p) for p in paths]
+    if cfg is None or not any(mp.split for mp in out):
+        return out
+    shapes = dict(leaves_with_path(model.init(cfg, device="meta")))
+    sizes: dict[str, dict[int, int]] = {}  # fused HF tensor -> {part k: its size along the split dim}
+    for p, x in shapes.items():
+        mp = one(p)
+        if mp.split:  # the leaf's size along the split dim, in the checkpoint's layout
+            sizes.setdefault(mp.hf, {})[mp.split[1]] = x.shape[-1 - mp.split[0] if mp.transposed else mp.split[0]]
+    for mp in out:
+        if mp.split and sorted(sizes.get(mp.hf, ())) != list(range(mp.split[2])):
+            raise HFError(f"model '{model.name}': its HFNames splits make '{mp.hf}' of {mp.split[2]} parts, but "
+                          f"its leaves give parts {sorted(sizes.get(mp.hf, ()))}")
+    return [dataclasses.replace(mp, parts=tuple(sizes[mp.hf][k] for k in range(mp.split[2]))) if mp.split else mp
+            for mp in out]
 
 
 def _check(reader: _Reader, folder: Path, model: ModelSpec, cfg, leaves, plan: list[_Map]) -> None:
@@ -242,11 +259,14 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
     ``tokenizer`` (a :mod:`funcpar.data` tokenizer): its files and a ``generation_config.json`` with its
     bos/eos/pad ids go in too, so ``transformers.pipeline("text-generation", path)`` works on the folder.
 
+    A model whose names are read only (``HFNames.export_as``: ChatGLM's) is written as the model it names (GLM).
+
     Rank 0 writes; the folder appears complete or not at all (:func:`funcpar.atomic.write_folder`: an existing one is
     replaced only once the new one is fully written, and only if funcpar wrote it or ``overwrite``). On a pipeline
     mesh each rank passes its stage tree.
     """
     model = get_model(model)
+    model = get_model(model.hf.export_as) if model.hf.export_as else model  # a layout read, never written
     mesh = mesh or Mesh()
     cfg = cfg.with_mesh(mesh)
     limit = _parse_size(max_shard_size)

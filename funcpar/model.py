@@ -50,10 +50,14 @@ class HFNames:
 
     ``table``: ``(path pattern, HF name pattern)`` pairs, ``{i}`` standing for a layer index.
     ``transposed``: path patterns of leaves stored transposed in the checkpoint (GPT-2's Conv1D).
-    ``splits``: path pattern -> ``(dim, k, n)``: the leaf is part ``k`` of ``n`` of a fused HF tensor along ``dim``.
+    ``splits``: path pattern -> ``(dim, k, n)``: the leaf is part ``k`` of ``n`` of a fused HF tensor along ``dim``
+    (the parts one after another, each as large as its leaf: equal for GPT-2's ``c_attn``, not for ChatGLM's
+    ``query_key_value``).
     ``vocab_padded``: path patterns of vocab tables whose rows beyond ``cfg.vocab_size`` are padding.
     ``ignored``: regular expressions of checkpoint tensors that hold nothing to load; ``ignored_if_tied`` more of
     them when ``cfg.tie_word_embeddings`` (a tied checkpoint's copy of the head).
+    ``export_as``: the registered model whose table ``save`` writes instead, for a layout funcpar reads but does not
+    write (ChatGLM's folders, written as transformers' GLM; the config's ``to_hf`` must give that model's keys).
     """
 
     table: Sequence[tuple[str, str]]
@@ -62,6 +66,7 @@ class HFNames:
     vocab_padded: Sequence[str] = ()
     ignored: Sequence[str] = ()
     ignored_if_tied: Sequence[str] = ()
+    export_as: str | None = None
 
     def ignored_for(self, cfg: Any) -> list[str]:
         return list(self.ignored) + (list(self.ignored_if_tied) if getattr(cfg, "tie_word_embeddings", False) else [])
@@ -146,12 +151,14 @@ class ModelSpec:
 _INT, _INT_OR_NULL, _NUMBER, _BOOL = (int,), (int, None), (float,), (bool,)
 _HF_CONFIG_TYPES: dict[str, tuple] = {
     **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings", "max_window_layers", "n_embd", "n_layer", "n_head", "n_positions"),
-                    _INT),
-    **dict.fromkeys(("num_key_value_heads", "head_dim", "sliding_window", "n_inner"), _INT_OR_NULL),
-    **dict.fromkeys(("rms_norm_eps", "layer_norm_epsilon", "rope_theta"), _NUMBER),
+                     "max_position_embeddings", "max_window_layers", "n_embd", "n_layer", "n_head", "n_positions",
+                     "num_layers", "ffn_hidden_size", "kv_channels", "multi_query_group_num", "padded_vocab_size",
+                     "seq_length", "quantization_bit"), _INT),
+    **dict.fromkeys(("num_key_value_heads", "head_dim", "sliding_window", "n_inner", "pre_seq_len"), _INT_OR_NULL),
+    **dict.fromkeys(("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "layernorm_epsilon", "rope_ratio"), _NUMBER),
     **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
-                     "scale_attn_by_inverse_layer_idx"), _BOOL),
+                     "scale_attn_by_inverse_layer_idx", "rmsnorm", "add_qkv_bias", "add_bias_linear",
+                     "multi_query_attention", "post_layer_norm", "original_rope", "fp32_residual_connection"), _BOOL),
     **dict.fromkeys(("rope_scaling", "rope_parameters"), (dict, None)),
     "layer_types": (list, None),
     **dict.fromkeys(("model_type", "hidden_act", "activation_function"), (str,)),
@@ -248,6 +255,7 @@ _BUILTIN = {
     "gpt2": "funcpar.models.gpt2",
     "bloom": "funcpar.models.bloom",
     "glm": "funcpar.models.glm",
+    "chatglm": "funcpar.models.chatglm",
     "mixtral": "funcpar.models.mixtral",
 }
 _REGISTRY: dict[str, ModelSpec] = {}
