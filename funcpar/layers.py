@@ -1,9 +1,7 @@
-"""Per-shard building blocks shared by the models: vocab-parallel embedding and vocab-parallel cross-entropy, and
-the pieces the Llama-like models have in common (RMSNorm, the gated SiLU MLP, an embedding with a padding row).
-
-Both take this rank's block of vocabulary rows (``V/tp`` of them, block ``c`` = rows ``c*V/tp ..``) and never
-materialise full-vocabulary tensors. At ``Mesh()`` they are the plain ``F.embedding`` and cross-entropy.
-"""
+"""Per-shard building blocks shared by the models: vocab-parallel embedding and cross-entropy (on this rank's block
+of vocabulary rows, ``V/tp`` of them, never full-vocabulary tensors; at ``Mesh()`` the plain ``F.embedding`` and
+cross-entropy), and what the Llama-like models share (RMSNorm, rotary, the gated SiLU MLP, column-parallel linears,
+an embedding with a padding row)."""
 
 from __future__ import annotations
 
@@ -18,8 +16,9 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes", "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets", "IGNORE_INDEX",
-           "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
+__all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes",
+           "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets",
+           "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
 
 IGNORE_INDEX = -100
 
@@ -267,8 +266,8 @@ def column_parallel(
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` transform's tensor; under ``torch.compile`` always (a constant to dynamo,
-    which cannot trace the query: the fused layers then take their composable paths, for inductor to fuse)."""
+    """Whether ``t`` is a ``torch.func`` transform's tensor; always under ``torch.compile`` (dynamo cannot trace the
+    query; the fused layers take their composable paths there)."""
     return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
