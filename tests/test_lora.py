@@ -203,3 +203,55 @@ def test_dropout_masks_are_the_same_on_every_tp_rank_and_new_each_call(base):
     assert len({round(v, 7) for v in ref}) == 3  # two calls, two masks; both differ from no dropout
     for got in harness.run(2, _dropout_losses, base, 2):  # column- (q) and row-parallel (o) adapters
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, ref)), (got, ref)
+
+
+class _DroppedRef:
+    """The reference of an adapted weight in training with dropout, written out: ``F.linear(x, w)`` is
+    ``x Wᵀ + s·((x·mask/(1−p)) Aᵀ) Bᵀ``, each call's mask ``rand(x.shape) >= p`` drawn from ``gen`` (the base path
+    sees ``x``, the adapters ``x`` dropped and rescaled, feeding ``A``)."""
+
+    def __init__(self, w, a, b, s, p, gen):
+        self.w, self.a, self.b, self.s, self.p, self.gen, self.shape = w, a, b, s, p, gen, w.shape
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        import torch.nn.functional as F
+
+        x, w, bias = (*args, None)[:3]
+        assert func is F.linear and isinstance(w, cls) and bias is None and not kwargs, func  # (Llama: no bias)
+        mask = (torch.rand(x.shape, generator=w.gen, dtype=torch.float32) >= w.p).to(x.dtype)
+        return F.linear(x, w.w) + w.s * F.linear(F.linear(x * mask / (1 - w.p), w.a), w.b)
+
+
+def test_dropout_feeds_the_adapters_the_input_masked_and_rescaled(base):
+    """The dropout's arithmetic against the reference above on the same masks (the same generator): one adapted
+    layer's value and input gradient, and the model's loss and adapter gradients (one generator drawn through the
+    layers in call order, as funcpar draws it for a call of the loss)."""
+    import torch.nn.functional as F
+
+    params, cfg = fp.hf.load(base)
+    model, mesh, b, p = fp.get_model("llama"), fp.Mesh(), batch(), 0.3
+    lcfg = LoraConfig(r=4, alpha=8.0, targets=("q", "o"), dropout=p)
+    lora = Lora(model, cfg, lcfg, mesh)
+    ad = _map_b(lora.init(seed=0), torch.Generator().manual_seed(1))
+    lora._dropout = lambda: torch.Generator().manual_seed(7)  # each call of the loss: the masks' generator
+
+    def ref_params(a):
+        g = torch.Generator().manual_seed(7)
+        return lora._over(params, a, lambda path, w, x: _DroppedRef(w, x["lora_A"], x["lora_B"], lcfg.scale, p, g))
+
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    y = F.linear(x, lora.apply(params, ad)["layers"][0]["wq"])
+    want = F.linear(x, ref_params(ad)["layers"][0]["wq"])
+    assert torch.allclose(y, want, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(y, F.linear(x, lora.merge(params, ad)["layers"][0]["wq"]), rtol=1e-3)  # it drops
+    gx, wx = (torch.autograd.grad((t * torch.linspace(-1, 1, t.shape[-1])).sum(), x)[0] for t in (y, want))
+    assert torch.allclose(gx, wx, rtol=1e-6, atol=1e-7)  # the base path's gradient undropped, the adapters' masked
+
+    loss = lora.loss_fn(model.loss_fn(cfg, mesh), params)
+    ref = lambda a: model.loss(ref_params(a), b, cfg=cfg, mesh=mesh)  # noqa: E731
+    got, want = loss(ad, b).item(), ref(ad).item()
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+    g1, g2 = torch.func.grad(lambda a: loss(a, b))(ad), torch.func.grad(ref)(ad)
+    for (path, u), (_, v) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g2)):
+        assert torch.allclose(u, v, rtol=1e-5, atol=1e-7) and v.abs().sum() > 0, path
