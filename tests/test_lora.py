@@ -75,6 +75,20 @@ def test_adapted_layer_equals_the_merged_weight(base):
         Lora(model, cfg, LoraConfig(dropout=0.1), mesh).loss_fn(model.loss_fn(cfg, mesh, remat=True), params)
 
 
+def _counting_gradients(step):
+    """The bytes of the gradients ``step``'s gradient function returns, one entry per micro-batch (this rank's)."""
+    import optree
+
+    seen, grad = [], step._grad
+
+    def counted(*args, **kwargs):
+        grads, out = grad(*args, **kwargs)
+        seen.append(sum(g.numel() * g.element_size() for g in optree.tree_leaves(grads)))
+        return grads, out
+    step._grad = counted
+    return seen
+
+
 def _train(folder, mesh, out=None, steps=3):
     model = fp.get_model("llama")
     params, cfg = fp.hf.load(folder, mesh=mesh)
@@ -82,6 +96,7 @@ def _train(folder, mesh, out=None, steps=3):
     lora = Lora(model, cfg, LCFG, mesh)
     step = fp.compile_step(lora.loss_fn(model.loss_fn(cfg, mesh), params), lora.specs(), mesh=mesh,
                            optimizer=fp.optim.adamw(1e-2, weight_decay=0.01), zero=1, clip_norm=1.0)
+    grad_bytes = _counting_gradients(step)
     state = step.init(lora.init(seed=0))
     losses = []
     for s in range(steps):
@@ -92,7 +107,8 @@ def _train(folder, mesh, out=None, steps=3):
                       if isinstance(x, torch.Tensor) and x.ndim)
     out_d = {"losses": losses, "adapters": fp.gather(state.params, lora.specs(), mesh), "base_same": base_same,
              "state_bytes": state_bytes, "buffer_numel": sum(b.numel() for b in step.buffers.params),
-             "adapter_numel": sum(x.numel() for _, x in fp.tree.leaves_with_path(state.params))}
+             "adapter_numel": sum(x.numel() for _, x in fp.tree.leaves_with_path(state.params)),
+             "grad_bytes": grad_bytes, "model_bytes": sum(x.numel() * 4 for x in before)}
     if out is not None:
         fp.hf.save(f"{out}/merged", lora.merge(params, state.params), model, cfg, mesh)
         lora.save_peft(f"{out}/adapter", state.params, base_model=folder)
@@ -101,8 +117,20 @@ def _train(folder, mesh, out=None, steps=3):
     return out_d
 
 
+def _full_fine_tuning_gradient_bytes(folder, mesh):
+    """The gradient bytes of one step of full fine-tuning (every weight trained) on the same mesh and batch."""
+    model = fp.get_model("llama")
+    params, cfg = fp.hf.load(folder, mesh=mesh)
+    step = fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), mesh=mesh,
+                           optimizer=fp.optim.adamw(1e-2, weight_decay=0.01), zero=1, clip_norm=1.0)
+    grad_bytes = _counting_gradients(step)
+    step(step.init(params), harness.dp_share(batch(seed=0), mesh))
+    return grad_bytes
+
+
 def _train_tp2dp2(folder, out):
-    return _train(folder, harness.mesh(tp=2, dp=2), out)
+    mesh = harness.mesh(tp=2, dp=2)
+    return {**_train(folder, mesh, out), "full_grad_bytes": _full_fine_tuning_gradient_bytes(folder, mesh)}
 
 
 def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
@@ -119,13 +147,28 @@ def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
             # gradient is tiny: per leaf 3.5e-6 of its norm with torch's fused AdamW kernel (9e-7 with the chain)
             assert (x - y).norm() <= 1e-5 * y.norm() and torch.allclose(x, y, rtol=1e-4, atol=1e-5), p
     assert ref["losses"][2] < ref["losses"][0]
-    # what the step holds: the adapters alone (flat buffers, AdamW's two moments in ZeRO-1 parts over dp=2)
-    n_adapters = sum(x.numel() for _, x in fp.tree.leaves_with_path(ref["adapters"]))
+    # what the step holds and differentiates: the adapters alone, counted from the targeted weights' shapes (out, in):
+    # A (r, in) and B (out, r) each. Per rank at tp=2 x dp=2 the factors split as their weight: the column-parallel q,
+    # v by rows (B halved, A whole over tp), the row-parallel o, down by columns (A halved, B whole over tp)
+    n_adapters, local = 0, {"dp": 0, "dp+tp": 0}  # per rank: elements replicated over dp only, over dp and tp
+    for layer in fp.hf.load(base)[0]["layers"]:
+        for name, rows in (("wq", True), ("wv", True), ("wo", False), ("w_down", False)):
+            a, b = LCFG.r * layer[name].shape[1], layer[name].shape[0] * LCFG.r
+            n_adapters += a + b
+            local["dp"] += (b if rows else a) // 2
+            local["dp+tp"] += a if rows else b
+    assert ref["grad_bytes"] == [4 * n_adapters] * 3  # each step's gradients: the adapters' (fp32), nothing else
     assert ref["buffer_numel"] == ref["adapter_numel"] == n_adapters
-    assert ref["state_bytes"] == 2 * 4 * n_adapters
+    assert ref["state_bytes"] == 2 * 4 * n_adapters  # AdamW's two moments
+    for g in got:
+        # the gradients the step computes: this rank's adapter shards alone, against every local weight's when the
+        # same step trains the whole model on the same mesh
+        assert g["grad_bytes"] == [4 * sum(local.values())] * 3
+        assert g["full_grad_bytes"] == [g["model_bytes"]] and g["model_bytes"] > 10 * g["grad_bytes"][0]
+        assert g["buffer_numel"] == g["adapter_numel"] == sum(local.values())
+        # ZeRO-1: a bucket per set of replicated axes, cut in equal parts over them (padded), the moments of one part
+        assert g["state_bytes"] == 2 * 4 * (-(-local["dp"] // 2) + -(-local["dp+tp"] // 4))
     r0 = got[0]
-    assert r0["buffer_numel"] == r0["adapter_numel"]  # this rank's tp shards of the adapters, nothing of the base
-    assert r0["state_bytes"] <= 2 * 4 * r0["adapter_numel"] / 2 + 64  # the moments of its half (ZeRO-1 over dp=2)
     # the merged export: W + (alpha/r)·B·A, loading in transformers with the adapted model's logits
     base_sd = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
