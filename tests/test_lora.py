@@ -217,15 +217,35 @@ def test_funcpar_train_with_lora_exports_merged_and_peft_folders(tmp_path):
     assert p.returncode == 1 and p.stderr.startswith("funcpar: LoRA target 'zz' matches no weight of model 'llama'"), \
         p.stderr
     assert not (tmp_path / "out").exists()
-    p = train("--lora", "r=4,alpha=8,targets=q,v")
+    p = train("--lora", "r=16,alpha=32,targets=q,v")  # as the issue writes it
     assert p.returncode == 0, p.stderr
     out = tmp_path / "out"
     assert "(the adapters merged); adapter: out/adapter" in p.stdout
     paths = [q["path"] for q in fp.checkpoint.metadata(out / "checkpoints")["params"]]
     assert paths and all(".lora_" in q for q in paths), paths  # the checkpoint holds the adapters alone
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
+    adapter_cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter_cfg["r"], adapter_cfg["lora_alpha"], adapter_cfg["target_modules"]) == (16, 32.0,
+                                                                                           ["q_proj", "v_proj"])
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
     assert model.config.num_hidden_layers == 2
+    # the merged export against the base the run started from (llama-micro, seed 0): W + (32/16)·B·A in exactly the
+    # q and v projections of every layer, every other tensor the base's bit for bit
+    from safetensors.torch import load_file
+
+    from funcpar.options import BUILTIN_MODELS
+
+    llama = fp.get_model("llama")
+    cfg = llama.config(BUILTIN_MODELS["llama-micro"], fp.Mesh())
+    fp.hf.save(tmp_path / "base", llama.init(cfg, seed=0), llama, cfg)
+    base_t, merged = load_file(tmp_path / "base" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert sorted(merged) == sorted(base_t)
+    adapted = [k for k in merged if not torch.equal(merged[k], base_t[k])]
+    assert sorted(adapted) == sorted(f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv")
+    for k in adapted:
+        lora_a, lora_b = (adapter[f"base_model.model.{k.removesuffix('.weight')}.lora_{x}.weight"] for x in "AB")
+        assert lora_a.shape == (16, 64) and lora_b.shape == (base_t[k].shape[0], 16), k
+        assert torch.allclose(merged[k], base_t[k] + 2.0 * lora_b @ lora_a, rtol=0, atol=1e-6), k
 
 
 def _dropout_losses(folder, tp):
