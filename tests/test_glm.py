@@ -3,8 +3,8 @@
 Two tiny checkpoints made from configs: GQA with 8 query / 2 kv heads, head_dim 16 (q wider than the hidden size),
 half of each head rotated, q/k/v bias and a padding token; and a tied head without bias, all of each head rotated,
 on a vocabulary tp does not divide. Logits, loss and gradients against transformers at Mesh(), tp=2 and tp=4
-(where the 2 kv heads are replicated); three AdamW steps at tp=2, pp=2, tp=2 x dp=2 (ZeRO-1 and ZeRO-3) against the
-single-process run and against transformers + torch.optim.AdamW; config.json and tensors round trips.
+(where the 2 kv heads are replicated); three AdamW steps at tp=2, tp=4, pp=2, tp=2 x dp=2 (ZeRO-1 and ZeRO-3)
+against the single-process run and against transformers + torch.optim.AdamW; config.json and tensors round trips.
 """
 
 import collections
@@ -273,7 +273,7 @@ def test_adamw_steps_match_single_process_and_transformers(ckpts):
     p_losses, p_params = peer(path)
     assert_same(p_losses, p_params, "transformers + torch.optim.AdamW")
     runs2 = [({"tp": 2}, 1), ({"pp": 2}, 1)]
-    runs4 = [({"tp": 2, "dp": 2}, 1), ({"tp": 2, "dp": 2}, 3)]
+    runs4 = [({"tp": 2, "dp": 2}, 1), ({"tp": 2, "dp": 2}, 3), ({"tp": 4}, 1)]  # tp=4: the 2 kv heads replicated
     for runs, world in ((runs2, 2), (runs4, 4)):
         for (sizes, zero), (losses, params) in zip(runs, harness.run(world, _train_on, path, runs)[0]):
             assert_same(losses, params, f"{sizes} zero={zero}")

@@ -75,6 +75,20 @@ def test_adapted_layer_equals_the_merged_weight(base):
         Lora(model, cfg, LoraConfig(dropout=0.1), mesh).loss_fn(model.loss_fn(cfg, mesh, remat=True), params)
 
 
+def _counting_gradients(step):
+    """The bytes of the gradients ``step``'s gradient function returns, one entry per micro-batch (this rank's)."""
+    import optree
+
+    seen, grad = [], step._grad
+
+    def counted(*args, **kwargs):
+        grads, out = grad(*args, **kwargs)
+        seen.append(sum(g.numel() * g.element_size() for g in optree.tree_leaves(grads)))
+        return grads, out
+    step._grad = counted
+    return seen
+
+
 def _train(folder, mesh, out=None, steps=3):
     model = fp.get_model("llama")
     params, cfg = fp.hf.load(folder, mesh=mesh)
@@ -82,6 +96,7 @@ def _train(folder, mesh, out=None, steps=3):
     lora = Lora(model, cfg, LCFG, mesh)
     step = fp.compile_step(lora.loss_fn(model.loss_fn(cfg, mesh), params), lora.specs(), mesh=mesh,
                            optimizer=fp.optim.adamw(1e-2, weight_decay=0.01), zero=1, clip_norm=1.0)
+    grad_bytes = _counting_gradients(step)
     state = step.init(lora.init(seed=0))
     losses = []
     for s in range(steps):
@@ -92,7 +107,8 @@ def _train(folder, mesh, out=None, steps=3):
                       if isinstance(x, torch.Tensor) and x.ndim)
     out_d = {"losses": losses, "adapters": fp.gather(state.params, lora.specs(), mesh), "base_same": base_same,
              "state_bytes": state_bytes, "buffer_numel": sum(b.numel() for b in step.buffers.params),
-             "adapter_numel": sum(x.numel() for _, x in fp.tree.leaves_with_path(state.params))}
+             "adapter_numel": sum(x.numel() for _, x in fp.tree.leaves_with_path(state.params)),
+             "grad_bytes": grad_bytes, "model_bytes": sum(x.numel() * 4 for x in before)}
     if out is not None:
         fp.hf.save(f"{out}/merged", lora.merge(params, state.params), model, cfg, mesh)
         lora.save_peft(f"{out}/adapter", state.params, base_model=folder)
@@ -101,8 +117,20 @@ def _train(folder, mesh, out=None, steps=3):
     return out_d
 
 
+def _full_fine_tuning_gradient_bytes(folder, mesh):
+    """The gradient bytes of one step of full fine-tuning (every weight trained) on the same mesh and batch."""
+    model = fp.get_model("llama")
+    params, cfg = fp.hf.load(folder, mesh=mesh)
+    step = fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), mesh=mesh,
+                           optimizer=fp.optim.adamw(1e-2, weight_decay=0.01), zero=1, clip_norm=1.0)
+    grad_bytes = _counting_gradients(step)
+    step(step.init(params), harness.dp_share(batch(seed=0), mesh))
+    return grad_bytes
+
+
 def _train_tp2dp2(folder, out):
-    return _train(folder, harness.mesh(tp=2, dp=2), out)
+    mesh = harness.mesh(tp=2, dp=2)
+    return {**_train(folder, mesh, out), "full_grad_bytes": _full_fine_tuning_gradient_bytes(folder, mesh)}
 
 
 def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
@@ -119,13 +147,28 @@ def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
             # gradient is tiny: per leaf 3.5e-6 of its norm with torch's fused AdamW kernel (9e-7 with the chain)
             assert (x - y).norm() <= 1e-5 * y.norm() and torch.allclose(x, y, rtol=1e-4, atol=1e-5), p
     assert ref["losses"][2] < ref["losses"][0]
-    # what the step holds: the adapters alone (flat buffers, AdamW's two moments in ZeRO-1 parts over dp=2)
-    n_adapters = sum(x.numel() for _, x in fp.tree.leaves_with_path(ref["adapters"]))
+    # what the step holds and differentiates: the adapters alone, counted from the targeted weights' shapes (out, in):
+    # A (r, in) and B (out, r) each. Per rank at tp=2 x dp=2 the factors split as their weight: the column-parallel q,
+    # v by rows (B halved, A whole over tp), the row-parallel o, down by columns (A halved, B whole over tp)
+    n_adapters, local = 0, {"dp": 0, "dp+tp": 0}  # per rank: elements replicated over dp only, over dp and tp
+    for layer in fp.hf.load(base)[0]["layers"]:
+        for name, rows in (("wq", True), ("wv", True), ("wo", False), ("w_down", False)):
+            a, b = LCFG.r * layer[name].shape[1], layer[name].shape[0] * LCFG.r
+            n_adapters += a + b
+            local["dp"] += (b if rows else a) // 2
+            local["dp+tp"] += a if rows else b
+    assert ref["grad_bytes"] == [4 * n_adapters] * 3  # each step's gradients: the adapters' (fp32), nothing else
     assert ref["buffer_numel"] == ref["adapter_numel"] == n_adapters
-    assert ref["state_bytes"] == 2 * 4 * n_adapters
+    assert ref["state_bytes"] == 2 * 4 * n_adapters  # AdamW's two moments
+    for g in got:
+        # the gradients the step computes: this rank's adapter shards alone, against every local weight's when the
+        # same step trains the whole model on the same mesh
+        assert g["grad_bytes"] == [4 * sum(local.values())] * 3
+        assert g["full_grad_bytes"] == [g["model_bytes"]] and g["model_bytes"] > 10 * g["grad_bytes"][0]
+        assert g["buffer_numel"] == g["adapter_numel"] == sum(local.values())
+        # ZeRO-1: a bucket per set of replicated axes, cut in equal parts over them (padded), the moments of one part
+        assert g["state_bytes"] == 2 * 4 * (-(-local["dp"] // 2) + -(-local["dp+tp"] // 4))
     r0 = got[0]
-    assert r0["buffer_numel"] == r0["adapter_numel"]  # this rank's tp shards of the adapters, nothing of the base
-    assert r0["state_bytes"] <= 2 * 4 * r0["adapter_numel"] / 2 + 64  # the moments of its half (ZeRO-1 over dp=2)
     # the merged export: W + (alpha/r)·B·A, loading in transformers with the adapted model's logits
     base_sd = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
@@ -174,15 +217,35 @@ def test_funcpar_train_with_lora_exports_merged_and_peft_folders(tmp_path):
     assert p.returncode == 1 and p.stderr.startswith("funcpar: LoRA target 'zz' matches no weight of model 'llama'"), \
         p.stderr
     assert not (tmp_path / "out").exists()
-    p = train("--lora", "r=4,alpha=8,targets=q,v")
+    p = train("--lora", "r=16,alpha=32,targets=q,v")  # as the issue writes it
     assert p.returncode == 0, p.stderr
     out = tmp_path / "out"
     assert "(the adapters merged); adapter: out/adapter" in p.stdout
     paths = [q["path"] for q in fp.checkpoint.metadata(out / "checkpoints")["params"]]
     assert paths and all(".lora_" in q for q in paths), paths  # the checkpoint holds the adapters alone
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
+    adapter_cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter_cfg["r"], adapter_cfg["lora_alpha"], adapter_cfg["target_modules"]) == (16, 32.0,
+                                                                                           ["q_proj", "v_proj"])
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
     assert model.config.num_hidden_layers == 2
+    # the merged export against the base the run started from (llama-micro, seed 0): W + (32/16)·B·A in exactly the
+    # q and v projections of every layer, every other tensor the base's bit for bit
+    from safetensors.torch import load_file
+
+    from funcpar.options import BUILTIN_MODELS
+
+    llama = fp.get_model("llama")
+    cfg = llama.config(BUILTIN_MODELS["llama-micro"], fp.Mesh())
+    fp.hf.save(tmp_path / "base", llama.init(cfg, seed=0), llama, cfg)
+    base_t, merged = load_file(tmp_path / "base" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert sorted(merged) == sorted(base_t)
+    adapted = [k for k in merged if not torch.equal(merged[k], base_t[k])]
+    assert sorted(adapted) == sorted(f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv")
+    for k in adapted:
+        lora_a, lora_b = (adapter[f"base_model.model.{k.removesuffix('.weight')}.lora_{x}.weight"] for x in "AB")
+        assert lora_a.shape == (16, 64) and lora_b.shape == (base_t[k].shape[0], 16), k
+        assert torch.allclose(merged[k], base_t[k] + 2.0 * lora_b @ lora_a, rtol=0, atol=1e-6), k
 
 
 def _dropout_losses(folder, tp):
@@ -203,3 +266,55 @@ def test_dropout_masks_are_the_same_on_every_tp_rank_and_new_each_call(base):
     assert len({round(v, 7) for v in ref}) == 3  # two calls, two masks; both differ from no dropout
     for got in harness.run(2, _dropout_losses, base, 2):  # column- (q) and row-parallel (o) adapters
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, ref)), (got, ref)
+
+
+class _DroppedRef:
+    """The reference of an adapted weight in training with dropout, written out: ``F.linear(x, w)`` is
+    ``x Wᵀ + s·((x·mask/(1−p)) Aᵀ) Bᵀ``, each call's mask ``rand(x.shape) >= p`` drawn from ``gen`` (the base path
+    sees ``x``, the adapters ``x`` dropped and rescaled, feeding ``A``)."""
+
+    def __init__(self, w, a, b, s, p, gen):
+        self.w, self.a, self.b, self.s, self.p, self.gen, self.shape = w, a, b, s, p, gen, w.shape
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        import torch.nn.functional as F
+
+        x, w, bias = (*args, None)[:3]
+        assert func is F.linear and isinstance(w, cls) and bias is None and not kwargs, func  # (Llama: no bias)
+        mask = (torch.rand(x.shape, generator=w.gen, dtype=torch.float32) >= w.p).to(x.dtype)
+        return F.linear(x, w.w) + w.s * F.linear(F.linear(x * mask / (1 - w.p), w.a), w.b)
+
+
+def test_dropout_feeds_the_adapters_the_input_masked_and_rescaled(base):
+    """The dropout's arithmetic against the reference above on the same masks (the same generator): one adapted
+    layer's value and input gradient, and the model's loss and adapter gradients (one generator drawn through the
+    layers in call order, as funcpar draws it for a call of the loss)."""
+    import torch.nn.functional as F
+
+    params, cfg = fp.hf.load(base)
+    model, mesh, b, p = fp.get_model("llama"), fp.Mesh(), batch(), 0.3
+    lcfg = LoraConfig(r=4, alpha=8.0, targets=("q", "o"), dropout=p)
+    lora = Lora(model, cfg, lcfg, mesh)
+    ad = _map_b(lora.init(seed=0), torch.Generator().manual_seed(1))
+    lora._dropout = lambda: torch.Generator().manual_seed(7)  # each call of the loss: the masks' generator
+
+    def ref_params(a):
+        g = torch.Generator().manual_seed(7)
+        return lora._over(params, a, lambda path, w, x: _DroppedRef(w, x["lora_A"], x["lora_B"], lcfg.scale, p, g))
+
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    y = F.linear(x, lora.apply(params, ad)["layers"][0]["wq"])
+    want = F.linear(x, ref_params(ad)["layers"][0]["wq"])
+    assert torch.allclose(y, want, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(y, F.linear(x, lora.merge(params, ad)["layers"][0]["wq"]), rtol=1e-3)  # it drops
+    gx, wx = (torch.autograd.grad((t * torch.linspace(-1, 1, t.shape[-1])).sum(), x)[0] for t in (y, want))
+    assert torch.allclose(gx, wx, rtol=1e-6, atol=1e-7)  # the base path's gradient undropped, the adapters' masked
+
+    loss = lora.loss_fn(model.loss_fn(cfg, mesh), params)
+    ref = lambda a: model.loss(ref_params(a), b, cfg=cfg, mesh=mesh)  # noqa: E731
+    got, want = loss(ad, b).item(), ref(ad).item()
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+    g1, g2 = torch.func.grad(lambda a: loss(a, b))(ad), torch.func.grad(ref)(ad)
+    for (path, u), (_, v) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g2)):
+        assert torch.allclose(u, v, rtol=1e-5, atol=1e-7) and v.abs().sum() > 0, path
