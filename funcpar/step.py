@@ -106,7 +106,7 @@ class Step:
         unused = overlap_unused(mesh, zero, accum_steps, compile, param_dtype) if overlap else None
         if unused:  # said, not silently ignored
             warnings.warn(f"compile_step(overlap=True) has no effect here: {unused}", stacklevel=3)
-        self._overlap = Overlap() if overlap and not compile and param_dtype is None else None
+        self._overlap = Overlap() if overlap and not unused else None
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
