@@ -30,6 +30,7 @@ import optree
 import torch
 
 from . import checkpoint
+from . import hostmem
 from . import collectives as C
 from .batching import batch_items, check_consistency, rows as _rows, split as _split
 from .buffers import StateBuffers
@@ -69,8 +70,13 @@ class Step:
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
                  parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20,
-                 overlap: bool = False):
+                 overlap: bool = False, host_malloc: str = "keep"):
         mesh = mesh if mesh is not None else Mesh.current()
+        if host_malloc not in ("keep", "system"):
+            raise StepError(f"host_malloc must be 'keep' or 'system', got {host_malloc!r}")
+        # on the CPU, the memory a step frees is kept for the next one (funcpar.hostmem)
+        self.host_malloc = hostmem.keep_freed_memory() if host_malloc == "keep" and mesh.device.type == "cpu" \
+            else "system"
         if nonfinite not in ("error", "skip") or not isinstance(max_skips, int) or max_skips < 0:
             raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got {nonfinite!r}, "
                             f"{max_skips!r}")
@@ -348,7 +354,7 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
                  parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20,
-                 overlap: bool = False) -> Step:
+                 overlap: bool = False, host_malloc: str = "keep") -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -376,10 +382,13 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker thread
     (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, fp32, not with ``compile``); off by
     default: on the 2-core CPU the ring's copies and sums take the core the backward runs on, and it did not pay.
+    ``host_malloc``: on a CPU mesh, ``"keep"`` (default) has glibc keep the memory a step frees for the next step
+    instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`; process-wide, left
+    alone where the environment configures malloc); ``"system"`` leaves malloc as it is.
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
                 bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
                 growth_interval=growth_interval, donate=donate, offload=offload,
                 pipeline=pipeline, chunks=chunks, parts=parts, nonfinite=nonfinite, max_skips=max_skips,
-                overlap=overlap)
+                overlap=overlap, host_malloc=host_malloc)
