@@ -16,7 +16,7 @@ what a training process holds anyway.
 nobody has chosen otherwise: not when ``FUNCPAR_HOST_MALLOC=system`` is set, when the environment already sets
 glibc's malloc options (``MALLOC_MMAP_MAX_``, ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``glibc.malloc`` tunables), when another allocator is preloaded
-(jemalloc, tcmalloc, mimalloc), or when the C library is not glibc.
+(jemalloc, tcmalloc, mimalloc, Hoard, snmalloc), or when the C library is not glibc.
 """
 
 from __future__ import annotations

@@ -74,9 +74,6 @@ class Step:
         mesh = mesh if mesh is not None else Mesh.current()
         if host_malloc not in ("keep", "system"):
             raise StepError(f"host_malloc must be 'keep' or 'system', got {host_malloc!r}")
-        # on the CPU, the memory a step frees is kept for the next one (funcpar.hostmem)
-        self.host_malloc = hostmem.keep_freed_memory() if host_malloc == "keep" and mesh.device.type == "cpu" \
-            else "system"
         if nonfinite not in ("error", "skip") or not isinstance(max_skips, int) or max_skips < 0:
             raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got {nonfinite!r}, "
                             f"{max_skips!r}")
@@ -120,6 +117,10 @@ class Step:
         self.pipe = pipeline_executor(loss_fn, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
         self._checked = False
         self.run_id: str | None = None  # the run its checkpoints belong to (see funcpar.checkpoint.save)
+        # on the CPU, the memory a step frees is kept for the next one (funcpar.hostmem): process-wide, so only once
+        # every option has been accepted
+        self.host_malloc = hostmem.keep_freed_memory() if host_malloc == "keep" and mesh.device.type == "cpu" \
+            else "system"
 
     def _scaled_loss(self, params, batch, scale):
         out = self._objective(params, batch)

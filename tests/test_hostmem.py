@@ -95,3 +95,8 @@ def test_system_and_non_cpu_meshes_leave_malloc_alone(monkeypatch):
     assert fp.compile_step(loss, {"w": fp.P()}, mesh=fp.Mesh(), host_malloc="system").host_malloc == "system"
     meta = fp.Mesh.abstract(device="meta", dp=2)
     assert fp.compile_step(loss, {"w": fp.P()}, mesh=meta).host_malloc == "system"
+    # a step refused for another option has changed nothing process-wide
+    with pytest.raises(StepError, match="zero must be 0, 1, 2 or 3"):
+        fp.compile_step(loss, {"w": fp.P()}, mesh=fp.Mesh(), zero=7)
+    with pytest.raises(StepError, match="zero=3 gathers the model block by block"):
+        fp.compile_step(loss, {"w": fp.P()}, mesh=fp.Mesh(), zero=3)
