@@ -106,16 +106,15 @@ def vocab_cross_entropy(
     them out. The softmax max is a statistic (no gradient), which is exact since log-sum-exp does not depend on it.
     Columns at or beyond ``vocab_size`` (padding of a vocabulary tp does not divide) are excluded.
     """
-    loss, _, _ = _VocabCrossEntropy.apply(_mask_padding(logits.float(), mesh, axis, vocab_size), labels, mesh, axis)
-    return loss
+    return _VocabCrossEntropy.apply(_mask_padding(logits.float(), mesh, axis, vocab_size), labels, mesh, axis)[0]
 
 
 class _VocabCrossEntropy(torch.autograd.Function):
-    """Fused: the forward keeps only the logits (and two per-position statistics); the backward writes
-    ``(softmax - onehot) * g`` into one new logits-sized tensor. Composed from autograd's primitives the same loss
-    holds three more logits-sized tensors (shifted, exponentiated, the gather's scatter), the largest transients of
-    a language model's step. Outputs ``(loss, max, sum of exp)``; the two statistics carry no gradient. First order:
-    its backward is not differentiable again (vmap over it works)."""
+    """Fused: the forward keeps ``exp(logits - max)`` and two per-position statistics, not the logits; the backward
+    scales it into ``(softmax - onehot) * g`` in place (one pass; a new tensor under a transform or a second-order
+    graph). Composed from autograd's primitives the same loss holds three more logits-sized tensors (shifted,
+    exponentiated, the gather's scatter). Outputs ``(loss, max, sum of exp, exp)``, the last three without gradient.
+    First order: one backward per graph (a second is refused: its saved tensor is used up); vmap over it works."""
 
     generate_vmap_rule = True  # vmap over it (e.g. per-example gradients) traces its forward and backward
 
@@ -123,29 +122,29 @@ class _VocabCrossEntropy(torch.autograd.Function):
     def forward(logits, labels, mesh, axis):
         n = logits.shape[-1]
         m = C.all_reduce(logits.amax(-1), mesh, axis, "max")  # (...,): a statistic, exact for log-sum-exp
-        sumexp = C.all_reduce((logits - m[..., None]).exp_().sum(-1), mesh, axis)
+        e = (logits - m[..., None]).exp_()  # this rank's columns of exp(logits - max)
+        sumexp = C.all_reduce(e.sum(-1), mesh, axis)
         local = labels - mesh.coord(axis) * n
         picked = logits.gather(-1, local.clamp(0, n - 1)[..., None]).squeeze(-1) - m
         inside = (local >= 0) & (local < n)
         picked = torch.where(inside, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
-        return sumexp.log() - C.all_reduce(picked, mesh, axis), m, sumexp
+        return sumexp.log() - C.all_reduce(picked, mesh, axis), m, sumexp, e
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         logits, labels, mesh, axis = inputs
-        ctx.mark_non_differentiable(output[1], output[2])
-        ctx.save_for_backward(logits, labels, output[1], output[2])
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(output[3], labels, output[2])
         ctx.offset = mesh.coord(axis) * logits.shape[-1]
 
     @staticmethod
-    def backward(ctx, g, _gm, _gs):
-        logits, labels, m, sumexp = ctx.saved_tensors
-        n = logits.shape[-1]
-        grad = (logits - m[..., None]).exp_().div_(sumexp[..., None])  # this rank's columns of the softmax
-        local = labels - ctx.offset
+    def backward(ctx, g, _gm, _gs, _ge):
+        e, labels, sumexp = ctx.saved_tensors
+        f, local, n = (g / sumexp)[..., None], labels - ctx.offset, e.shape[-1]
+        grad = e * f if torch.is_grad_enabled() or _functorch_wrapped(g) or _functorch_wrapped(e) else e.mul_(f)
         inside = ((local >= 0) & (local < n)).to(grad.dtype)
-        grad.scatter_add_(-1, local.clamp(0, n - 1)[..., None], -inside[..., None])
-        return grad.mul_(g[..., None]), None, None, None
+        grad.scatter_add_(-1, local.clamp(0, n - 1)[..., None], (-inside * g)[..., None])
+        return grad, None, None, None
 
 
 def causal_lm_loss(

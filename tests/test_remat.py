@@ -2,6 +2,7 @@
 
 import functools
 
+import pytest
 import torch
 
 import funcpar as fp
@@ -88,3 +89,26 @@ def test_fused_cross_entropy_under_vmap_of_grad():
         lg.reshape(-1, 11), labels.clamp(min=0).reshape(-1), reduction="sum"))(logits)
     counted = (labels >= 0)[..., None]
     assert torch.allclose(per_example(logits, labels) * counted, ref * counted, atol=1e-6)
+
+
+def test_fused_cross_entropy_backward_scales_its_saved_exponentials_in_place():
+    """The train step's backward (plain autograd, first order): the logits' gradient is the forward's saved
+    ``exp(logits - max)`` scaled in place (no new logits-sized tensor), equal to torch's; a second backward over the
+    same graph is refused by autograd's version check, not answered from the overwritten tensor."""
+    from funcpar.layers import vocab_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(4, 7, 13, generator=g, requires_grad=True), torch.randint(0, 13, (4, 7), generator=g)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = vocab_cross_entropy(logits, labels, fp.Mesh(), "tp").mean()
+    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    ref = torch.func.grad(lambda lg: torch.nn.functional.cross_entropy(lg.reshape(-1, 13), labels.reshape(-1)))(
+        logits.detach())
+    assert torch.allclose(grad, ref, rtol=1e-6, atol=1e-8)
+    big = [t for t in saved if t.shape == logits.shape]
+    assert len(big) == 1 and big[0] is not logits and big[0].data_ptr() == grad.data_ptr()  # exp, not the logits
+    loss = vocab_cross_entropy(logits, labels, fp.Mesh(), "tp").mean()  # (no hooks: autograd checks versions)
+    assert torch.equal(torch.autograd.grad(loss, logits, retain_graph=True)[0], grad)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, logits)
