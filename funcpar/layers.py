@@ -112,9 +112,9 @@ def vocab_cross_entropy(
 class _VocabCrossEntropy(torch.autograd.Function):
     """Fused: the forward keeps ``exp(logits - max)`` and two per-position statistics, not the logits; the backward
     scales it into ``(softmax - onehot) * g`` in place (one pass; a new tensor under a transform or a second-order
-    graph). Composed from autograd's primitives the same loss holds three more logits-sized tensors (shifted,
-    exponentiated, the gather's scatter). Outputs ``(loss, max, sum of exp, exp)``, the last three without gradient.
-    First order: one backward per graph (a second is refused: its saved tensor is used up); vmap over it works."""
+    graph). Composed from autograd's primitives the loss holds three more logits-sized tensors. Outputs ``(loss, max,
+    sum of exp, exp)``, the last three without gradient. First order, one backward per graph (a second is refused:
+    its saved tensor is used up); vmap over it works."""
 
     generate_vmap_rule = True  # vmap over it (e.g. per-example gradients) traces its forward and backward
 
@@ -134,6 +134,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         logits, labels, mesh, axis = inputs
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # (no zeros as big as the logits for ``exp``'s gradient)
         ctx.save_for_backward(output[3], labels, output[2])
         ctx.offset = mesh.coord(axis) * logits.shape[-1]
 

@@ -2,8 +2,10 @@
 
 import functools
 
+import optree
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcpar as fp
 import harness
@@ -102,7 +104,17 @@ def test_fused_cross_entropy_backward_scales_its_saved_exponentials_in_place():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = vocab_cross_entropy(logits, labels, fp.Mesh(), "tp").mean()
-    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    ops = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ops.extend(func.__name__ for t in optree.tree_leaves(out) if getattr(t, "shape", None) == logits.shape)
+            return out
+
+    with Log():  # every logits-sized result of the backward: only the in-place scaling and the one-hot's scatter
+        (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    assert sorted(ops) == ["mul_.Tensor", "scatter_add_.default"], ops
     ref = torch.func.grad(lambda lg: torch.nn.functional.cross_entropy(lg.reshape(-1, 13), labels.reshape(-1)))(
         logits.detach())
     assert torch.allclose(grad, ref, rtol=1e-6, atol=1e-8)
