@@ -123,6 +123,15 @@ def test_profile_tables_split_the_step_and_state_the_compute_floor():
     assert "- Mesh(dp=2): funcpar / best peer 0.73, target <= 0.8 met." in text
     slow = [dict(r, s_per_step=2.0) if r["mesh"] == "dp2" and r["impl"] == "funcpar" else r for r in rows]
     text = report.profile_tables(prof, slow)  # 2.0 / 1.5 = 1.33; floor 0.7 * 1.33 = 0.93 > 0.8
-    assert "target <= 0.8 not met; compute floor 0.93: unreachable here" in text
+    assert "target <= 0.8 not met; compute floor 0.93, unreachable here" in text
+    mid = [dict(r, s_per_step=1.25) if r["mesh"] == "dp2" and r["impl"] == "funcpar" else r for r in rows]
+    text = report.profile_tables(prof, mid)  # 1.25 / 1.5 = 0.83; floors 0.7 and (0.7 + 0.15) x 0.83 = 0.71
+    assert ("target <= 0.8 not met; compute floor 0.58, with its collectives as profiled 0.71: it needs 4% of "
+            "funcpar's step removed; the target leaves 138 ms a step for the element-wise ops, optimizer, copies, "
+            "Python, which take 188 ms now.") in text  # 1200 - 0.85 x 1250 = 137.5; 0.15 x 1250 = 187.5
+    comm = [dict(r, s_per_step=1.6) if r["mesh"] == "dp2" and r["impl"] == "funcpar" else r for r in rows]
+    text = report.profile_tables(prof, comm)  # floors 0.7 x 1.07 = 0.75 and 0.85 x 1.07 = 0.91
+    assert "compute floor 0.75, with its collectives as profiled 0.91: the matmuls, attention and communication " \
+           "alone exceed the target" in text and "(240 ms a step now)" in text
     assert "profile of" not in text  # a failed profile among good ones is left out of the tables
     assert report.profile_tables(prof[1:], rows) == "- profile of Mesh(tp=2) funcpar failed: exit 1: boom"
