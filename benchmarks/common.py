@@ -31,18 +31,22 @@ IMPLS = {
     "torch-tp": "torch TP (parallelize_module)",
     "ds-autotp-zero1": "DeepSpeed AutoTP + ZeRO-1",
     "torch-tp-fsdp2": "torch TP + FSDP2",
+    "ds-pipe": "DeepSpeed PipelineModule (2 stages)",
 }
 # the adapters benchmarks/lora.py trains against full fine-tuning (funcpar --lora syntax)
 LORA = "r=16,alpha=32,targets=q,v"
 # which peers need which optional package (missing -> reported, not run)
-NEEDS = {"ds-zero1": "deepspeed", "ds-zero2": "deepspeed", "ds-autotp": "deepspeed", "ds-autotp-zero1": "deepspeed"}
+NEEDS = {"ds-zero1": "deepspeed", "ds-zero2": "deepspeed", "ds-autotp": "deepspeed", "ds-autotp-zero1": "deepspeed",
+         "ds-pipe": "deepspeed"}
 
-# mesh name -> its axes, its local processes, threads per process, and the implementations run on it (funcpar first)
+# mesh name -> its axes, its local processes, threads per process, the implementations run on it (funcpar first) and
+# the micro-batches a step's global batch is cut into (a pipeline's; 1 elsewhere)
 MESHES = {
     "1": dict(axes={}, nproc=1, threads=2, impls=["funcpar", "hf-eager"]),
     "dp2": dict(axes={"dp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-zero1", "ds-zero2", "torch-fsdp2"]),
     "tp2": dict(axes={"tp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-autotp", "torch-tp"]),
     "tp2dp2": dict(axes={"tp": 2, "dp": 2}, nproc=4, threads=1, impls=["funcpar", "ds-autotp-zero1", "torch-tp-fsdp2"]),
+    "pp2": dict(axes={"pp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-pipe"], micro=4),
 }
 
 
@@ -51,9 +55,14 @@ def mesh_label(mesh: str) -> str:
     return "Mesh(" + ", ".join(f"{a}={n}" for a, n in axes.items()) + ")"
 
 
+def micro_batches(mesh: str) -> int:
+    return MESHES[mesh].get("micro", 1)
+
+
 def funcpar_label(mesh: str) -> str:
     axes = MESHES[mesh]["axes"]
-    return f"funcpar {mesh_label(mesh)}" + (" zero=1" if axes.get("dp", 1) > 1 else "")
+    pipe = f" 1F1B, {micro_batches(mesh)} micro-batches" if axes.get("pp", 1) > 1 else ""
+    return f"funcpar {mesh_label(mesh)}" + (" zero=1" if axes.get("dp", 1) > 1 else "") + pipe
 
 
 def impl_label(mesh: str, impl: str) -> str:

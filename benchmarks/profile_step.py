@@ -92,6 +92,8 @@ def mark_funcpar(run) -> None:
     _wrap(B.StateBuffers, "publish", "phase:gather")
     step = run.step
     _wrap(step, "_grad", "phase:forward+backward")
+    if step.pipe is not None:  # a pipeline's micro-batches, forward and backward, with the stages' sends
+        _wrap(step.pipe, "run", "phase:forward+backward")
     opt = step.optimizer  # a NamedTuple of functions: a copy with the update wrapped
     box = type("Box", (), {"update": opt.update, "apply": opt.fused.apply if opt.fused else None})
     _wrap(box, "update", "phase:optimizer")
@@ -119,6 +121,11 @@ def mark_collectives() -> None:
         _wrap(FC, name, "comm:" + name[5:])
     _wrap(FC, "reduce_scatter_segments", "comm:reduce_scatter")  # ZeRO's, from the gradient leaves: its ring's waits
     _wrap(FC, "_wait", "comm:wait")  # every bounded wait, e.g. column_parallel's for the all-reduce it overlaps
+    import funcpar.p2p as P2P
+
+    _wrap(P2P.Pending, "wait", "comm:p2p")  # a pipeline stage waiting for its neighbour's activations or gradients
+    for name in ("sendrecv", "send", "recv"):
+        _wrap(P2P, name, "comm:p2p")
     for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "batch_isend_irecv", "broadcast",
                  "all_gather", "reduce_scatter"):
         if hasattr(dist, name):

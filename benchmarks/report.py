@@ -336,7 +336,8 @@ def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
                 "the gradient norm, and the vocab-parallel cross-entropy's per-token statistics, included), per timed step. The peers' traffic is not counted: DeepSpeed ZeRO-1/2 "
                 "send about what ZeRO-1's row says, FSDP2 (ZeRO-3) about 1.5x it (parameters gathered for the "
                 "forward and again for the backward).", "",
-                traffic_table(size, [m_ for m_ in C.MESHES if m_ != "1" and any(r["mesh"] == m_ for r in s["rows"])],
+                traffic_table(size, [m_ for m_ in C.MESHES if C.analytic_traffic(size, m_)
+                                    and any(r["mesh"] == m_ for r in s["rows"])],
                               s.get("planned", {}), s["rows"]), ""]
         if s.get("profiles"):
             out += ["### Where the time goes", "",

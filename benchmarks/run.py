@@ -13,6 +13,7 @@ Meshes and implementations (``common.MESHES``):
     dp2     2 ranks: funcpar Mesh(dp=2) zero=1 | DeepSpeed ZeRO-1 | DeepSpeed ZeRO-2 | torch FSDP2 (fully_shard)
     tp2     2 ranks: funcpar Mesh(tp=2) | DeepSpeed AutoTP | torch TP (parallelize_module, vocab-parallel head)
     tp2dp2  4 ranks: funcpar Mesh(tp=2, dp=2) zero=1 | DeepSpeed AutoTP + ZeRO-1 | torch TP + FSDP2
+    pp2     2 ranks, 4 micro-batches: funcpar Mesh(pp=2) 1F1B | DeepSpeed PipelineModule (2 stages, ZeRO-0)
 
 How. The runner writes one transformers ``LlamaForCausalLM`` (``save_pretrained``, fp32, untied head, seed 0) into
 a temporary folder per size, measures the machine's fp32 matmul peak (every core, in this process), then launches
@@ -208,7 +209,7 @@ def run_size(name: str, jobs: list[tuple[str, str]], args, records: list[dict], 
                 print(f"[{name} {r + 1}/{args.repeats} {k + 1}/{len(runnable)}] {C.mesh_label(mesh):<18} "
                       f"{C.impl_label(mesh, impl):<34} {what} (job {rec['wall_s']:.0f} s, load {rec['load']:.1f}, "
                       f"total {(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
-        meshes = list(dict.fromkeys(m for m, _ in jobs if m != "1"))
+        meshes = list(dict.fromkeys(m for m, _ in jobs if C.analytic_traffic(size, m)))  # (tp, dp: counted)
         planned = {m: plan_traffic(m, size, weights) for m in meshes} if not args.no_plan else {}
         profiles = []
         if args.profile:  # after the timed jobs, so the profiler's overhead touches none of them

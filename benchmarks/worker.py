@@ -55,8 +55,9 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
     if lora:
         adapters = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(C.LORA), mesh)
         loss, specs, init = adapters.loss_fn(loss, params), adapters.specs(), adapters.init(seed=0)
+    pipe = {"pipeline": "1f1b"} if C.axis(args.mesh, "pp") > 1 else {}
     step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1,
-                           clip_norm=C.CLIP)
+                           clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), **pipe)
     box = {"state": step.init(init)}
     del params, init
 
@@ -124,6 +125,49 @@ def build_deepspeed(args, size, rank, world):
         engine.backward(loss)
         engine.step()
         return _mean_over_world(loss, world)
+
+    return run
+
+
+def build_ds_pipe(args, size, rank, world):
+    """DeepSpeed's pipe engine, 2 stages: the checkpoint's transformers modules as pipe layers (embedding | decoder
+    layers | norm + head, split uniformly, each stage reading only its tensors; bench/pipeline_vs_deepspeed.py's
+    ``_ds_layers``), the same micro-batches as funcpar's 1F1B, ZeRO stage 0 (the pipe engine refuses 2/3). Clipped by
+    the global norm over both stages, as every other implementation here (the engine's own clipping is per stage)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from pipeline_vs_deepspeed import _ds_layers
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    Embed, Block, Head, causal_lm_loss = _ds_layers()
+    layers = ([LayerSpec(Embed, args.weights)] + [LayerSpec(Block, args.weights, i) for i in range(size["layers"])]
+              + [LayerSpec(Head, args.weights)])
+    module = PipelineModule(layers=layers, num_stages=world, loss_fn=causal_lm_loss, partition_method="uniform",
+                            activation_checkpoint_interval=0)
+    A = C.micro_batches(args.mesh)
+    config = {"train_batch_size": size["global_batch"], "train_micro_batch_size_per_gpu": size["global_batch"] // A,
+              "gradient_accumulation_steps": A,
+              "optimizer": {"type": "AdamW", "params": {"lr": C.LR, "weight_decay": C.WD, "torch_adam": True}},
+              "gradient_clipping": C.CLIP, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
+              "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=config)
+
+    def clip_global():  # the norm over every stage's gradients, one all-reduce
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+        dist.all_reduce(sq, group=engine.mpu.get_model_parallel_group())  # the stages of this pipeline
+        torch._foreach_mul_(grads, min(1.0, C.CLIP / (sq.sqrt().item() + 1e-6)))
+        return sq.sqrt()
+
+    engine.clip_fp32_gradients = clip_global
+
+    def run(i):
+        ids = C.global_batch(size, i)
+        return float(engine.train_batch(data_iter=iter([(x, x) for x in ids.chunk(A)])))  # the micro-batches' mean
 
     return run
 
@@ -220,7 +264,8 @@ def build_torch(args, size, rank, world):
 BUILDERS = {"funcpar": build_funcpar, "funcpar-lora": functools.partial(build_funcpar, lora=True),
             "hf-eager": build_hf_eager, "ds-zero1": build_deepspeed,
             "ds-zero2": build_deepspeed, "ds-autotp": build_deepspeed, "ds-autotp-zero1": build_deepspeed,
-            "torch-fsdp2": build_torch, "torch-tp": build_torch, "torch-tp-fsdp2": build_torch}
+            "torch-fsdp2": build_torch, "torch-tp": build_torch, "torch-tp-fsdp2": build_torch,
+            "ds-pipe": build_ds_pipe}
 
 
 def _peak_mb() -> float:

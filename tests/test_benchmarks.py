@@ -135,3 +135,23 @@ def test_profile_tables_split_the_step_and_state_the_compute_floor():
            "alone exceed the target" in text and "(240 ms a step now)" in text
     assert "profile of" not in text  # a failed profile among good ones is left out of the tables
     assert report.profile_tables(prof[1:], rows) == "- profile of Mesh(tp=2) funcpar failed: exit 1: boom"
+
+
+def test_pipeline_mesh_runs_funcpar_1f1b_against_deepspeeds_pipe_engine_on_equal_micro_batches():
+    """pp2: funcpar Mesh(pp=2) with 1F1B and DeepSpeed's PipelineModule, the global batch cut into the same
+    micro-batches; no bytes row (funcpar counts the collectives of tp and dp, not a pipeline's sends), so no
+    ``funcpar plan`` for it; every other mesh keeps one micro-batch."""
+    from benchmarks import worker
+
+    assert C.MESHES["pp2"]["impls"] == ["funcpar", "ds-pipe"] and C.MESHES["pp2"]["nproc"] == 2
+    assert C.micro_batches("pp2") == 4 and C.SIZES["small"]["global_batch"] % C.micro_batches("pp2") == 0
+    assert all(C.micro_batches(m) == 1 for m in C.MESHES if m != "pp2")
+    assert C.impl_label("pp2", "funcpar") == "funcpar Mesh(pp=2) 1F1B, 4 micro-batches"
+    assert C.impl_label("pp2", "ds-pipe") == "DeepSpeed PipelineModule (2 stages)" and C.NEEDS["ds-pipe"] == "deepspeed"
+    assert C.analytic_traffic(C.SIZES["small"], "pp2") == {}
+    assert worker.BUILDERS["ds-pipe"] is worker.build_ds_pipe
+    rows = report.summarize([report.parse_job(_out("pp2", impl, [1.0, t], [8.3, 8.1], [700, 700]), "", 0,
+                                              mesh="pp2", impl=impl, size="small")
+                             for impl, t in (("funcpar", 1.0), ("ds-pipe", 1.5))], "small",
+                            C.flops_per_step(C.SIZES["small"]), peak_flops=1e11, tol=1e-4)
+    assert [r["impl"] for r in rows] == ["funcpar", "ds-pipe"] and rows[1]["s_per_step"] == pytest.approx(1.25)

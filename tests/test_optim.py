@@ -354,9 +354,9 @@ def test_schedule_is_reported_and_used_from_step_zero():
 
 
 def test_sum_of_squares_is_float64_accurate_on_host_with_its_fallbacks():
-    """Host float32: row norms summed in float64, within a float32 rounding (2.4e-7 relative) of the float64 sum
-    for a few rows, and 1e-8 for millions of elements (each row's rounding averages out; a plain float32 norm is off
-    by ~1e-4 there), whatever the length's remainder; past float32's range (inf), below it (0) and NaN the float64
+    """Host float32: row norms summed in float64, within a float32 rounding (2.4e-7 relative) of the float64 sum,
+    and 1e-8 for millions of elements (each row's rounding averages out; a plain float32 norm is off by ~1e-4
+    there), whatever the length's remainder or stride; past float32's range (inf), below it (0) and NaN the float64
     path answers."""
     from funcpar.optim.transforms import sum_of_squares
 
@@ -367,6 +367,8 @@ def test_sum_of_squares_is_float64_accurate_on_host_with_its_fallbacks():
         got = sum_of_squares(x)
         assert got.dtype == torch.float64 and abs(got - exact) <= (1e-8 if n > 1 << 20 else 2.4e-7) * exact, n
     assert abs((torch.linalg.vector_norm(x) ** 2).double() - exact) > 1e-6 * exact  # float32 alone is not enough
+    strided = x[: 1 << 20 : 3]  # (a 1-D view with a stride: its rows are strided views too)
+    assert abs(sum_of_squares(strided) - (strided.double() ** 2).sum()) <= 2.4e-7 * (strided.double() ** 2).sum()
     for x in (torch.full((300,), 1e20), torch.full((300,), 1e-25)):  # float32 squares: inf, 0
         assert sum_of_squares(x).item() == pytest.approx((x.double() ** 2).sum().item(), rel=1e-12)
     assert sum_of_squares(torch.zeros(0)).item() == 0 and sum_of_squares(torch.zeros(500)).item() == 0
