@@ -67,9 +67,9 @@ def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20, row: int = 128) -> tor
 
     On host tensors: the float32 2-norms of ``row``-element rows, squared and summed in float64: each row within a
     float32 rounding, which mostly averages out over rows (measured 4e-9 relative on 8M elements, 4e-8 on 350K), in
-    2.5 ms against 5.5-14 ms for float64 copies a chunk at a time (~12 of a ZeRO-1 step's 8M-element shard in the
-    benchmark). A row past float32's range (an element above ~1e19: inf) or a sum that underflows to 0 is done again
-    in float64. Elsewhere (GPU), float64 copies of ``chunk`` elements at a time."""
+    2.5 ms against 5.5-14 ms for float64 copies a chunk at a time (the benchmark's ZeRO-1 step at dp=2, 8M-element
+    shards: its norm phase 12-13 -> 4-6 ms). A row past float32's range (an element above ~1e19: inf) or a sum
+    that underflows to 0 is done again in float64. Elsewhere (GPU), float64 copies of ``chunk`` elements at a time."""
     x = x.detach().reshape(-1)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=x.device)
