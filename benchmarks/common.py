@@ -50,6 +50,20 @@ MESHES = {
 }
 
 
+def backend(device: str) -> str:
+    """torch.distributed's backend for the kind of device the jobs run on: NCCL on CUDA, gloo on host tensors."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def devices_short(mesh: str, device: str, gpus: int) -> str | None:
+    """Why ``mesh`` cannot run on this machine's ``gpus`` CUDA devices (one per rank: NCCL refuses two ranks on one
+    device), or None (always None on host tensors, where ranks share the cores)."""
+    n = MESHES[mesh]["nproc"]
+    if device == "cuda" and n > gpus:
+        return f"needs {n} GPUs (one per rank), this machine has {gpus}"
+    return None
+
+
 def mesh_label(mesh: str) -> str:
     axes = MESHES[mesh]["axes"]
     return "Mesh(" + ", ".join(f"{a}={n}" for a, n in axes.items()) + ")"

@@ -26,6 +26,10 @@ linear's kernels), ``attention`` (the SDPA kernels and their backward), ``collec
 including its wait), ``copies`` (copy_, clone, cat, to, contiguous, index and scatter copies), ``other ops`` (the
 element-wise ops, reductions, the optimizer's ``_foreach`` kernels) and ``python`` (the phase's wall time not spent
 in any op: Python, ``torch.func``'s transforms and the dispatcher between ops). Rank 0 prints ``PROFILE {json}``.
+
+On CUDA (``--device cuda``, or ``auto`` where torch sees one) each phase marker synchronizes the device at both ends,
+so a phase's wall time is its work done, and the kinds are the ops' *device* self times (the kernels each op
+launched, from the CUDA activity); ``python`` is then the rest of the phase: host overhead the device waited for.
 """
 
 from __future__ import annotations
@@ -65,14 +69,21 @@ def kind_of(name: str) -> str:
     return "other ops"
 
 
+SYNC = [lambda: None]  # the device's synchronize on CUDA (main sets it): phase markers wait for their kernels
+
+
 def _wrap(owner, attr: str, label: str) -> None:
     import torch
 
     fn = getattr(owner, attr)
+    sync = SYNC if label.startswith("phase:") else [lambda: None]  # (collectives overlap: not theirs)
 
     def wrapped(*a, **k):
         with torch.profiler.record_function(label):
-            return fn(*a, **k)
+            sync[0]()
+            out = fn(*a, **k)
+            sync[0]()
+            return out
 
     setattr(owner, attr, wrapped)
 
@@ -132,10 +143,11 @@ def mark_collectives() -> None:
             _wrap(dist, name, "comm:" + name)
 
 
-def phases_of(events, steps: int, step_wall_us: float) -> dict:
+def phases_of(events, steps: int, step_wall_us: float, device: bool = False) -> dict:
     """{phase: {"wall_ms": .., kind: ..}} per step from the profiler's events inside the ``step`` markers: each
     event's self time goes to the outermost phase around it (``rest`` if none) and to its kind: ``collectives``
-    under a ``comm:`` marker, ``python`` for a marker's own time, else by the op's name (:func:`kind_of`)."""
+    under a ``comm:`` marker, ``python`` for a marker's own time, else by the op's name (:func:`kind_of`). With
+    ``device``, an op's time is that of the kernels it launched and ``python`` the phase's wall time they leave."""
     out = defaultdict(lambda: defaultdict(float))
     for e in events:
         chain, p = [], e
@@ -155,8 +167,14 @@ def phases_of(events, steps: int, step_wall_us: float) -> dict:
             kind = "python"
         else:
             kind = kind_of(e.name)
-        out[phase][kind] += e.self_cpu_time_total / 1e3
+        if not device:
+            out[phase][kind] += e.self_cpu_time_total / 1e3
+        elif kind != "python":
+            out[phase][kind] += e.self_device_time_total / 1e3
     out["rest"]["wall_ms"] = step_wall_us / 1e3 * steps - sum(v["wall_ms"] for k, v in out.items() if k != "rest")
+    if device:
+        for d in out.values():
+            d["python"] = max(0.0, d["wall_ms"] - sum(v for k, v in d.items() if k not in ("wall_ms", "python")))
     return {ph: {k: v / steps for k, v in d.items()} for ph, d in out.items()}
 
 
@@ -168,12 +186,16 @@ def main() -> None:
     ap.add_argument("--weights", required=True)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(C.MESHES[args.mesh]["threads"])
+    W.setup_device(args)
+    gpu = args.dev.type == "cuda"
+    SYNC[0] = W._sync(args)
     size = C.SIZES[args.size]
     run = W.BUILDERS[args.impl](args, size, rank, world)
     mark_collectives()
@@ -185,14 +207,17 @@ def main() -> None:
     for i in range(args.warmup):
         run(i)
     walls = []
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * gpu
+    with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.warmup, args.warmup + args.steps):
+            SYNC[0]()
             barrier()
             t = time.perf_counter()
             with torch.profiler.record_function("step"):
                 run(i)
+                SYNC[0]()
             walls.append(time.perf_counter() - t)
-    phases = phases_of(prof.events(), args.steps, sum(walls) / len(walls) * 1e6)
+    phases = phases_of(prof.events(), args.steps, sum(walls) / len(walls) * 1e6, device=gpu)
     out = {"mesh": args.mesh, "impl": args.impl, "size": args.size, "step_ms": sum(walls) / len(walls) * 1e3,
            "phases": phases}
     if os.environ.get("PROFILE_DEBUG") and rank == 0:

@@ -19,13 +19,19 @@ How. The runner writes one transformers ``LlamaForCausalLM`` (``save_pretrained`
 a temporary folder per size, measures the machine's fp32 matmul peak (every core, in this process), then launches
 each (mesh, implementation) as its own job ``python -m torch.distributed.run --standalone --nproc-per-node N
 benchmarks/worker.py ...`` with ``OMP_NUM_THREADS`` = threads per rank (1; 2 for the one-process mesh),
-``DS_ACCELERATOR=cpu`` and ``HF_HUB_OFFLINE=1``, one job at a time, all jobs of a repeat in one order and the next
+``DS_ACCELERATOR`` = the device and ``HF_HUB_OFFLINE=1``, one job at a time, all jobs of a repeat in one order and the next
 repeat in the reverse order. Each job: ``--warmup`` untimed steps, then ``--steps`` timed steps (see worker.py).
 Equal work: every implementation's first 2 losses (the initial weights on batch 0, then after one AdamW step on
 batch 1) must agree with funcpar's on the same mesh within ``--tol`` (relative); a disagreement is marked in the
 table. The runner also runs ``funcpar plan`` for each mesh to report the bytes funcpar's step sends per axis next
 to the textbook count. Writes ``--out`` (RESULTS.md), the bar chart ``--plot`` and every job's record as JSON
 (``--json``).
+
+Device. ``--device auto`` (the default) runs every job on CUDA wherever torch sees a CUDA device, else on host
+tensors: on CUDA each rank takes ``cuda:$LOCAL_RANK`` and NCCL (DeepSpeed's ``cuda`` accelerator, torch's device mesh
+on ``cuda``), each step's clock stops after the device finished, the peak is an 8192x8192 fp32 matmul on ``cuda:0``
+and the table adds each rank's peak of allocated device memory; a mesh with more ranks than the machine has GPUs is
+listed as not run. On the host: gloo and ``DS_ACCELERATOR=cpu``. The command is the same.
 """
 
 from __future__ import annotations
@@ -68,24 +74,44 @@ def missing_package(impl: str) -> str | None:
     return None
 
 
-def measure_peak(threads: int, n: int, seconds: float) -> float:
-    """The best fp32 matmul FLOP/s of ``n`` x ``n`` matmuls on ``threads`` threads over ``seconds``."""
+def not_runnable(mesh: str, impl: str, device: str, gpus: int) -> str | None:
+    """Why the job (``mesh``, ``impl``) cannot run here: a package missing, or too few GPUs; None if it can."""
+    return missing_package(impl) or C.devices_short(mesh, device, gpus)
+
+
+def resolve_device(choice: str) -> tuple[str, int]:
+    """``--device`` as ("cuda" | "cpu", the number of CUDA devices): ``auto`` is CUDA wherever torch sees one."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda" and not gpus:
+        sys.exit("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                 "--device cpu runs the jobs on host tensors with gloo")
+    return ("cuda" if choice == "cuda" or (choice == "auto" and gpus) else "cpu"), gpus
+
+
+def measure_peak(threads: int, n: int, seconds: float, device: str = "cpu") -> float:
+    """The best fp32 matmul FLOP/s of ``n`` x ``n`` matmuls over ``seconds``: on ``threads`` threads, or on the
+    first CUDA device (each matmul timed to its completion; TF32 as torch leaves it, off by default)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     a @ b
+    sync()
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t = time.perf_counter()
         a @ b
+        sync()
         best = max(best, 2.0 * n**3 / (time.perf_counter() - t))
     torch.set_num_threads(before)
     return best
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
     cpu = platform.processor() or platform.machine()
     mem = 0.0
     try:
@@ -95,7 +121,12 @@ def machine() -> dict:
             mem = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal")) / 2**20
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem}
+    out = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "device": device}
+    if device == "cuda":
+        import torch
+
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
 
 
 def versions() -> dict:
@@ -135,9 +166,9 @@ def launch(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
            WORKER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights,
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     loads, done = [], threading.Event()
 
     def sample():
@@ -177,8 +208,9 @@ def profile(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     """``profile_step.py`` for one (mesh, implementation): its phase split of a few profiled steps."""
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
-           PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights]
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+           PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights, "--device", args.device]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
+           "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -194,10 +226,9 @@ def run_size(name: str, jobs: list[tuple[str, str]], args, records: list[dict], 
     size = C.SIZES[name]
     weights = write_weights(size)
     try:
-        runnable = [(m, i) for m, i in jobs if not missing_package(i)]
-        for m, i in jobs:
-            if missing_package(i):
-                records.append({"mesh": m, "impl": i, "size": name, "missing": missing_package(i)})
+        why = {(m, i): not_runnable(m, i, args.device, args.gpus) for m, i in jobs}
+        runnable = [job for job in jobs if not why[job]]
+        records += [{"mesh": m, "impl": i, "size": name, "missing": why[m, i]} for m, i in jobs if why[m, i]]
         for r in range(args.repeats):
             for k, (mesh, impl) in enumerate(runnable if r % 2 == 0 else runnable[::-1]):
                 rec = launch(mesh, impl, name, weights, args)
@@ -213,7 +244,7 @@ def run_size(name: str, jobs: list[tuple[str, str]], args, records: list[dict], 
         planned = {m: plan_traffic(m, size, weights) for m in meshes} if not args.no_plan else {}
         profiles = []
         if args.profile:  # after the timed jobs, so the profiler's overhead touches none of them
-            for mesh in dict.fromkeys(m for m, _ in jobs):
+            for mesh in dict.fromkeys(m for m, i in runnable if i == "funcpar"):
                 for impl in ["funcpar"] + (["hf-eager"] if mesh == "1" else []):
                     profiles.append(profile(mesh, impl, name, weights, args))
                     print(f"[{name} profile] {C.mesh_label(mesh)} {impl}: "
@@ -240,6 +271,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--size", default="small", choices=["small", "large", "both"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the jobs run: cuda (NCCL, one GPU per rank, DS_ACCELERATOR=cuda) or cpu (gloo, "
+                         "DS_ACCELERATOR=cpu); auto: cuda wherever torch sees a CUDA device")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--meshes", default=",".join(C.MESHES), help="comma-separated, of " + ", ".join(C.MESHES))
     ap.add_argument("--impls", help="comma-separated subset of " + ", ".join(C.IMPLS) + " (None: all)")
@@ -285,23 +319,25 @@ def main(argv=None) -> None:
     if importlib.util.find_spec("transformers") is None:
         sys.exit("the benchmark builds its model with transformers: pip install -e \".[bench]\"")
     jobs = select_jobs(args)
-    missing = sorted({C.impl_label(m, i) + f" ({C.NEEDS.get(i, 'torch >= 2.6')})" for m, i in jobs
-                      if missing_package(i)})
+    args.device, args.gpus = resolve_device(args.device)
+    missing = sorted({f"{C.impl_label(m, i)} on {C.mesh_label(m)} ({not_runnable(m, i, args.device, args.gpus)})"
+                      for m, i in jobs if not_runnable(m, i, args.device, args.gpus)})
     for line in missing:
-        print(f"peer not run, a package is missing (pip install -e \".[bench]\"): {line}", flush=True)
+        print(f"not run: {line}", flush=True)
     t0, at_start = time.perf_counter(), versions()  # the funcpar commit the jobs ran (others may commit meanwhile)
-    threads, n = os.cpu_count() or 1, 2048
-    peaks = [measure_peak(threads, n, args.peak_seconds)]
-    print(f"matmul peak: {peaks[0] / 1e9:.1f} GFLOP/s (fp32, {threads} threads)", flush=True)
+    threads, n = (1, 8192) if args.device == "cuda" else (os.cpu_count() or 1, 2048)
+    peaks = [measure_peak(threads, n, args.peak_seconds, args.device)]
+    where = "cuda:0" if args.device == "cuda" else f"{threads} threads"
+    print(f"matmul peak: {peaks[0] / 1e9:.1f} GFLOP/s (fp32, {where})", flush=True)
     records, planned, profiles = [], {}, {}
     for name in (["small", "large"] if args.size == "both" else [args.size]):
         done = run_size(name, jobs, args, records, t0)
         planned[name], profiles[name] = done["planned"], done["profiles"]
-    peaks.append(measure_peak(threads, n, args.peak_seconds))  # again at the end: the larger is the machine's
+    peaks.append(measure_peak(threads, n, args.peak_seconds, args.device))  # again at the end: the larger is the machine's
     print(f"matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {max(peaks) / 1e9:.1f}", flush=True)
     meta = {"command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "wall_s": time.perf_counter() - t0,
-            "machine": machine(), "versions": at_start, "peak_flops": max(peaks), "peaks": peaks,
+            "machine": machine(args.device), "versions": at_start, "peak_flops": max(peaks), "peaks": peaks,
             "peak_threads": threads, "peak_n": n, "peak_seconds": args.peak_seconds, "warmup": args.warmup,
             "steps": args.steps, "repeats": args.repeats, "missing": missing, "tol": args.tol}
     write_outputs(meta, records, planned, args, profiles)

@@ -1,14 +1,19 @@
 """One implementation on one mesh, as one torchrun job (``benchmarks/run.py`` launches it):
 
-    OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         benchmarks/worker.py --mesh dp2 --impl ds-zero1 --size small --weights FOLDER --warmup 2 --steps 4
+
+``--device`` (default ``auto``: CUDA wherever torch sees it) picks where every implementation runs: ``cuda`` puts
+rank r on ``cuda:$LOCAL_RANK`` with NCCL (DeepSpeed's accelerator ``cuda``), ``cpu`` on host tensors with gloo
+(``DS_ACCELERATOR=cpu``); the models, batches and optimizer state live there, nothing else differs.
 
 Every implementation starts from the transformers checkpoint in ``--weights`` (funcpar through ``fp.hf.load``, the
 peers through ``LlamaForCausalLM.from_pretrained``), trains on the same global batches (``common.global_batch``:
 ``labels`` = ``input_ids``, each dp rank its rows, every tp rank of a group the same rows) with AdamW and clipping of
 the global gradient norm (``common.LR, WD, CLIP``), fp32. Each step is timed on rank 0 between a barrier before
 and one after it (so the slowest rank's time). Rank 0 prints one line ``RESULT {json}``: the step times after the
-warm-up, every step's loss (the global batch's token mean), each rank's peak RSS (``ru_maxrss``) and, for funcpar
+warm-up, every step's loss (the global batch's token mean), each rank's peak RSS (``ru_maxrss``; on CUDA also
+``gpu_mb``, its peak of allocated device memory, ``torch.cuda.max_memory_allocated``) and, for funcpar
 where its mesh counts them (``mesh.traffic``), the bytes each rank sent per timed step by axis. A failure
 prints ``ERROR {json}`` (the exception, one line) on the rank where it happened and exits 1.
 """
@@ -31,6 +36,23 @@ if ROOT not in sys.path:
 from benchmarks import common as C  # noqa: E402
 
 
+def setup_device(args) -> None:
+    """``args.device`` resolved ("cuda" | "cpu"), ``args.dev`` this rank's torch.device (made current on CUDA) and
+    DeepSpeed's accelerator chosen to match (``DS_ACCELERATOR``, unless set)."""
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device on this machine")
+        args.dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(args.dev)
+    else:
+        args.dev = torch.device("cpu")
+    os.environ.setdefault("DS_ACCELERATOR", args.device)
+
+
 def _mean_over_world(loss, world: int) -> float:
     """The global batch's mean loss from each rank's local mean (equal token counts on every dp rank; the ranks of
     a tp group hold the same value)."""
@@ -48,7 +70,7 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
     (``--impl funcpar-lora``, for benchmarks/lora.py)."""
     import funcpar as fp
 
-    mesh = fp.Mesh(**C.MESHES[args.mesh]["axes"])
+    mesh = fp.Mesh(device=args.dev, **C.MESHES[args.mesh]["axes"])
     model = fp.get_model("llama")
     params, cfg = fp.hf.load(args.weights, model, mesh)
     loss, specs, init = model.loss_fn(cfg, mesh), model.specs(cfg, mesh), params
@@ -62,7 +84,7 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
     del params, init
 
     def run(i):
-        ids = C.local_rows(C.global_batch(size, i), args.mesh, mesh.rank)
+        ids = C.local_rows(C.global_batch(size, i), args.mesh, mesh.rank).to(args.dev)
         box["state"], m = step(box["state"], {"input_ids": ids, "labels": ids})
         return float(m["loss"])
 
@@ -76,7 +98,7 @@ def _hf_model(args):
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(args.weights, attn_implementation="sdpa")
-    return model.float().train()
+    return model.float().to(args.dev).train()
 
 
 def build_hf_eager(args, size, rank, world):
@@ -86,7 +108,7 @@ def build_hf_eager(args, size, rank, world):
     opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=C.WD)
 
     def run(i):
-        ids = C.global_batch(size, i)
+        ids = C.global_batch(size, i).to(args.dev)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), C.CLIP)
@@ -101,7 +123,7 @@ def build_hf_eager(args, size, rank, world):
 def build_deepspeed(args, size, rank, world):
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=C.backend(args.device))
     tp = C.axis(args.mesh, "tp")
     dp = world // tp
     zero = {"ds-zero1": 1, "ds-zero2": 2, "ds-autotp": 0, "ds-autotp-zero1": 1}[args.impl]
@@ -120,7 +142,7 @@ def build_deepspeed(args, size, rank, world):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def run(i):
-        ids = C.local_rows(C.global_batch(size, i), args.mesh, rank)
+        ids = C.local_rows(C.global_batch(size, i), args.mesh, rank).to(args.dev)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -142,7 +164,7 @@ def build_ds_pipe(args, size, rank, world):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from pipeline_vs_deepspeed import _ds_layers
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=C.backend(args.device))
     Embed, Block, Head, causal_lm_loss = _ds_layers()
     layers = ([LayerSpec(Embed, args.weights)] + [LayerSpec(Block, args.weights, i) for i in range(size["layers"])]
               + [LayerSpec(Head, args.weights)])
@@ -166,7 +188,7 @@ def build_ds_pipe(args, size, rank, world):
     engine.clip_fp32_gradients = clip_global
 
     def run(i):
-        ids = C.global_batch(size, i)
+        ids = C.global_batch(size, i).to(args.dev)
         return float(engine.train_batch(data_iter=iter([(x, x) for x in ids.chunk(A)])))  # the micro-batches' mean
 
     return run
@@ -181,7 +203,7 @@ def _clip_global(params, world: int) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    grads, sq = [], torch.zeros((), dtype=torch.float64)
+    grads, sq = [], None
     for p in params:
         g = p.grad
         if g is None:
@@ -192,7 +214,8 @@ def _clip_global(params, world: int) -> None:
         else:
             shards = 1
         grads.append(g)
-        sq += g.double().pow(2).sum() * shards / world
+        part = g.double().pow(2).sum() * shards / world
+        sq = part if sq is None else sq + part
     if world > 1:
         dist.all_reduce(sq)
     coef = min(1.0, C.CLIP / (sq.sqrt().item() + 1e-6))
@@ -222,9 +245,9 @@ def build_torch(args, size, rank, world):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(C.backend(args.device))
     tp, dp = C.axis(args.mesh, "tp"), C.axis(args.mesh, "dp")
-    dmesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dmesh = init_device_mesh(args.device, (dp, tp), mesh_dim_names=("dp", "tp"))
     model = _hf_model(args)
     if tp > 1:
         _tensor_parallel(model, dmesh["tp"])
@@ -251,7 +274,7 @@ def build_torch(args, size, rank, world):
         return loss.full_tensor()
 
     def run(i):
-        ids = C.local_rows(C.global_batch(size, i), args.mesh, rank)
+        ids = C.local_rows(C.global_batch(size, i), args.mesh, rank).to(args.dev)
         loss = loss_of(ids)
         _clip_global(model.parameters(), world)
         opt.step()
@@ -272,12 +295,25 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _sync(args):
+    """Waits for this rank's device work (CUDA kernels run after the host returns), so that a step's clock stops
+    when its work is done; nothing on host tensors."""
+    import torch
+
+    return (lambda: torch.cuda.synchronize(args.dev)) if args.dev.type == "cuda" else (lambda: None)
+
+
 def measure(args, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     size = C.SIZES[args.size]
     run = BUILDERS[args.impl](args, size, rank, world)
-    barrier = dist.barrier if world > 1 else (lambda: None)
+    sync, wait = _sync(args), dist.barrier if world > 1 else (lambda: None)
+
+    def barrier():
+        sync()
+        wait()
+
     counter = getattr(run, "traffic", None)
     times, losses, before = [], [], {}
     for i in range(args.warmup + args.steps):
@@ -290,6 +326,10 @@ def measure(args, rank: int, world: int) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     mine = {"rss_mb": _peak_mb()}
+    if args.dev.type == "cuda":
+        import torch
+
+        mine["gpu_mb"] = torch.cuda.max_memory_allocated(args.dev) / 2**20
     if counter:  # bytes this rank sent per timed step, by axis
         mine["traffic"] = {a: (n - before.get(a, 0)) / args.steps for a, n in counter().items()}
     ranks = [mine]
@@ -298,6 +338,8 @@ def measure(args, rank: int, world: int) -> dict:
         dist.all_gather_object(ranks, mine)
     out = {"mesh": args.mesh, "impl": args.impl, "size": args.size, "times": times, "losses": losses,
            "rss_mb": [r["rss_mb"] for r in ranks], "world": world}
+    if "gpu_mb" in mine:
+        out["gpu_mb"] = [r["gpu_mb"] for r in ranks]
     if counter:
         out["traffic"] = [r["traffic"] for r in ranks]
     return out
@@ -311,12 +353,14 @@ def main() -> None:
     ap.add_argument("--weights", required=True)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     import torch
 
     torch.set_num_threads(C.MESHES[args.mesh]["threads"])
     try:
+        setup_device(args)
         if world != C.MESHES[args.mesh]["nproc"]:
             raise SystemExit(f"mesh {args.mesh} runs {C.MESHES[args.mesh]['nproc']} ranks, got WORLD_SIZE={world}")
         out = measure(args, rank, world)

@@ -73,7 +73,7 @@ def test_table_ratios_mfu_memory_and_the_equal_work_check():
     assert "| 2.100 (2.100-2.100) | 1.91 |" in lines["DeepSpeed ZeRO-1"] and "yes (1.2e-06)" in lines["DeepSpeed ZeRO-1"]
     assert "**NO** (1.2e-02 > 1e-04)" in lines["torch FSDP2 (fully_shard)"]
     assert "FAILED: RuntimeError: gloo does not do that" in lines["DeepSpeed ZeRO-2"]
-    assert "not installed: deepspeed is not installed" in lines["DeepSpeed AutoTP"]
+    assert "not run: deepspeed is not installed" in lines["DeepSpeed AutoTP"]
     assert "FAILED: exit 1: ValueError: torch TP broke" in lines["torch TP (parallelize_module)"]
     assert "| Mesh(dp=2) | 1.100 | torch FSDP2 (fully_shard) | 1.500 | 0.73 |" in report.summary(rows)
     assert "(no peer ran)" in report.summary(rows)
@@ -155,3 +155,66 @@ def test_pipeline_mesh_runs_funcpar_1f1b_against_deepspeeds_pipe_engine_on_equal
                              for impl, t in (("funcpar", 1.0), ("ds-pipe", 1.5))], "small",
                             C.flops_per_step(C.SIZES["small"]), peak_flops=1e11, tol=1e-4)
     assert [r["impl"] for r in rows] == ["funcpar", "ds-pipe"] and rows[1]["s_per_step"] == pytest.approx(1.25)
+
+
+def test_on_cuda_every_job_runs_nccl_one_gpu_per_rank_and_the_report_says_so(monkeypatch):
+    """The same command on a CUDA machine: ``--device auto`` picks CUDA where torch sees it, the jobs get NCCL and
+    DeepSpeed's cuda accelerator, a mesh with more ranks than GPUs is reported as not run (NCCL refuses two ranks on
+    one device), device memory joins the table. Here (no CUDA) auto is the host and ``--device cuda`` is refused."""
+    import subprocess
+    import types
+
+    import torch
+
+    from benchmarks import run
+
+    assert (C.backend("cuda"), C.backend("cpu")) == ("nccl", "gloo")
+    assert run.not_runnable("dp2", "funcpar", "cuda", 1) == "needs 2 GPUs (one per rank), this machine has 1"
+    assert run.not_runnable("tp2dp2", "funcpar", "cuda", 2) == "needs 4 GPUs (one per rank), this machine has 2"
+    assert run.not_runnable("1", "funcpar", "cuda", 1) is None and run.not_runnable("tp2dp2", "funcpar", "cpu", 0) is None
+    if not torch.cuda.is_available():
+        assert run.resolve_device("auto") == ("cpu", 0)
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            run.resolve_device("cuda")
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen["cmd"], seen["env"] = cmd, env
+        return types.SimpleNamespace(stdout="RESULT " + json.dumps({"times": [1.0], "losses": [1.0], "rss_mb": [1],
+                                                                     "gpu_mb": [2]}), stderr="", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = run.parse_args(["--device", "cuda"])
+    args.gpus = 1
+    rec = run.launch("1", "ds-zero1", "small", "/w", args)
+    assert seen["env"]["DS_ACCELERATOR"] == "cuda" and seen["cmd"][-2:] == ["--device", "cuda"]
+    assert rec["gpu_mb"] == [2]
+    rows = report.summarize([dict(rec, impl="funcpar", mesh="1"), dict(rec, impl="hf-eager", mesh="1")], "small",
+                            1e9, 1e12, 1e-4)
+    assert "| peak RSS / GPU memory per rank (MB, max) |" in report.table(rows, 1e-4)
+    assert "| 1 / 2 |" in report.table(rows, 1e-4)
+    meta = {"command": "c", "date": "d", "wall_s": 1, "peak_threads": 1, "peak_n": 8192, "peak_seconds": 3,
+            "peak_flops": 5e13, "warmup": 2, "steps": 4, "repeats": 1, "versions": {},
+            "machine": {"cpu": "x", "cores": 16, "memory_gib": 1.0, "device": "cuda", "gpus": ["NVIDIA H100"]}}
+    doc = report.document(meta, {"small": {"rows": rows}}, 1e-4)
+    assert "the jobs on CUDA (NCCL, one GPU per rank): NVIDIA H100" in doc and "(measured, fp32, cuda:0," in doc
+
+
+def test_profile_on_cuda_takes_the_kernels_time_of_each_op():
+    """profile_step on CUDA: each op's kind gets the device time of the kernels it launched, and ``python`` is what
+    the phase's (synchronized) wall time leaves; on the host, self CPU times as before."""
+    import types
+
+    from benchmarks import profile_step as PS
+
+    def ev(name, parent, cpu=0.0, self_cpu=0.0, dev=0.0):
+        return types.SimpleNamespace(name=name, cpu_parent=parent, cpu_time_total=cpu, self_cpu_time_total=self_cpu,
+                                     self_device_time_total=dev)
+
+    step = ev("step", None, self_cpu=10.0)
+    fb = ev("phase:forward+backward", step, cpu=9000.0, self_cpu=1000.0)
+    events = [step, fb, ev("aten::mm", fb, self_cpu=50.0, dev=6000.0), ev("aten::mul", fb, self_cpu=20.0, dev=1000.0)]
+    gpu = PS.phases_of(events, 1, 10000.0, device=True)["forward+backward"]
+    assert gpu == {"wall_ms": 9.0, "matmul": 6.0, "other ops": 1.0, "python": 2.0}
+    cpu = PS.phases_of(events, 1, 10000.0)["forward+backward"]
+    assert cpu == {"wall_ms": 9.0, "matmul": 0.05, "other ops": 0.02, "python": 1.0}
