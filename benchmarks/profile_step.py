@@ -60,7 +60,8 @@ def kind_of(name: str) -> str:
     if any(k in n for k in ("gloo", "nccl", "c10d", "all_reduce", "allreduce", "reduce_scatter", "all_gather",
                             "allgather", "barrier", "broadcast", "send", "recv", "record_param_comms")):
         return "collectives"
-    if "scaled_dot_product" in n or "flash_attention" in n:
+    if any(k in n for k in ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
+                            "fmha")):
         return "attention"
     if name.startswith(_MATMUL):
         return "matmul"
@@ -79,8 +80,8 @@ def _wrap(owner, attr: str, label: str) -> None:
     sync = SYNC if label.startswith("phase:") else [lambda: None]  # (collectives overlap: not theirs)
 
     def wrapped(*a, **k):
+        sync[0]()  # (the work queued before the phase is not the phase's)
         with torch.profiler.record_function(label):
-            sync[0]()
             out = fn(*a, **k)
             sync[0]()
             return out
@@ -143,21 +144,39 @@ def mark_collectives() -> None:
             _wrap(dist, name, "comm:" + name)
 
 
+def _chain(e) -> list[str]:
+    """The names of ``e``'s parents on its thread and its own, root first."""
+    chain, p = [], e
+    while p is not None:
+        chain.append(p.name)
+        p = p.cpu_parent
+    return chain[::-1]
+
+
 def phases_of(events, steps: int, step_wall_us: float, device: bool = False) -> dict:
     """{phase: {"wall_ms": .., kind: ..}} per step from the profiler's events inside the ``step`` markers: each
     event's self time goes to the outermost phase around it (``rest`` if none) and to its kind: ``collectives``
     under a ``comm:`` marker, ``python`` for a marker's own time, else by the op's name (:func:`kind_of`). With
-    ``device``, an op's time is that of the kernels it launched and ``python`` the phase's wall time they leave."""
+    ``device``, an op's time is that of the kernels it launched and ``python`` the phase's wall time they leave; and
+    an op belongs to the step and phase whose markers' time span holds its start, whatever its thread (on CUDA
+    autograd runs the backward on a thread of its own, outside the markers' parent chain)."""
     out = defaultdict(lambda: defaultdict(float))
+    spans = []  # (start, end, phase or None for the step) of the markers, device mode only
+    for e in events if device else ():
+        if e.name == "step" or e.name.startswith("phase:") and not any(c.startswith("phase:") for c in _chain(e)[:-1]):
+            spans.append((e.time_range.start, e.time_range.end, None if e.name == "step" else e.name[6:]))
     for e in events:
-        chain, p = [], e
-        while p is not None:
-            chain.append(p.name)
-            p = p.cpu_parent
-        chain.reverse()  # root first
-        if "step" not in chain:
+        chain = _chain(e)
+        if device:
+            t = e.time_range.start
+            where = [ph for a, b, ph in spans if a <= t <= b]
+            if not where:
+                continue  # the barriers between steps
+            phase = next((ph for ph in where if ph is not None), "rest")
+        elif "step" not in chain:
             continue  # the barriers between steps
-        phase = next((c[6:] for c in chain if c.startswith("phase:")), "rest")
+        else:
+            phase = next((c[6:] for c in chain if c.startswith("phase:")), "rest")
         if e.name.startswith("phase:") and phase == e.name[6:] and not any(
                 c.startswith("phase:") for c in chain[:-1]):
             out[phase]["wall_ms"] += e.cpu_time_total / 1e3

@@ -92,7 +92,17 @@ def resolve_device(choice: str) -> tuple[str, int]:
 
 def measure_peak(threads: int, n: int, seconds: float, device: str = "cpu") -> float:
     """The best fp32 matmul FLOP/s of ``n`` x ``n`` matmuls over ``seconds``: on ``threads`` threads, or on the
-    first CUDA device (each matmul timed to its completion; TF32 as torch leaves it, off by default)."""
+    first CUDA device (each matmul timed to its completion; TF32 as torch leaves it, off by default), measured in a
+    child process there, so that the runner holds no CUDA context or cached memory on the jobs' rank-0 GPU."""
+    if device == "cuda":
+        code = (f"import sys; sys.path.insert(0, {ROOT!r}); from benchmarks import run; "
+                f"print(run._peak({threads}, {n}, {seconds}, 'cuda'))")
+        return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                    check=True).stdout.split()[-1])
+    return _peak(threads, n, seconds, device)
+
+
+def _peak(threads: int, n: int, seconds: float, device: str) -> float:
     import torch
 
     before = torch.get_num_threads()
@@ -320,6 +330,8 @@ def main(argv=None) -> None:
         sys.exit("the benchmark builds its model with transformers: pip install -e \".[bench]\"")
     jobs = select_jobs(args)
     args.device, args.gpus = resolve_device(args.device)
+    print("jobs on " + (f"CUDA, NCCL: {args.gpus} GPU(s)" if args.device == "cuda" else "host tensors, gloo"),
+          flush=True)
     missing = sorted({f"{C.impl_label(m, i)} on {C.mesh_label(m)} ({not_runnable(m, i, args.device, args.gpus)})"
                       for m, i in jobs if not_runnable(m, i, args.device, args.gpus)})
     for line in missing:

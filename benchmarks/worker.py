@@ -76,7 +76,7 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
     loss, specs, init = model.loss_fn(cfg, mesh), model.specs(cfg, mesh), params
     if lora:
         adapters = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(C.LORA), mesh)
-        loss, specs, init = adapters.loss_fn(loss, params), adapters.specs(), adapters.init(seed=0)
+        loss, specs, init = adapters.loss_fn(loss, params), adapters.specs(), adapters.init(seed=0, device=args.dev)
     pipe = {"pipeline": "1f1b"} if C.axis(args.mesh, "pp") > 1 else {}
     step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1,
                            clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), **pipe)

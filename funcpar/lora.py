@@ -217,8 +217,10 @@ class Lora:
 
     def init(self, seed: int = 0, dtype: torch.dtype = torch.float32, device=None) -> Any:
         """This rank's shards: ``A`` uniform in ±1/sqrt(in) (PEFT's default, Kaiming-uniform with a=sqrt(5)), drawn
-        whole from ``seed`` and the leaf's index, so every mesh gets the same adapters; ``B`` zeros."""
+        whole from ``seed`` and the leaf's index, so every mesh gets the same adapters; ``B`` zeros. On ``device``,
+        by default the mesh's (where ``fp.hf.load`` puts the base weights: ``cuda:$LOCAL_RANK`` on a GPU)."""
         order = {p: k for k, p in enumerate(self.targets)}
+        device = self.mesh.device if device is None else device
         r = self.config.r
 
         def one(p, s, shape):

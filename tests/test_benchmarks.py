@@ -207,14 +207,42 @@ def test_profile_on_cuda_takes_the_kernels_time_of_each_op():
 
     from benchmarks import profile_step as PS
 
-    def ev(name, parent, cpu=0.0, self_cpu=0.0, dev=0.0):
-        return types.SimpleNamespace(name=name, cpu_parent=parent, cpu_time_total=cpu, self_cpu_time_total=self_cpu,
-                                     self_device_time_total=dev)
+    def ev(name, parent, start, end, self_cpu=0.0, dev=0.0):
+        return types.SimpleNamespace(name=name, cpu_parent=parent, cpu_time_total=end - start,
+                                     self_cpu_time_total=self_cpu, self_device_time_total=dev,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
 
-    step = ev("step", None, self_cpu=10.0)
-    fb = ev("phase:forward+backward", step, cpu=9000.0, self_cpu=1000.0)
-    events = [step, fb, ev("aten::mm", fb, self_cpu=50.0, dev=6000.0), ev("aten::mul", fb, self_cpu=20.0, dev=1000.0)]
+    step = ev("step", None, 0, 10000, self_cpu=10.0)
+    fb = ev("phase:forward+backward", step, 500, 9500, self_cpu=1000.0)
+    events = [step, fb, ev("aten::mm", fb, 600, 700, self_cpu=50.0, dev=4000.0),
+              ev("aten::mul", fb, 800, 900, self_cpu=20.0, dev=1000.0),
+              ev("aten::mm", None, 5000, 5100, self_cpu=30.0, dev=2000.0),  # the backward's thread: no parents
+              ev("aten::_efficient_attention_backward", None, 6000, 6100, dev=500.0),
+              ev("aten::mm", None, 11000, 11100, dev=7000.0)]  # after the step: not counted
     gpu = PS.phases_of(events, 1, 10000.0, device=True)["forward+backward"]
-    assert gpu == {"wall_ms": 9.0, "matmul": 6.0, "other ops": 1.0, "python": 2.0}
-    cpu = PS.phases_of(events, 1, 10000.0)["forward+backward"]
+    assert gpu == {"wall_ms": 9.0, "matmul": 6.0, "other ops": 1.0, "attention": 0.5, "python": 1.5}
+    cpu = PS.phases_of(events, 1, 10000.0)["forward+backward"]  # on the host: by the parent chain, self CPU times
     assert cpu == {"wall_ms": 9.0, "matmul": 0.05, "other ops": 0.02, "python": 1.0}
+
+
+def test_lora_benchmark_launches_its_jobs_on_the_resolved_device(monkeypatch, tmp_path):
+    """benchmarks/lora.py shares run.launch: its arguments carry the device (a launch without it failed)."""
+    import subprocess
+    import types
+
+    from benchmarks import lora, run
+
+    seen = []
+
+    def fake_run(cmd, env, **kw):
+        seen.append((cmd, env["DS_ACCELERATOR"]))
+        return types.SimpleNamespace(stdout="RESULT " + json.dumps({"times": [1.0], "losses": [1.0],
+                                                                     "rss_mb": [10]}), stderr="", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(run, "write_weights", lambda size: str(tmp_path / "w"))
+    out = tmp_path / "LORA.md"
+    lora.main(["--meshes", "1", "--repeats", "1", "--device", "cpu", "--out", str(out)])
+    assert [c[c.index("--impl") + 1] for c, _ in seen] == ["funcpar", "funcpar-lora"]
+    assert all(c[-2:] == ["--device", "cpu"] and acc == "cpu" for c, acc in seen)
+    assert "| Mesh() | 1.000 | 1.000 | 1.00 | 10 | 10 |" in out.read_text()

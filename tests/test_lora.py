@@ -22,6 +22,12 @@ def base(tmp_path_factory):
     return str(folder)
 
 
+def _leaves(tree):
+    import optree
+
+    return optree.tree_leaves(tree)
+
+
 def _map_b(tree, g):
     import optree
 
@@ -43,6 +49,11 @@ def test_config_parse_and_errors(base):
         Lora("llama", cfg, LoraConfig(targets=("qq",)))
     with pytest.raises(LoraError, match=r"matches leaf 'layers.0.attn_norm' of shape \(64,\), not a 2-D weight"):
         Lora("llama", cfg, LoraConfig(targets=(r"layers\.0\.attn_norm",)))
+    # the adapters are made where the mesh's parameters live (cuda:$LOCAL_RANK on a GPU), unless told
+    on_meta = Lora("llama", cfg, LCFG, fp.Mesh.abstract(device="meta")).init()
+    assert {x.device.type for x in _leaves(on_meta)} == {"meta"}
+    assert {x.device.type for x in _leaves(Lora("llama", cfg, LCFG, fp.Mesh.abstract(device="meta")).init(
+        device="cpu"))} == {"cpu"}
 
 
 def test_adapted_layer_equals_the_merged_weight(base):
