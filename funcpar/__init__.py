@@ -5,6 +5,7 @@ are drawn in docs/ARCHITECTURE.md (and checked by tests/test_architecture.py).
 """
 
 from . import checkpoint as checkpoint
+from . import attention as attention
 from . import collectives as collectives
 from . import data as data
 from . import hf as hf

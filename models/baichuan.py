@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
+from funcpar import attention as A
 from funcpar import layers as L
 
 MODEL_TYPES = ("baichuan",)
@@ -231,7 +232,7 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
     q, k, v = L.column_parallel(x, [p["wq"], p["wk"], p["wv"]], mesh)  # (B, T, d) -> (B, T, H/tp*hd) each
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, H/tp, T, hd)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+    o = A.causal(q, k, v)  # (B, H/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
     return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, H/tp*hd) -> (B, T, d), summed over tp
 

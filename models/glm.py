@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
+from funcpar import attention as A
 from funcpar import layers as L
 
 MODEL_TYPES = ("glm",)
@@ -261,7 +262,7 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
     q, k, v = L.column_parallel(x, [p["wq"], wk, wv], mesh, "tp", [p.get("bq"), bk, bv])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, H/tp, T, hd)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq/tp, T, hd)
+    o = A.causal(q, k, v)  # (B, Hq/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
     return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
+from funcpar import attention as A
 from funcpar import layers as L
 
 MODEL_TYPES = ("gpt2",)
@@ -180,7 +181,7 @@ def _block(p, x, cfg: Config, mesh):
     # (B, T, d) -> (B, T, H/tp*hd) each; h's gradient summed over tp
     q, k, v = L.column_parallel(h, [p["wq"], p["wk"], p["wv"]], mesh, "tp", [p["bq"], p["bk"], p["bv"]])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+    o = A.causal(q, k, v)  # (B, H/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
     x = x + C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
     h = F.layer_norm(x, (cfg.n_embd,), p["ln2_w"], p["ln2_b"], cfg.layer_norm_epsilon)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
+from funcpar import attention as A
 from funcpar import layers as L
 
 DATA_AXES = ("dp", "ep")  # the axes the batch is split over (the load-balancing statistics are summed over them)
@@ -235,7 +236,7 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
         mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T): causal, last `window`
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq/tp, T, hd)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq/tp, T, hd)
+        o = A.causal(q, k, v)  # (B, Hq/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
     return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
 

@@ -1,0 +1,104 @@
+"""funcpar.attention.causal: torch's causal SDPA to round-off (no further from a float64 reference than torch's own
+float32 kernel), through the block path on CPU float32, torch's kernel everywhere else; the block path skips the
+masked keys beyond the diagonal block and returns the layout torch's CPU kernel returns."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from funcpar import attention as A
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _inputs(B, H, KV, T, D, seed=0, dtype=torch.float64, permuted=True):
+    g = torch.Generator().manual_seed(seed)
+    if permuted:  # (B, T, H, D) memory, as the models' rearranged projections are
+        xs = [torch.randn(B, T, n, D, generator=g, dtype=torch.float64).transpose(1, 2) for n in (H, KV, KV)]
+    else:
+        xs = [torch.randn(B, n, T, D, generator=g, dtype=torch.float64) for n in (H, KV, KV)]
+    return [x.to(dtype) for x in xs], torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+
+
+def _run(f, xs, go, dtype):
+    xs = [x.detach().to(dtype).requires_grad_() for x in xs]
+    o = f(*xs)
+    o.backward(go.to(dtype))
+    return [o.detach().double()] + [x.grad.double() for x in xs]
+
+
+@pytest.mark.parametrize("shape,permuted", [((4, 8, 4, 256, 64), True), ((2, 4, 4, 100, 32), False),
+                                            ((1, 6, 2, 512, 16), True), ((3, 8, 4, 97, 64), True),
+                                            ((2, 2, 1, 64, 8), False)])
+def test_block_path_is_sdpa_to_round_off(shape, permuted):
+    xs, go = _inputs(*shape, permuted=permuted)
+    assert A._blocked(*[x.float() for x in xs])
+    exact = _run(_sdpa, xs, go, torch.float64)
+    for name, got in (("sdpa", _run(_sdpa, xs, go, torch.float32)), ("block", _run(A.causal, xs, go, torch.float32))):
+        err = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, exact)]
+        if name == "sdpa":
+            bound = [max(2 * e, 1e-7) for e in err]
+        else:  # output, then the gradients of q, k, v
+            assert all(e <= b for e, b in zip(err, bound)), (shape, err, bound)
+
+
+def test_outside_the_block_path_it_is_torchs_kernel_exactly():
+    for shape, dtype in [((2, 4, 2, 63, 16), torch.float32), ((1, 2, 2, 513, 8), torch.float32),
+                         ((2, 4, 2, 128, 16), torch.float64)]:
+        xs, go = _inputs(*shape, dtype=dtype)
+        assert not A._blocked(*xs)
+        assert all(torch.equal(a, b) for a, b in zip(_run(A.causal, xs, go, dtype), _run(_sdpa, xs, go, dtype)))
+    xs, go = _inputs(2, 4, 2, 128, 16, dtype=torch.float32)  # under torch.func: wrapped inputs take torch's kernel
+    loss = lambda f: (lambda q, k, v: (f(q, k, v) * go.float()).sum())  # noqa: E731
+    got = torch.func.grad(loss(A.causal), argnums=(0, 1, 2))(*xs)
+    want = torch.func.grad(loss(_sdpa), argnums=(0, 1, 2))(*xs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class _Bmms(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        add = (torch.ops.aten.baddbmm.default, torch.ops.aten.baddbmm_.default)
+        if func is torch.ops.aten.bmm.default or func in add:
+            a, b = args[1:3] if func in add else args
+            self.flops += 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+        return func(*args, **(kwargs or {}))
+
+
+def test_block_path_skips_the_masked_keys_and_keeps_torchs_layout():
+    B, H, KV, T, D = 2, 4, 2, 256, 16
+    xs, go = _inputs(B, H, KV, T, D, dtype=torch.float32)
+    xs = [x.requires_grad_() for x in xs]
+    with _Bmms() as counted:
+        o = A.causal(*xs)
+    full = 2 * 2 * B * H * T * T * D  # q kᵀ and p v over every (query, key) pair
+    assert counted.flops == full * (8 + 1) / (2 * 8)  # 8 blocks of 32: (n + 1) / 2n of it
+    with _Bmms() as counted:
+        o.backward(go.float())
+    assert counted.flops == 2 * full * (8 + 1) / (2 * 8)  # the gradients of v, p, k and q
+    assert o.transpose(1, 2).is_contiguous()  # (B, T, H, D) memory: "b h t d -> b t (h d)" is a view
+    assert o.transpose(1, 2).reshape(B, T, H * D).data_ptr() == o.data_ptr()
+
+
+def test_block_path_twice_and_differentiated_again():
+    xs, go = _inputs(1, 4, 2, 96, 8, dtype=torch.float32)
+    xs = [x.requires_grad_() for x in xs]
+    o = A.causal(*xs)
+    first = torch.autograd.grad(o, xs, go.float(), retain_graph=True)
+    again = torch.autograd.grad(o, xs, go.float(), retain_graph=True)  # the kept probabilities are left intact
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    gq = torch.autograd.grad(o, xs[0], go.float(), create_graph=True)[0]
+    second = torch.autograd.grad(gq.square().sum(), xs)
+    g = xs[0].shape[1] // xs[1].shape[1]  # (torch's CPU kernel has no second derivative: the math composition)
+    s = (xs[0] @ xs[1].repeat_interleave(g, 1).transpose(-1, -2) / 8 ** 0.5).masked_fill(
+        torch.ones(96, 96, dtype=torch.bool).triu(1), float("-inf"))
+    o_ref = s.softmax(-1) @ xs[2].repeat_interleave(g, 1)
+    gq_ref = torch.autograd.grad(o_ref, xs[0], go.float(), create_graph=True)[0]
+    want = torch.autograd.grad(gq_ref.square().sum(), xs)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(second, want))
