@@ -50,6 +50,9 @@ MESHES = {
 }
 
 
+DEVICES = ("auto", "cpu", "cuda")  # every script's --device: auto is CUDA wherever torch sees one
+
+
 def backend(device: str) -> str:
     """torch.distributed's backend for the kind of device the jobs run on: NCCL on CUDA, gloo on host tensors."""
     return "nccl" if device == "cuda" else "gloo"

@@ -30,13 +30,14 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=900)
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="as benchmarks/run.py's")
+    ap.add_argument("--device", default="auto", choices=C.DEVICES, help="as benchmarks/run.py's")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "LORA.md"))
     args = ap.parse_args(argv)
     args.device, args.gpus = R.resolve_device(args.device)
     jobs = [(m, i) for m in args.meshes.split(",") for i in ("funcpar", "funcpar-lora")]
-    for m in dict.fromkeys(m for m, _ in jobs if C.devices_short(m, args.device, args.gpus)):
-        sys.exit(f"mesh {m}: {C.devices_short(m, args.device, args.gpus)}; pick --meshes that fit")
+    for m, _ in jobs:
+        if C.devices_short(m, args.device, args.gpus):
+            sys.exit(f"mesh {m}: {C.devices_short(m, args.device, args.gpus)}; pick --meshes that fit")
     weights = R.write_weights(C.SIZES[args.size])
     recs: dict = {}
     try:

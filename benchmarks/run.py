@@ -281,7 +281,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--size", default="small", choices=["small", "large", "both"])
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    ap.add_argument("--device", default="auto", choices=C.DEVICES,
                     help="where the jobs run: cuda (NCCL, one GPU per rank, DS_ACCELERATOR=cuda) or cpu (gloo, "
                          "DS_ACCELERATOR=cpu); auto: cuda wherever torch sees a CUDA device")
     ap.add_argument("--repeats", type=int, default=3)
@@ -332,8 +332,8 @@ def main(argv=None) -> None:
     args.device, args.gpus = resolve_device(args.device)
     print("jobs on " + (f"CUDA, NCCL: {args.gpus} GPU(s)" if args.device == "cuda" else "host tensors, gloo"),
           flush=True)
-    missing = sorted({f"{C.impl_label(m, i)} on {C.mesh_label(m)} ({not_runnable(m, i, args.device, args.gpus)})"
-                      for m, i in jobs if not_runnable(m, i, args.device, args.gpus)})
+    why = {(m, i): not_runnable(m, i, args.device, args.gpus) for m, i in jobs}
+    missing = sorted({f"{C.impl_label(m, i)} on {C.mesh_label(m)} ({why[m, i]})" for m, i in jobs if why[m, i]})
     for line in missing:
         print(f"not run: {line}", flush=True)
     t0, at_start = time.perf_counter(), versions()  # the funcpar commit the jobs ran (others may commit meanwhile)
