@@ -46,7 +46,8 @@ MESHES = {
     "dp2": dict(axes={"dp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-zero1", "ds-zero2", "torch-fsdp2"]),
     "tp2": dict(axes={"tp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-autotp", "torch-tp"]),
     "tp2dp2": dict(axes={"tp": 2, "dp": 2}, nproc=4, threads=1, impls=["funcpar", "ds-autotp-zero1", "torch-tp-fsdp2"]),
-    "pp2": dict(axes={"pp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-pipe"], micro=4),
+    "pp2": dict(axes={"pp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-pipe"], micro=4,
+                pipeline={"pipeline": "interleaved", "chunks": 2}),
 }
 
 
@@ -76,9 +77,19 @@ def micro_batches(mesh: str) -> int:
     return MESHES[mesh].get("micro", 1)
 
 
+def pipeline(mesh: str) -> dict:
+    """funcpar's schedule on a pipeline mesh (``compile_step``'s ``pipeline``/``chunks``): interleaved 1F1B, each
+    rank two chunks of layers, as measured faster than plain 1F1B here (small: 1.49 against 1.59 s a step, hidden-1024:
+    5.49 against 5.65; one repeat); DeepSpeed's engine has 1F1B only. The same micro-batches either way."""
+    return dict(MESHES[mesh].get("pipeline", {}))
+
+
 def funcpar_label(mesh: str) -> str:
     axes = MESHES[mesh]["axes"]
-    pipe = f" 1F1B, {micro_batches(mesh)} micro-batches" if axes.get("pp", 1) > 1 else ""
+    sched = {"interleaved": "interleaved 1F1B ({chunks} chunks a stage)", "1f1b": "1F1B", "gpipe": "GPipe"}
+    how = pipeline(mesh)
+    pipe = (f" {sched[how.get('pipeline', '1f1b')].format(**how)}, {micro_batches(mesh)} micro-batches"
+            if axes.get("pp", 1) > 1 else "")
     return f"funcpar {mesh_label(mesh)}" + (" zero=1" if axes.get("dp", 1) > 1 else "") + pipe
 
 

@@ -7,8 +7,8 @@ and :mod:`funcpar.p2p` are the only other modules that call torch.distributed.
 The rings. gloo's own reduce-scatter and all-gather stage whole copies of their tensors and take 2.5-3x the time of
 its all-reduce of the same bytes (64 MB over 2 ranks on the 2-core benchmark machine: 82 and 82 ms against 40 ms).
 On host tensors (gloo) funcpar runs them as rings of send/recv pairs instead (torch.distributed's
-``batch_isend_irecv``): 30 and 27 ms there, (n-1)/n of the bytes sent per rank as a ring's, the sums in one fixed
-order. CUDA tensors (NCCL) keep the native collectives.
+``batch_isend_irecv``, in messages of at most ``MESSAGE_BYTES``): 22 and 20-26 ms there, (n-1)/n of the bytes sent
+per rank as a ring's, the sums in one fixed order. CUDA tensors (NCCL) keep the native collectives.
 
 A reduce-scatter's input need not exist as one tensor: it is given as *segments*, ``[(offset, 1-D tensor)]`` placed
 in a flat range of ``total`` elements (zeros between them). The train step hands its gradient leaves so, and the
@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _COUNTING = threading.Lock()
 Segments = list[tuple[int, torch.Tensor]]  # (offset in the flat range, 1-D tensor), sorted, not overlapping
+# The largest message a ring sends: gloo's transfers of a whole 32 MB block run slower than of the same bytes in 4 MB
+# messages (2 ranks, the benchmark machine: ZeRO's gradient reduce-scatter 23.9 -> 21.3 ms, its all-gather 32.6 -> 20.2)
+MESSAGE_BYTES = 4 << 20
 
 
 class CollectiveError(RuntimeError):
@@ -84,11 +87,17 @@ def fill(out: torch.Tensor, part: Segments) -> torch.Tensor:
     return out
 
 
+def messages(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ts`` cut into messages of at most ``MESSAGE_BYTES`` (views, in order): the same cut on both ends of a pair."""
+    return [m for t in ts for m in (t.split(MESSAGE_BYTES // t.element_size()) if t.nbytes > MESSAGE_BYTES else [t])]
+
+
 def exchange(send: list[torch.Tensor], recv: list[torch.Tensor], mesh: "Mesh", axis: str, what: str) -> None:
     """Send the tensors ``send`` to the next rank of ``axis``'s ring and receive ``recv`` from the previous one,
-    pairwise in order (both ranks cut their blocks alike)."""
+    pairwise in order (both ranks cut their blocks alike), as messages of at most ``MESSAGE_BYTES``."""
     ranks, i = mesh.group_ranks(axis), mesh.coord(axis)
     n, group = len(ranks), mesh.group(axis)
+    send, recv = messages(send), messages(recv)
     ops = [dist.P2POp(dist.isend, t, ranks[(i + 1) % n], group) for t in send]
     ops += [dist.P2POp(dist.irecv, t, ranks[(i - 1) % n], group) for t in recv]
     for work in dist.batch_isend_irecv(ops) if ops else []:  # (a block of padding alone: nothing to send)

@@ -11,6 +11,7 @@ import torch
 import harness
 from funcpar import collectives as C
 from funcpar import p2p as P2P
+from funcpar import transport as T
 
 NAMES = ["copy_to_region", "reduce_from_region", "reduce_from_region_", "all_gather", "reduce_scatter", "scatter_to_region", "gather_from_region"]
 # (mesh sizes, axis, world): tp=2 and tp=4 on their own, and both axes of Mesh(tp=4, dp=2)
@@ -204,9 +205,12 @@ def test_point_to_point_ring_along_an_axis():
         assert "cannot exchange with itself along 'dp'" in errs[1]
 
 
-def _rings(sizes):
-    """reduce_scatter_nograd and all_gather_nograd over dp, on host tensors: funcpar's send/recv rings."""
+def _rings(sizes, message_bytes=None):
+    """reduce_scatter_nograd and all_gather_nograd over dp, on host tensors: funcpar's send/recv rings (their messages
+    cut at ``message_bytes`` when given)."""
     m = harness.mesh(**sizes)
+    cut = T.MESSAGE_BYTES
+    T.MESSAGE_BYTES = message_bytes or cut
     n, s = m.axis_size("dp"), m.coord("dp")
     xs = torch.randn(n, 4 * n, 3, generator=torch.Generator().manual_seed(7))
     native = []
@@ -230,12 +234,19 @@ def _rings(sizes):
         C.all_gather_nograd(in_place[4 * s : 4 * s + 4], m, "dp", 0, out=in_place)
     finally:
         C._reduce_scatter_flat, C._all_gather_flat = saved
+        T.MESSAGE_BYTES = cut
     return m.rank, xs, s, part, whole, cols, native, sent, (seg_part, flat_part, in_place)
 
 
 @pytest.mark.parametrize("sizes", [{"dp": 2}, {"tp": 2, "dp": 4}])
 def test_host_reduce_scatter_and_all_gather_rings(sizes):
     outs = harness.run(2 if len(sizes) == 1 else 8, _rings, sizes)
+    # the same collectives with every tensor a ring sends cut into messages of 5 floats (the cut falls inside the
+    # segments, and the 3-float columns go whole): bit for bit the same results, the same bytes counted
+    cut = harness.run(2 if len(sizes) == 1 else 8, _rings, sizes, 20)
+    for a, b in zip(outs, cut):
+        assert a[7] == b[7] and b[6] == []
+        assert all(torch.equal(x, y) for x, y in zip([*a[3:6], *a[8]], [*b[3:6], *b[8]]))
     n = sizes["dp"]
     for rank, xs, s, part, whole, cols, native, sent, (seg_part, flat_part, in_place) in outs:
         assert torch.equal(seg_part, flat_part) and torch.equal(in_place, whole)
