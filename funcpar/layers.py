@@ -32,8 +32,7 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     are zeros that no token uses; the losses exclude them and exports drop them."""
     if vocab_size % math.lcm(8, tp) == 0:
         return vocab_size
-    m = math.lcm(128, tp)
-    return -(-vocab_size // m) * m
+    return -(-vocab_size // math.lcm(128, tp)) * math.lcm(128, tp)
 
 
 def check_sizes(cfg: Any, *names: str) -> None:
@@ -204,8 +203,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as transformers' Llama family computes it: normalised in float32, cast back, then scaled by ``w``.
 
     float32 ``x`` and ``w``: one operation, the composition's values bit for bit, its gradients to round-off (the
-    backward written out, four new ``x``-sized tensors: 5.2 ms forward and backward against 9.9 at 2048 x 512 on one
-    thread; one ``x``-sized tensor kept for it instead of two). Other dtypes take the composition."""
+    backward written out, three new ``x``-sized tensors, one kept for it instead of two). Other dtypes: composed."""
     if x.dtype == w.dtype == torch.float32 and not torch.compiler.is_compiling() and not (
             _functorch_wrapped(w) and not _functorch_wrapped(x)):
         return _RMSNorm.apply(x, w, eps)[0]
@@ -230,18 +228,21 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _):
         x, w, r = ctx.saved_tensors
-        again = torch.is_grad_enabled() or _functorch_wrapped(g)  # differentiated again: no in-place steps, and r
-        if again:  # as a function of x
-            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        n, need_x, need_w = x * r, *ctx.needs_input_grad[:2]  # the normalised x
-        gw = (n * g).sum(tuple(range(g.ndim - 1))) if need_w else None
+        again = torch.is_grad_enabled() or _functorch_wrapped(g)  # differentiated again: out of place, r of x
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps) if again else r
+        need_x, need_w, rows = *ctx.needs_input_grad[:2], tuple(range(g.ndim - 1))
         if not need_x:
-            return None, gw, None
-        gn = g * w  # d/dx (n_j) = r (e_j - n n_j / d): gx = r (gn - n mean(gn n))
+            return None, (x * r * g).sum(rows) if need_w else None, None
+        # d/dx (x_j r) = r (e_j - x x_j r²/d): gx = g x; the input's gradient r (g w - x r dot), dot = r (gx @ w)/d;
+        # the weight's: the rows' sum of gx r (2048 x 1024, one thread: 4.1 ms against 5.2 for r (g w - n mean(g w n)))
+        gx, d = g * x, x.shape[-1]
+        dot = torch.mv(gx.reshape(-1, d), w).view(r.shape)
         if again:
-            return r * (gn - n * (gn * n).mean(-1, keepdim=True)), gw, None
-        dot = (gn * n).mean(-1, keepdim=True)
-        return gn.sub_(n.mul_(dot)).mul_(r), gw, None
+            dot = dot * r / d
+            return torch.addcmul(x * (r * dot).neg(), g, w) * r, (gx * r).sum(rows) if need_w else None, None
+        dot.mul_(r).div_(d)
+        gw = gx.mul_(r).sum(rows) if need_w else None
+        return torch.mul(x, (r * dot).neg_()).addcmul_(g, w).mul_(r), gw, None
 
 
 def column_parallel(
@@ -349,9 +350,8 @@ class _Rotary(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` with the composition's values and gradients bit for bit (second derivatives to round-off),
-    keeping only its inputs for the backward (the composition also keeps ``silu(gate)``) and writing one new tensor
-    forward and two backward (where it is not differentiated again) where the composition writes two and three."""
+    """``silu(gate) * up``, the composition's values and gradients bit for bit (second derivatives to round-off),
+    keeping only its inputs for the backward (the composition keeps ``silu(gate)`` too); writes 1 new tensor, then 2."""
     return _SwiGLU.apply(gate, up)
 
 
