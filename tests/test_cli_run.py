@@ -229,7 +229,13 @@ def test_transformers_pipeline_answers_a_shipped_arithmetic_prompt_from_the_expo
                                                                        "pad_token_id": 256}
     generate = transformers.pipeline("text-generation", model=str(hf))
     answers = {q: generate(q, max_new_tokens=4, do_sample=False)[0]["generated_text"] for q in ["7+5=\n", "9+1=\n"]}
-    assert answers == {"7+5=\n": "7+5=\n12", "9+1=\n": "9+1=\n10"}
+    assert answers["7+5=\n"] == "7+5=\n12"
+    # transformers' greedy answer is funcpar's own (the run prints its answers to eight sums, 9+1 among them, and how
+    # many of 100 it gets right; which one or two of them a 300-step model misses moves with round-off)
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("greedy answers of the exported model: "))
+    own = dict(a.split("=") for a in line.split(": ", 1)[1].split(";")[0].split(", "))
+    assert answers["9+1=\n"] == "9+1=\n" + own["9+1"], (answers, line)
+    assert int(line.split("; ")[1].split("/")[0]) >= 95, line
 
 
 def test_ctrl_c_saves_at_the_current_step_on_every_rank_and_prints_the_resume_command(tmp_path):
