@@ -34,11 +34,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "LORA.md"))
     args = ap.parse_args(argv)
     args.device, args.gpus = R.resolve_device(args.device)
-    jobs = [(m, i) for m in args.meshes.split(",") for i in ("funcpar", "funcpar-lora")]
-    for m, _ in jobs:
-        if C.devices_short(m, args.device, args.gpus):
-            sys.exit(f"mesh {m}: {C.devices_short(m, args.device, args.gpus)}; pick --meshes that fit")
-    weights = R.write_weights(C.SIZES[args.size])
+    meshes = args.meshes.split(",")
+    short = {m: C.devices_short(m, args.device, args.gpus) for m in meshes}  # as run.py: listed as not run
+    jobs = [(m, i) for m in meshes if not short[m] for i in ("funcpar", "funcpar-lora")]
+    weights = R.write_weights(C.SIZES[args.size]) if jobs else None
     recs: dict = {}
     try:
         for r in range(args.repeats):
@@ -48,7 +47,8 @@ def main(argv=None) -> None:
                       f"{max(rec['rss_mb']):.0f} MB" if "times" in rec else rec.get("error", "?")), flush=True)
                 recs.setdefault((mesh, impl), []).append(rec)
     finally:
-        shutil.rmtree(weights, ignore_errors=True)
+        if weights:
+            shutil.rmtree(weights, ignore_errors=True)
     size = C.SIZES[args.size]
     lines = [f"# LoRA ({C.LORA}) against full fine-tuning", "",
              f"`python benchmarks/lora.py {' '.join(sys.argv[1:] if argv is None else argv)}`: funcpar, Llama "
@@ -57,8 +57,11 @@ def main(argv=None) -> None:
              f"steps, the median; peak RSS per rank (max over ranks and repeats).", "",
              "| mesh | full s/step | LoRA s/step | LoRA / full | full peak RSS MB | LoRA peak RSS MB |",
              "|---|---|---|---|---|---|"]
-    for mesh in args.meshes.split(","):
+    for mesh in meshes:
         full, lora = recs.get((mesh, "funcpar"), []), recs.get((mesh, "funcpar-lora"), [])
+        if short[mesh]:
+            lines.append(f"| {C.mesh_label(mesh)} | not run: {short[mesh]} |")
+            continue
         if not all("times" in x for x in full + lora) or not full or not lora:
             lines.append(f"| {C.mesh_label(mesh)} | failed: "
                          + "; ".join(x.get("error", "") for x in full + lora if "error" in x) + " |")

@@ -247,3 +247,11 @@ def test_lora_benchmark_launches_its_jobs_on_the_resolved_device(monkeypatch, tm
     assert [c[c.index("--impl") + 1] for c, _ in seen] == ["funcpar", "funcpar-lora"]
     assert all(c[-2:] == ["--device", "cpu"] and acc == "cpu" for c, acc in seen)
     assert "| Mesh() | 1.000 | 1.000 | 1.00 | 10 | 10 |" in out.read_text()
+    # on a machine with one GPU a 4-rank mesh is listed as not run (as run.py does) and the one-process mesh runs
+    seen.clear()
+    monkeypatch.setattr(run, "resolve_device", lambda device: ("cuda", 1))
+    lora.main(["--meshes", "tp2dp2,1", "--repeats", "1", "--device", "cuda", "--out", str(out)])
+    assert [(c[c.index("--mesh") + 1], acc) for c, acc in seen] == [("1", "cuda")] * 2
+    text = out.read_text()
+    assert "| Mesh(tp=2, dp=2) | not run: needs 4 GPUs (one per rank), this machine has 1 |" in text
+    assert "| Mesh() | 1.000 | 1.000 | 1.00 | 10 | 10 |" in text
