@@ -77,7 +77,7 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
     if lora:
         adapters = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(C.LORA), mesh)
         loss, specs, init = adapters.loss_fn(loss, params), adapters.specs(), adapters.init(seed=0, device=args.dev)
-    pipe = C.pipeline(args.mesh) if C.axis(args.mesh, "pp") > 1 else {}
+    pipe = C.pipeline(args.mesh)  # ({} off a pipeline mesh)
     step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1,
                            clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), **pipe)
     box = {"state": step.init(init)}
@@ -154,8 +154,9 @@ def build_deepspeed(args, size, rank, world):
 def build_ds_pipe(args, size, rank, world):
     """DeepSpeed's pipe engine, 2 stages: the checkpoint's transformers modules as pipe layers (embedding | decoder
     layers | norm + head, split uniformly, each stage reading only its tensors; bench/pipeline_vs_deepspeed.py's
-    ``_ds_layers``), the same micro-batches as funcpar's schedule, ZeRO stage 0 (the pipe engine refuses 2/3). Clipped by
-    the global norm over both stages, as every other implementation here (the engine's own clipping is per stage)."""
+    ``_ds_layers``), the same micro-batches as funcpar's schedule, ZeRO stage 0 (the pipe engine refuses 2/3).
+    Clipped by the global norm over both stages, as every other implementation here (the engine's own clipping is
+    per stage)."""
     import deepspeed
     import torch
     import torch.distributed as dist

@@ -32,7 +32,7 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     are zeros that no token uses; the losses exclude them and exports drop them."""
     if vocab_size % math.lcm(8, tp) == 0:
         return vocab_size
-    return -(-vocab_size // math.lcm(128, tp)) * math.lcm(128, tp)
+    return -(-vocab_size // (m := math.lcm(128, tp))) * m
 
 
 def check_sizes(cfg: Any, *names: str) -> None:

@@ -209,15 +209,15 @@ def _rings(sizes, message_bytes=None):
     """reduce_scatter_nograd and all_gather_nograd over dp, on host tensors: funcpar's send/recv rings (their messages
     cut at ``message_bytes`` when given)."""
     m = harness.mesh(**sizes)
-    cut = T.MESSAGE_BYTES
-    T.MESSAGE_BYTES = message_bytes or cut
     n, s = m.axis_size("dp"), m.coord("dp")
     xs = torch.randn(n, 4 * n, 3, generator=torch.Generator().manual_seed(7))
     native = []
     saved = C._reduce_scatter_flat, C._all_gather_flat
     C._reduce_scatter_flat = C._all_gather_flat = lambda *a, **k: native.append(1)
     before = dict(m.traffic)
+    cut = T.MESSAGE_BYTES
     try:
+        T.MESSAGE_BYTES = message_bytes or cut
         part = C.reduce_scatter_nograd(xs[s], m, "dp", 0)
         whole = C.all_gather_nograd(part, m, "dp", 0)
         cols = C.all_gather_nograd(xs[s][:, :1].contiguous(), m, "dp", 1)  # a gather along dim 1
