@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes",
            "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets",
-           "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets"]
+           "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets", "check_pad_token_id"]
 
 IGNORE_INDEX = -100
 
@@ -42,6 +42,14 @@ def check_sizes(cfg: Any, *names: str) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{type(cfg).__module__}.{type(cfg).__name__}: {name}={v!r}, expected a positive int")
+
+
+def check_pad_token_id(cfg: Any) -> None:
+    """``cfg.pad_token_id`` as ``nn.Embedding(padding_idx=...)`` takes it, stored as its row (negatives count back)."""
+    p, v = cfg.pad_token_id, cfg.vocab_size
+    if p is not None and (isinstance(p, bool) or not isinstance(p, int) or not -v <= p < v):
+        raise ValueError(f"{type(cfg).__module__}.{type(cfg).__name__}: pad_token_id={p!r}, not in [-{v}, {v}) or None")
+    object.__setattr__(cfg, "pad_token_id", None if p is None else p % v)
 
 
 class VocabPadding:
@@ -147,19 +155,11 @@ class _VocabCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def causal_lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    mesh: "Mesh",
-    axis: str,
-    loss_mask: torch.Tensor | None = None,
-    reduction: str = "mean",
-    vocab_size: int | None = None,
-) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: "Mesh", axis: str,
+                   loss_mask: torch.Tensor | None = None, reduction: str = "mean",
+                   vocab_size: int | None = None) -> torch.Tensor:
     """transformers' causal-LM loss: position t predicts label t+1; ``-100`` labels (and ``loss_mask == 0``) ignored.
-
-    ``reduction="mean"`` divides by the number of counted tokens (as transformers does); ``"sum"`` does not.
-    """
+    ``reduction="mean"`` divides by the number of counted tokens (as transformers does); ``"sum"`` does not."""
     shifted = shifted_targets(labels, loss_mask)  # (B, T): the target of position t
     valid = shifted != IGNORE_INDEX
     tok = vocab_cross_entropy(logits, shifted, mesh, axis, vocab_size)  # (B, T)

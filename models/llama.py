@@ -46,6 +46,7 @@ class Config(L.VocabPadding):
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_windows: tuple = ()  # per layer: a window size or None
+    pad_token_id: int | None = None  # nn.Embedding's padding_idx: its row learns nothing from lookups (None: none)
     model_type: str = "llama"
     vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
@@ -65,6 +66,7 @@ class Config(L.VocabPadding):
             raise ValueError(f"llama.Config: rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} "
                              f"must be positive")
         object.__setattr__(self, "sliding_windows", windows)
+        L.check_pad_token_id(self)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
@@ -113,6 +115,7 @@ class Config(L.VocabPadding):
             o_bias=False if mt == "qwen2" else bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_windows=windows,
+            pad_token_id=d.get("pad_token_id"),
             model_type=mt,
             hf=dict(d),
         )
@@ -133,6 +136,7 @@ class Config(L.VocabPadding):
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=self.pad_token_id,
             hidden_act="silu",
         )
         if self.model_type != "qwen2":
@@ -184,15 +188,17 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         if cfg.mlp_bias:
             lp |= {"b_gate": zeros(inter), "b_up": zeros(inter), "b_down": zeros(d)}
         layers.append(lp)
-    params = {"embed": _vocab_table(w(cfg.rows, d), cfg), "layers": layers, "norm": ones(d)}
+    params = {"embed": _vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = _vocab_table(w(cfg.rows, d), cfg)
     return params
 
 
-def _vocab_table(t: torch.Tensor, cfg: Config) -> torch.Tensor:
-    if cfg.rows > cfg.vocab_size and t.device.type != "meta":
-        t[cfg.vocab_size :] = 0  # padding rows: no token uses them
+def _vocab_table(t: torch.Tensor, cfg: Config, pad: int | None = None) -> torch.Tensor:
+    if t.device.type != "meta":
+        t[cfg.vocab_size :] = 0  # tp padding rows: no token uses them
+        if pad is not None:
+            t[pad] = 0  # transformers zeroes the padding_idx row
     return t
 
 
@@ -324,7 +330,7 @@ def _layer(lp, x, cos, sin, window, cfg: Config, mesh):
 
 
 def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
-    return L.vocab_embedding(params["embed"], batch["input_ids"], mesh, "tp")  # (B, T) -> (B, T, d)
+    return L.padding_row_embedding(params["embed"], batch["input_ids"], mesh, "tp", cfg.pad_token_id)  # (B, T, d)
 
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:

@@ -72,6 +72,7 @@ class Config(L.VocabPadding):
     max_position_embeddings: int = 4096 * 32
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    pad_token_id: int | None = None  # nn.Embedding's padding_idx: its row learns nothing from lookups (None: none)
     model_type: str = "mixtral"
     vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
     hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
@@ -89,6 +90,7 @@ class Config(L.VocabPadding):
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"mixtral.Config: sliding_window={w!r}, expected a positive int or None")
+        L.check_pad_token_id(self)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
@@ -113,7 +115,7 @@ class Config(L.VocabPadding):
             rms_norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 1e6))),
             max_position_embeddings=d.get("max_position_embeddings", 4096 * 32),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), sliding_window=d.get("sliding_window"),
-            hf=dict(d),
+            pad_token_id=d.get("pad_token_id"), hf=dict(d),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -128,6 +130,7 @@ class Config(L.VocabPadding):
             router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=self.output_router_logits,
             rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings, sliding_window=self.sliding_window, hidden_act="silu",
+            pad_token_id=self.pad_token_id,
         )
         if "rope_theta" in self.hf and "rope_parameters" not in self.hf:  # transformers 4 style
             d["rope_theta"] = self.rope_theta
@@ -154,15 +157,17 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         "wv": w(cfg.num_key_value_heads * hd, d), "wo": w(d, cfg.num_attention_heads * hd), "mlp_norm": ones(d),
         "router": w(E, d), "w_gate": w(E, inter, d), "w_up": w(E, inter, d), "w_down": w(E, d, inter),
     } for _ in range(cfg.num_hidden_layers)]
-    params = {"embed": _vocab_table(w(cfg.rows, d), cfg), "layers": layers, "norm": ones(d)}
+    params = {"embed": _vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = _vocab_table(w(cfg.rows, d), cfg)
     return params
 
 
-def _vocab_table(t: torch.Tensor, cfg: Config) -> torch.Tensor:
-    if cfg.rows > cfg.vocab_size and t.device.type != "meta":
-        t[cfg.vocab_size :] = 0  # padding rows: no token uses them
+def _vocab_table(t: torch.Tensor, cfg: Config, pad: int | None = None) -> torch.Tensor:
+    if t.device.type != "meta":
+        t[cfg.vocab_size :] = 0  # tp padding rows: no token uses them
+        if pad is not None:
+            t[pad] = 0  # transformers zeroes the padding_idx row
     return t
 
 
@@ -299,7 +304,7 @@ def _layer(lp, x, cos, sin, cfg: Config, mesh):
 def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh):
     """The last layer's output (B, T, d), replicated over tp, and the load-balancing statistics summed over the
     layers (assignments per expert, router probability per expert)."""
-    x = L.vocab_embedding(params["embed"], tokens, mesh, "tp")  # (B, T) -> (B, T, d)
+    x = L.padding_row_embedding(params["embed"], tokens, mesh, "tp", cfg.pad_token_id)  # (B, T) -> (B, T, d)
     cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
     counts = prob_sum = 0
     for lp in params["layers"]:
