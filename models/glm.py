@@ -28,6 +28,7 @@ from funcpar import P
 from funcpar import collectives as C
 from funcpar import attention as A
 from funcpar import layers as L
+from funcpar.models import llama
 
 MODEL_TYPES = ("glm",)
 # transformers' GlmConfig defaults: what a config.json key that is absent means
@@ -160,18 +161,10 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         if cfg.attention_bias:
             lp |= {"bq": const(hq, 0), "bk": const(hkv, 0), "bv": const(hkv, 0)}
         layers.append(lp)
-    params = {"embed": _vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": const(d, 1)}
+    params = {"embed": llama.vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": const(d, 1)}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = _vocab_table(w(cfg.rows, d), cfg, None)
+        params["lm_head"] = llama.vocab_table(w(cfg.rows, d), cfg)
     return params
-
-
-def _vocab_table(t: torch.Tensor, cfg: Config, pad: int | None) -> torch.Tensor:
-    if t.device.type != "meta":
-        t[cfg.vocab_size :] = 0  # tp padding rows: no token uses them
-        if pad is not None:
-            t[pad] = 0  # transformers zeroes the padding_idx row
-    return t
 
 
 _LAYER_SPECS = {

@@ -188,13 +188,15 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         if cfg.mlp_bias:
             lp |= {"b_gate": zeros(inter), "b_up": zeros(inter), "b_down": zeros(d)}
         layers.append(lp)
-    params = {"embed": _vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
+    params = {"embed": vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = _vocab_table(w(cfg.rows, d), cfg)
+        params["lm_head"] = vocab_table(w(cfg.rows, d), cfg)
     return params
 
 
-def _vocab_table(t: torch.Tensor, cfg: Config, pad: int | None = None) -> torch.Tensor:
+def vocab_table(t: torch.Tensor, cfg: Any, pad: int | None = None) -> torch.Tensor:
+    """A new embedding or head table ``t`` (``cfg.rows`` rows) as transformers starts it: the tp padding rows beyond
+    ``cfg.vocab_size`` and the ``padding_idx`` row ``pad`` zero (shared by the models that have such tables)."""
     if t.device.type != "meta":
         t[cfg.vocab_size :] = 0  # tp padding rows: no token uses them
         if pad is not None:

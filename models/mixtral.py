@@ -50,6 +50,7 @@ from funcpar import P
 from funcpar import collectives as C
 from funcpar import attention as A
 from funcpar import layers as L
+from funcpar.models import llama
 
 DATA_AXES = ("dp", "ep")  # the axes the batch is split over (the load-balancing statistics are summed over them)
 
@@ -157,18 +158,10 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         "wv": w(cfg.num_key_value_heads * hd, d), "wo": w(d, cfg.num_attention_heads * hd), "mlp_norm": ones(d),
         "router": w(E, d), "w_gate": w(E, inter, d), "w_up": w(E, inter, d), "w_down": w(E, d, inter),
     } for _ in range(cfg.num_hidden_layers)]
-    params = {"embed": _vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
+    params = {"embed": llama.vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = _vocab_table(w(cfg.rows, d), cfg)
+        params["lm_head"] = llama.vocab_table(w(cfg.rows, d), cfg)
     return params
-
-
-def _vocab_table(t: torch.Tensor, cfg: Config, pad: int | None = None) -> torch.Tensor:
-    if t.device.type != "meta":
-        t[cfg.vocab_size :] = 0  # tp padding rows: no token uses them
-        if pad is not None:
-            t[pad] = 0  # transformers zeroes the padding_idx row
-    return t
 
 
 def _size(mesh, axis: str) -> int:
