@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from funcpar.layers import _functorch_wrapped
+from funcpar.pointwise import _functorch_wrapped
 
 __all__ = ["causal", "BLOCKED_T"]
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from . import collectives as C
+from . import pointwise as P
+from .pointwise import _functorch_wrapped, rms_norm, rotary, swiglu
 
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
@@ -129,8 +131,8 @@ class _VocabCrossEntropy(torch.autograd.Function):
     def forward(logits, labels, mesh, axis):
         n = logits.shape[-1]
         m = C.all_reduce(logits.amax(-1), mesh, axis, "max")  # (...,): a statistic, exact for log-sum-exp
-        e = (logits - m[..., None]).exp_()  # this rank's columns of exp(logits - max)
-        sumexp = C.all_reduce(e.sum(-1), mesh, axis)
+        e, s = P.exp_and_sum(logits, m)  # this rank's columns of exp(logits - max), their sum
+        sumexp = C.all_reduce(s, mesh, axis)
         local = labels - mesh.coord(axis) * n
         picked = logits.gather(-1, local.clamp(0, n - 1)[..., None]).squeeze(-1) - m
         inside = (local >= 0) & (local < n)
@@ -199,51 +201,6 @@ def token_range_errors(batch: dict, cfg: Any) -> list[str]:
     return out
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers' Llama family computes it: normalised in float32, cast back, then scaled by ``w``.
-
-    float32 ``x`` and ``w``: one operation, the composition's values bit for bit, its gradients to round-off (the
-    backward written out, three new ``x``-sized tensors, one kept for it instead of two). Other dtypes: composed."""
-    if x.dtype == w.dtype == torch.float32 and not torch.compiler.is_compiling() and not (
-            _functorch_wrapped(w) and not _functorch_wrapped(x)):
-        return _RMSNorm.apply(x, w, eps)[0]
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-class _RMSNorm(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, w, eps):
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
-        return (x * r).mul_(w), r  # the composition's w * (x * r), rounded alike
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mark_non_differentiable(output[1])
-        ctx.save_for_backward(inputs[0], inputs[1], output[1])
-        ctx.eps = inputs[2]
-
-    @staticmethod
-    def backward(ctx, g, _):
-        x, w, r = ctx.saved_tensors
-        again = torch.is_grad_enabled() or _functorch_wrapped(g)  # differentiated again: out of place, r of x
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps) if again else r
-        need_x, need_w, rows = *ctx.needs_input_grad[:2], tuple(range(g.ndim - 1))
-        if not need_x:
-            return None, (x * r * g).sum(rows) if need_w else None, None
-        # d/dx (x_j r) = r (e_j - x x_j r²/d): gx = g x; the input's gradient r (g w - x r dot), dot = r (gx @ w)/d;
-        # the weight's: the rows' sum of gx r (2048 x 1024, one thread: 4.1 ms against 5.2 for r (g w - n mean(g w n)))
-        gx, d = g * x, x.shape[-1]
-        dot = torch.mv(gx.reshape(-1, d), w).view(r.shape)
-        if again:
-            dot = dot * r / d
-            return torch.addcmul(x * (r * dot).neg(), g, w) * r, (gx * r).sum(rows) if need_w else None, None
-        dot.mul_(r).div_(d)
-        gw = gx.mul_(r).sum(rows) if need_w else None
-        return torch.mul(x, (r * dot).neg_()).addcmul_(g, w).mul_(r), gw, None
-
 
 def column_parallel(
     x: torch.Tensor, weights: "list[torch.Tensor]", mesh: "Mesh", axis: str = "tp",
@@ -265,11 +222,6 @@ def column_parallel(
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
     return _ColumnParallel.apply(x, mesh, axis, len(weights), *weights, *biases)
 
-
-def _functorch_wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` transform's tensor; always under ``torch.compile`` (dynamo cannot trace the
-    query; the fused layers take their composable paths there)."""
-    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -311,75 +263,6 @@ class _ColumnParallel(torch.autograd.Function):
         x = C.copy_to_region(x.movedim(in_dims[0], 0), mesh, axis)
         return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:])), (0,) * k
 
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding as transformers applies it, ``x * cos + rotate_half(x) * sin`` (``rotate_half``: the
-    last dim's halves swapped, the new first half negated), as one operation: ``x`` (..., T, hd), ``cos``/``sin``
-    (T, hd) or broadcastable to ``x``, constants. The composition's values and gradients bit for bit, with two new
-    ``x``-sized tensors each way where the composition makes five. ``cos``/``sin`` that need a gradient take the
-    composition."""
-    if cos.requires_grad or sin.requires_grad or _functorch_wrapped(cos) or _functorch_wrapped(sin):
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return _Rotary.apply(x, cos, sin)
-
-
-class _Rotary(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, cos, sin):
-        h = x.shape[-1] // 2
-        out = x * cos  # (..., T, hd); then out1 -= x2 * sin1, out2 += x1 * sin2 (rounded as the composition)
-        out[..., :h].sub_(x[..., h:] * sin[..., :h])
-        out[..., h:].add_(x[..., :h] * sin[..., h:])
-        return out
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], inputs[2])
-
-    @staticmethod
-    def backward(ctx, g):
-        cos, sin = ctx.saved_tensors
-        h = g.shape[-1] // 2
-        gx = g * cos  # the transpose of the rotation: gx1 += g2 * sin2, gx2 -= g1 * sin1
-        gx[..., :h].add_(g[..., h:] * sin[..., h:])
-        gx[..., h:].sub_(g[..., :h] * sin[..., :h])
-        return gx, None, None
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, the composition's values and gradients bit for bit (second derivatives to round-off),
-    keeping only its inputs for the backward (the composition keeps ``silu(gate)`` too); writes 1 new tensor, then 2."""
-    return _SwiGLU.apply(gate, up)
-
-
-class _SwiGLU(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(gate, up):
-        act = F.silu(gate)
-        if act.shape != up.shape or act.dtype != up.dtype or _functorch_wrapped(up) and not _functorch_wrapped(act):
-            return act * up  # (broadcast, promoted, or only ``up`` batched under vmap: not into ``act``)
-        return act.mul_(up)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, go):
-        gate, up = ctx.saved_tensors
-        g_up = F.silu(gate).mul_(go) if ctx.needs_input_grad[1] else None  # go * silu(gate)
-        if not ctx.needs_input_grad[0]:
-            return None, g_up
-        g_act = go * up  # the gradient of silu(gate)
-        if torch.is_grad_enabled() or _functorch_wrapped(g_act):  # differentiated again: autograd's own formula
-            s = gate.sigmoid()
-            return g_act * s * (1.0 + gate * (1.0 - s)), g_up
-        return torch.ops.aten.silu_backward.grad_input(g_act, gate, grad_input=g_act), g_up
 
 
 def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:
