@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import collectives as C
-from . import pointwise as P
+from . import pointwise
 from .pointwise import _functorch_wrapped, rms_norm, rotary, swiglu
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -131,7 +131,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
     def forward(logits, labels, mesh, axis):
         n = logits.shape[-1]
         m = C.all_reduce(logits.amax(-1), mesh, axis, "max")  # (...,): a statistic, exact for log-sum-exp
-        e, s = P.exp_and_sum(logits, m)  # this rank's columns of exp(logits - max), their sum
+        e, s = pointwise.exp_and_sum(logits, m)  # this rank's columns of exp(logits - max), their sum
         sumexp = C.all_reduce(s, mesh, axis)
         local = labels - mesh.coord(axis) * n
         picked = logits.gather(-1, local.clamp(0, n - 1)[..., None]).squeeze(-1) - m
@@ -201,7 +201,6 @@ def token_range_errors(batch: dict, cfg: Any) -> list[str]:
     return out
 
 
-
 def column_parallel(
     x: torch.Tensor, weights: "list[torch.Tensor]", mesh: "Mesh", axis: str = "tp",
     biases: "list[torch.Tensor | None] | None" = None,
@@ -221,7 +220,6 @@ def column_parallel(
         x = C.copy_to_region(x, mesh, axis)
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
     return _ColumnParallel.apply(x, mesh, axis, len(weights), *weights, *biases)
-
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -262,7 +260,6 @@ class _ColumnParallel(torch.autograd.Function):
             raise NotImplementedError("column_parallel under vmap: only the input may be batched, not the weights")
         x = C.copy_to_region(x.movedim(in_dims[0], 0), mesh, axis)
         return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:])), (0,) * k
-
 
 
 def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:

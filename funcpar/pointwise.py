@@ -6,20 +6,24 @@ host tensors.
 those passes, not the arithmetic, are the time. Where :func:`fusable` says so, RMSNorm's forward and backward, the
 SwiGLU forward and backward and the cross-entropy's ``exp(logits - max)`` with its row sums
 (:func:`exp_and_sum`) run as ``torch.compile``d kernels of the same formulas (inductor: one loop over the
-tensors instead of three to seven; compiled once per process and kept in inductor's on-disk cache). Measured on
-this project's CPU machine (one thread, the benchmark's small Llama, the Functions' own times): the SwiGLU backward
-3.9 -> 1.8 ms, RMSNorm's backward 3.3 -> 0.7 ms, the cross-entropy's exp 6.3 -> 3.7 ms; the dp=2 step 13-15 ms
-(1.2%) shorter, paired step by step. Rotary embedding was no faster compiled (0.39 against 0.42 ms) and stays eager.
-The fused results are the eager ones to round-off (an FMA or a summation order: about 1e-7 relative), not bit for
-bit.
+tensors instead of three to seven; compiled at first use with dynamic sizes, again for a new number of dimensions,
+dtype or device, and kept in inductor's on-disk cache for later processes). Measured on this project's CPU machine
+(one thread, standalone, the benchmark's small Llama's shapes): the SwiGLU backward 3.9 -> 1.8 ms, RMSNorm's
+backward 3.3 -> 0.7 ms, the cross-entropy's exp 6.3 -> 3.7 ms; in the train step, fused and eager steps alternating
+in one job, 5-15 ms a step at dp=2 (about 1%), 14 ms in one process, 45 ms at tp=2 for the hidden-1024 Llama.
+Rotary embedding was no faster compiled (0.39 against 0.42 ms) and stays eager. The fused results are the eager
+ones to round-off (an FMA or a summation order: about 1e-7 relative), not bit for bit.
 
 :data:`FUSE` (``FUNCPAR_FUSE`` in the environment): ``"auto"`` (default) fuses float32 host tensors of at least
 :data:`MIN_NUMEL` elements (below it a compiled call's fixed cost outweighs the passes it saves; the unmeasured
-GPU keeps torch's kernels), ``"on"`` fuses any size, dtype and device, ``"off"`` never. Never under ``torch.func``
+GPU keeps torch's kernels), ``"on"`` at any size, dtype and device (where the Function takes the case at all: RMSNorm
+float32, SwiGLU equal shapes), ``"off"`` never; anything else is refused at import. Never under ``torch.func``
 transforms' wrapped tensors (under ``torch.func.grad`` a Function's forward sees plain tensors and may fuse, its
-backward does not; ``vmap`` never), ``torch.compile`` (the outer graph fuses them itself) or a differentiable
-backward.
-If compiling fails (no C++ compiler, say), funcpar warns once, runs the same formulas eagerly and stops trying.
+backward does not; ``vmap`` never), ``torch.compile`` (the outer graph fuses them itself) or a backward run with
+grad mode on (differentiated again, or ``torch.func.vjp``: so the blocks :mod:`funcpar.remat` recomputes take the
+eager backward, and at fused sizes their gradients equal the plain step's to round-off, not bit for bit).
+If compiling fails (no C++ compiler, the recompile limit), funcpar warns once, runs the same formulas eagerly and
+stops trying; any other error is raised as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ FUSE = os.environ.get("FUNCPAR_FUSE", "auto")  # "auto" | "on" | "off"
 MIN_NUMEL = 1 << 17  # "auto": the smallest tensor fused (0.5 MB of float32)
 _MODES = ("auto", "on", "off")
 _failed: list[str] = []  # the compile error that turned fusion off, once one did
+if FUSE not in _MODES:
+    raise ValueError(f"FUNCPAR_FUSE={FUSE!r} in the environment: one of {', '.join(_MODES)}")
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
@@ -54,22 +60,39 @@ def fusable(*ts: torch.Tensor) -> bool:
         t.device.type == "cpu" and t.dtype == torch.float32 for t in ts))
 
 
+def _compile_error(e: BaseException) -> BaseException | None:
+    """The compiler's own failure in ``e`` (no C++ compiler, a lowering or codegen error, the recompile limit), or
+    None: an error of the computation itself, which the eager formula would raise too."""
+    from torch._dynamo import exc as dx
+    from torch._inductor import exc as ix
+
+    inner = getattr(e, "inner_exception", None) if isinstance(e, dx.BackendCompilerFailed) else None
+    if isinstance(e, (dx.BackendCompilerFailed, dx.Unsupported, dx.FailOnRecompileLimitHit,
+                      dx.InternalTorchDynamoError, ix.InvalidCxxCompiler, ix.CppCompileError, ix.OperatorIssue)):
+        return inner or e
+    return None
+
+
 def _kernel(fn):
-    """``fn`` compiled at its first call (dynamic shapes: one kernel for every size); on a compile error, a warning,
-    fusion off for the process, and ``fn`` run eagerly (the same formula)."""
+    """``fn`` compiled at its first call (dynamic sizes); on a compile error, a warning, fusion off for the process,
+    and ``fn`` run eagerly (the same formula). Tensors go in detached (``requires_grad`` would be one more guard)."""
     compiled = []
 
     def run(*args):
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        if _failed:
+            return fn(*args)
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
         try:
             return compiled[0](*args)
-        except Exception as e:  # noqa: BLE001 (any compiler failure: the eager formula is the same arithmetic)
-            if not _failed:
-                _failed.append(f"{type(e).__name__}: {e}".split("\n")[0][:300])
-                warnings.warn(f"funcpar.pointwise: torch.compile of the fused {fn.__name__} failed ({_failed[0]}); "
-                              "running torch's eager kernels from now on (FUNCPAR_FUSE=off skips the attempt)",
-                              stacklevel=2)
+        except Exception as e:
+            cause = _compile_error(e)
+            if cause is None:
+                raise
+            _failed.append(f"{type(cause).__name__}: {cause}".strip().split("\n")[0][:300])
+            warnings.warn(f"funcpar.pointwise: torch.compile of the fused {fn.__name__} failed ({_failed[0]}); "
+                          "running torch's eager kernels from now on (FUNCPAR_FUSE=off skips the attempt)", stacklevel=2)
             return fn(*args)
 
     run.__name__ = fn.__name__
@@ -78,7 +101,7 @@ def _kernel(fn):
 
 @_kernel
 def _rms_forward(x, w, eps: float):
-    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    r = _rstd(x, eps)
     return x * r * w, r
 
 
@@ -87,7 +110,7 @@ def _rms_backward(x, w, r, g, need_w: bool):
     gx = g * x
     dot = (gx * w).sum(-1, keepdim=True) * r / x.shape[-1]
     gi = (g * w - x * (r * dot)) * r
-    return gi, (gx * r).flatten(0, -2).sum(0) if need_w else None
+    return gi, (gx * r).reshape(-1, x.shape[-1]).sum(0) if need_w else None
 
 
 @_kernel
@@ -97,8 +120,18 @@ def _swiglu_forward(gate, up):
 
 @_kernel
 def _swiglu_backward(gate, up, go):
-    s = torch.sigmoid(gate)
-    return go * up * s * (1 + gate * (1 - s)), go * gate * s
+    return _silu_grad(go * up, gate), go * F.silu(gate)
+
+
+def _silu_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g`` times silu's derivative at ``x``, ``s (1 + x (1 - s))`` with ``s = sigmoid(x)``, composably."""
+    s = x.sigmoid()
+    return g * s * (1.0 + x * (1.0 - s))
+
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's ``1 / sqrt(mean(x²) + eps)`` over the last dim, kept: (..., 1)."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 @_kernel
@@ -125,7 +158,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
             _functorch_wrapped(w) and not _functorch_wrapped(x)):
         return _RMSNorm.apply(x, w, eps)[0]
     xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return w * (xf * _rstd(xf, eps)).to(x.dtype)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -135,7 +168,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(x, w, eps):
         if fusable(x, w):
             return _rms_forward(x, w, eps)
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        r = _rstd(x, eps)  # (..., 1)
         return (x * r).mul_(w), r  # the composition's w * (x * r), rounded alike
 
     @staticmethod
@@ -148,7 +181,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, g, _):
         x, w, r = ctx.saved_tensors
         again = torch.is_grad_enabled() or _functorch_wrapped(g)  # differentiated again: out of place, r of x
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps) if again else r
+        r = _rstd(x, ctx.eps) if again else r
         need_x, need_w, rows = *ctx.needs_input_grad[:2], tuple(range(g.ndim - 1))
         if not need_x:
             return None, (x * r * g).sum(rows) if need_w else None, None
@@ -236,7 +269,6 @@ class _SwiGLU(torch.autograd.Function):
             return None, g_up
         g_act = go * up  # the gradient of silu(gate)
         if torch.is_grad_enabled() or _functorch_wrapped(g_act):  # differentiated again: autograd's own formula
-            s = gate.sigmoid()
-            return g_act * s * (1.0 + gate * (1.0 - s)), g_up
+            return _silu_grad(g_act, gate), g_up
         return torch.ops.aten.silu_backward.grad_input(g_act, gate, grad_input=g_act), g_up
 
