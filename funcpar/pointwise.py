@@ -40,8 +40,14 @@ FUSE = os.environ.get("FUNCPAR_FUSE", "auto")  # "auto" | "on" | "off"
 MIN_NUMEL = 1 << 17  # "auto": the smallest tensor fused (0.5 MB of float32)
 _MODES = ("auto", "on", "off")
 _failed: list[str] = []  # the compile error that turned fusion off, once one did
-if FUSE not in _MODES:
-    raise ValueError(f"FUNCPAR_FUSE={FUSE!r} in the environment: one of {', '.join(_MODES)}")
+
+
+def _check_mode() -> None:
+    if FUSE not in _MODES:
+        raise ValueError(f"funcpar.pointwise.FUSE (FUNCPAR_FUSE in the environment) is {FUSE!r}; one of {_MODES}")
+
+
+_check_mode()  # at import: a misspelt FUNCPAR_FUSE fails before any training starts
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
@@ -52,8 +58,7 @@ def _functorch_wrapped(t: torch.Tensor) -> bool:
 
 def fusable(*ts: torch.Tensor) -> bool:
     """Whether the fused kernels take ``ts`` (the first one's size decides), under :data:`FUSE`."""
-    if FUSE not in _MODES:
-        raise ValueError(f"funcpar.pointwise.FUSE (FUNCPAR_FUSE in the environment) is {FUSE!r}; one of {_MODES}")
+    _check_mode()  # (FUSE may have been set since import)
     if FUSE == "off" or _failed or torch.is_grad_enabled() or any(_functorch_wrapped(t) for t in ts):
         return False
     return FUSE == "on" or (ts[0].numel() >= MIN_NUMEL and all(
