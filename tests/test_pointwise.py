@@ -19,7 +19,7 @@ from funcpar import layers as L
 from funcpar import pointwise as Pw
 from hf_fixtures import batch, make_checkpoint
 
-KERNELS = ("_rms_forward", "_rms_backward", "_swiglu_forward", "_swiglu_backward", "_exp_and_sum")
+KERNELS = ("_rms_forward", "_rms_backward_kernel", "_swiglu_forward", "_swiglu_backward", "_exp_and_sum")
 
 
 def _count(setattr_) -> dict:
@@ -56,9 +56,10 @@ def _ce(logits, g):  # the cross-entropy's forward through exp_and_sum; labels e
 
 
 CASES = {  # name: (function, input shapes (the last is the output's cotangent), which need gradients, kernels used)
-    "rms_norm": (_rms, [(3, 37, 64), (64,), (3, 37, 64)], [True, True, False], ("_rms_forward", "_rms_backward")),
+    "rms_norm": (_rms, [(3, 37, 64), (64,), (3, 37, 64)], [True, True, False],
+                 ("_rms_forward", "_rms_backward_kernel")),
     "rms_norm_frozen_weight": (_rms, [(5, 64), (64,), (5, 64)], [True, False, False],
-                               ("_rms_forward", "_rms_backward")),
+                               ("_rms_forward", "_rms_backward_kernel")),
     "swiglu": (_swiglu, [(2, 29, 48), (2, 29, 48), (2, 29, 48)], [True, True, False],
                ("_swiglu_forward", "_swiglu_backward")),
     "cross_entropy": (_ce, [(2, 13, 96), (2, 13)], [True, False], ("_exp_and_sum",)),
@@ -114,7 +115,7 @@ def test_never_under_torch_func_transforms_or_a_differentiated_backward(calls, m
     # torch.func.grad: the forward sees this level's plain tensors (it may fuse), the backward wrapped ones (eager);
     # vmap: wrapped tensors both ways, all eager (the eager values bit for bit)
     gx = torch.func.grad(lambda x: L.rms_norm(x, w, 1e-5).pow(2).sum())(x)
-    assert calls["_rms_backward"] == 0
+    assert calls["_rms_backward_kernel"] == 0
     per_row = torch.func.vmap(lambda r: L.swiglu(r, r).sum())(x)
     assert calls["_swiglu_forward"] == 0
     monkeypatch.setattr(Pw, "FUSE", "off")
