@@ -148,9 +148,11 @@ def main() -> None:
     if args.weights is None:
         import tempfile
 
+        import torch
         import transformers
 
         args.weights = tempfile.mkdtemp(prefix="funcpar-bench-")
+        torch.manual_seed(0)  # the same weights, so the same losses, in every invocation
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**_config(args))).save_pretrained(args.weights)
     rows = []
     for kind in runs:
