@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import funcpar as fp
+from funcpar.optim.base import fresh_protocol
 
 STEPS = 6
 
@@ -140,6 +141,33 @@ def test_fused_adamw_after_clipping_and_what_has_no_fused_path():
     assert fp.optim.chain(opt, fp.optim.scale(0.5)).fused is None  # a stage after AdamW's: not fused
     half = {k: v.half() for k, v in params.items()}
     assert not opt.fused.can(half, half) and not opt.fused.can({}, {})
+
+
+def test_scalar_stages_fold_into_the_fused_kernel():
+    """Clipping and scaling ahead of AdamW cost no pass over the gradients: their product reaches torch's kernel as
+    its grad_scale; a stage between them that is not a scalar gets the product applied first."""
+    params = _params(3)
+    opt = fp.optim.adamw(1e-2, weight_decay=0.1)
+    folded = fp.optim.chain(fp.optim.scale(0.5), fp.optim.clip_by_global_norm(0.5), opt)
+    assert folded.fused.scales
+    seen, muls = [], []
+    real_adam, real_mul = torch._fused_adamw_, torch._foreach_mul_
+    torch._fused_adamw_ = lambda *a, **k: seen.append(k["grad_scale"]) or real_adam(*a, **k)
+    torch._foreach_mul_ = lambda *a: muls.append(a) or real_mul(*a)
+    try:
+        ours, _ = _run_fused(folded, params)
+    finally:
+        torch._fused_adamw_, torch._foreach_mul_ = real_adam, real_mul
+    assert muls == [] and len(seen) == STEPS and all(s is not None and s.item() > 2.0 for s in seen)
+    _assert_close(ours, _run(folded, params))  # the unfused chain: every stage a pass of its own
+
+    def shift(grads, state, params=None, _fresh=False, **extra):  # not a scalar: sees the scaled gradients
+        return {k: v + 1e-3 for k, v in grads.items()}, state
+
+    mixed = fp.optim.chain(fp.optim.clip_by_global_norm(0.5), fp.optim.GradientTransformation(
+        lambda p: (), fresh_protocol(shift, lambda fresh: True)), fp.optim.scale(2.0), opt)
+    _assert_close(_run_fused(mixed, params)[0], _run(mixed, params))
+    assert not torch.allclose(_run(mixed, params)["w"], _run(folded, params)["w"])
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import optree
+import torch
 
 
 class Fused(NamedTuple):
@@ -24,6 +25,7 @@ class Fused(NamedTuple):
 
     can: Callable[[Any, Any], bool]
     apply: Callable[..., Any]
+    scales: bool = False  # ``apply`` takes ``coef=``: a scalar every gradient is multiplied by first, in its pass
 
 
 class GradientTransformation(NamedTuple):
@@ -66,6 +68,14 @@ def decay_mask(params: Any) -> Any:
 def fresh_protocol(update: Callable, fresh_out: Callable[[bool], bool]) -> Callable:
     """Mark ``update`` as taking ``_fresh=`` and producing fresh outputs when ``fresh_out(fresh_in)`` (see above)."""
     update._fresh_out = fresh_out
+    return update
+
+
+def factor_protocol(update: Callable, factor: Callable) -> Callable:
+    """Mark ``update`` as multiplying every leaf by one scalar: ``factor(grads, state, params, **extra)`` returns
+    ``(scalar, new_state)`` without touching ``grads``, so a fused last stage can fold the product of such stages into
+    its own pass (clipping: one pass over the gradients fewer a step)."""
+    update._factor = factor
     return update
 
 
@@ -113,14 +123,33 @@ def _chain_fused(transforms: tuple) -> Fused | None:
         return None
     last = transforms[-1].fused
 
-    def apply(grads, state, params=None, **extra):
+    def apply(grads, state, params=None, coef=None, **extra):
         new, fresh = [], True
         for t, s in zip(transforms[:-1], state):
-            (grads, s), fresh = _call(t, grads, s, params, fresh, extra)
+            factor = getattr(t.update, "_factor", None)
+            if factor is not None:  # a scalar: folded into the product, the gradients untouched
+                c, s = factor(grads, s, params, **extra)
+                coef = c if coef is None else coef * c
+            else:
+                grads, fresh, coef = _scaled(grads, coef, fresh), fresh or coef is not None, None
+                (grads, s), fresh = _call(t, grads, s, params, fresh, extra)
             new.append(s)
-        return (*new, last.apply(grads, state[-1], params, **extra))
+        if coef is not None and not last.scales:
+            grads, coef = _scaled(grads, coef, fresh), None
+        return (*new, last.apply(grads, state[-1], params, **({} if coef is None else {"coef": coef}), **extra))
 
-    return Fused(last.can, apply)
+    return Fused(last.can, apply, scales=True)
+
+
+def _scaled(grads: Any, coef, fresh: bool) -> Any:
+    """``grads * coef`` (``coef`` None: ``grads``), in place when they are the chain's own."""
+    xs = leaves(grads)
+    if coef is None or not xs:
+        return grads
+    if fresh:
+        torch._foreach_mul_(xs, coef)
+        return grads
+    return unflatten_like(grads, torch._foreach_mul(xs, coef))
 
 
 def _select(tree: Any, keep: list[bool]) -> Any:

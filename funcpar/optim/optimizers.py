@@ -43,17 +43,20 @@ def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: An
     one pass over each leaf's parameter, gradient and moments, where the chain makes about eleven ``_foreach``
     passes over all of them (8M parameters on one core: 10 against 37 ms). Torch's arithmetic (``p *= 1 - lr*wd``,
     then ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``), so it equals ``torch.optim.AdamW`` to round-off as the
-    chain does; the same state, counts included."""
+    chain does; the same state, counts included. ``coef`` (from :func:`chain`: the clipping or scaling stages ahead
+    of it): the kernel's ``grad_scale`` is ``1/coef``, each gradient divided as it is read, no pass of its own."""
 
     def can(grads, params):
         gs, ps = leaves(grads), leaves(params)
         return (hasattr(torch, "_fused_adamw_") and len(gs) == len(ps) > 0 and
                 all(x.dtype == torch.float32 and x.device == ps[0].device for x in gs + ps))
 
-    def apply(grads, state, params=None, **extra):
+    def apply(grads, state, params=None, coef=None, **extra):
         adam, lrs = state[0], state[-1]
         lr = lr_at(schedule, lrs.count)
         gs, ps, mus, nus = leaves(grads), leaves(params), leaves(adam.mu), leaves(adam.nu)
+        # the kernel divides each gradient by grad_scale as it reads it: clipping's coefficient costs no pass of its own
+        inv = None if coef is None else 1.0 / torch.as_tensor(coef, dtype=torch.float32, device=ps[0].device)
         decayed = mask_list(mask, params) if weight_decay else [False] * len(ps)
         t = torch.full((), float(_count(adam.count) + 1), device=ps[0].device)
         for decay in (True, False):
@@ -62,10 +65,10 @@ def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: An
                 torch._fused_adamw_([ps[i] for i in idx], [gs[i] for i in idx], [mus[i] for i in idx],
                                     [nus[i] for i in idx], [], [t] * len(idx), lr=float(lr), beta1=b1, beta2=b2,
                                     weight_decay=weight_decay if decay else 0.0, eps=eps, amsgrad=False,
-                                    maximize=False)
+                                    maximize=False, grad_scale=inv)
         return (adam._replace(count=adam.count + 1), *state[1:-1], lrs._replace(count=lrs.count + 1))
 
-    return Fused(can, apply)
+    return Fused(can, apply, scales=True)
 
 
 def lion(

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import GradientTransformation, fresh_protocol, leaves, mask_list, unflatten_like
+from .base import GradientTransformation, factor_protocol, fresh_protocol, leaves, mask_list, unflatten_like
 from .schedules import Schedule, check_hyper, constant
 
 
@@ -110,15 +110,20 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params):
         return ClipState()
 
+    def factor(grads, state, params=None, global_norm=None, **extra):
+        xs = leaves(grads)
+        if not xs:
+            return 1.0, state
+        norm = global_norm if global_norm is not None else _tree_norm(grads)
+        return torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(xs[0].device), state
+
     def update(grads, state, params=None, global_norm=None, _fresh=False, **extra):
         xs = leaves(grads)
         if not xs:
             return grads, state
-        norm = global_norm if global_norm is not None else _tree_norm(grads)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        return unflatten_like(grads, _mul(xs, coef.to(xs[0].device), _fresh)), state
+        return unflatten_like(grads, _mul(xs, factor(grads, state, params, global_norm)[0], _fresh)), state
 
-    return GradientTransformation(init, fresh_protocol(update, _always))
+    return GradientTransformation(init, factor_protocol(fresh_protocol(update, _always), factor))
 
 
 class ScaleState(NamedTuple):
@@ -135,7 +140,10 @@ def scale(factor: float) -> GradientTransformation:
         xs = leaves(grads)
         return (unflatten_like(grads, _mul(xs, factor, _fresh)) if xs else grads), state
 
-    return GradientTransformation(init, fresh_protocol(update, _always))
+    def scalar(grads, state, *args, **extra):
+        return factor, state
+
+    return GradientTransformation(init, factor_protocol(fresh_protocol(update, _always), scalar))
 
 
 def lr_at(schedule: Schedule, count: torch.Tensor) -> float:
