@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import funcpar as fp
-from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed
+from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, run_and_exit
 from funcpar.atomic import agree
 from funcpar.generate import show_arithmetic
 from funcpar.preflight import check_run, claim_out
@@ -364,5 +364,10 @@ def main(argv: list[str] | None = None) -> None:
         fail("funcpar: interrupted", code=INTERRUPTED)
 
 
+def entry() -> None:
+    """The command line (``python -m funcpar``, the ``funcpar`` script): :func:`main`, ending the process promptly."""
+    run_and_exit(main)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

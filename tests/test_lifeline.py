@@ -152,3 +152,38 @@ def test_debug_shows_the_traceback(tmp_path):
     p, _ = _run(tmp_path, "--mesh", "1", "--steps", "1", "--data", "bad.jsonl", "--out", "out", "--debug")
     assert p.returncode == 1 and "Traceback (most recent call last)" in p.stderr
     assert "funcpar.data.DataError: bad.jsonl:1: not valid JSON" in p.stderr
+
+
+_ENDING = """
+import atexit, sys, threading, time
+from funcpar.launch import run_and_exit
+atexit.register(lambda: print("atexit handler ran"))  # (stdout is a pipe: block-buffered, flushed at the end)
+def late():
+    time.sleep(0.3)
+    print("non-daemon thread finished")
+def command():
+    threading.Thread(target=late).start()
+    print("command ran")
+    {end}
+run_and_exit(command)
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("end, code, err", [
+    ("pass", 0, ""), ("raise SystemExit(3)", 3, ""), ("raise SystemExit('funcpar: a reason')", 1, "funcpar: a reason\n"),
+])
+def test_the_command_line_ends_as_python_would_without_its_teardown(end, code, err):
+    """`python -m funcpar` skips the interpreter's finalization (about 1 s a process after torch), and nothing else:
+    non-daemon threads are joined, atexit handlers run, buffered output is flushed, the status and message kept."""
+    p = subprocess.run([sys.executable, "-c", _ENDING.format(end=end)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert (p.returncode, p.stderr) == (code, err)
+    assert p.stdout == "command ran\nnon-daemon thread finished\natexit handler ran\n"
+
+
+def test_an_exception_in_the_command_line_is_python_s_own_traceback():
+    p = subprocess.run([sys.executable, "-c", _ENDING.format(end="raise RuntimeError('boom')")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.rstrip().endswith("RuntimeError: boom")
+    assert "atexit handler ran" in p.stdout and "not reached" not in p.stdout
