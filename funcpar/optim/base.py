@@ -141,15 +141,20 @@ def _chain_fused(transforms: tuple) -> Fused | None:
     return Fused(last.can, apply, scales=True)
 
 
+def mul_leaves(xs: list, factor, fresh: bool) -> list:
+    """``xs * factor``, in place when ``xs`` are the chain's own (fresh) tensors."""
+    if fresh:
+        torch._foreach_mul_(xs, factor)
+        return xs
+    return torch._foreach_mul(xs, factor)
+
+
 def _scaled(grads: Any, coef, fresh: bool) -> Any:
     """``grads * coef`` (``coef`` None: ``grads``), in place when they are the chain's own."""
     xs = leaves(grads)
     if coef is None or not xs:
         return grads
-    if fresh:
-        torch._foreach_mul_(xs, coef)
-        return grads
-    return unflatten_like(grads, torch._foreach_mul(xs, coef))
+    return unflatten_like(grads, mul_leaves(xs, coef, fresh))
 
 
 def _select(tree: Any, keep: list[bool]) -> Any:

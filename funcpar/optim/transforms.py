@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import GradientTransformation, factor_protocol, fresh_protocol, leaves, mask_list, unflatten_like
+from .base import (GradientTransformation, factor_protocol, fresh_protocol, leaves, mask_list, mul_leaves as _mul,
+                   unflatten_like)
 from .schedules import Schedule, check_hyper, constant
 
 
@@ -40,14 +41,6 @@ def _zeros_like(params: Any) -> Any:
 
 def _always(fresh: bool) -> bool:
     return True
-
-
-def _mul(xs: list, factor, fresh: bool) -> list:
-    """``xs * factor``, in place when ``xs`` are the chain's own (fresh) tensors."""
-    if fresh:
-        torch._foreach_mul_(xs, factor)
-        return xs
-    return torch._foreach_mul(xs, factor)
 
 
 def _on_leaves(update):
