@@ -80,6 +80,12 @@ class Stages:
     each entry of ``params[layers]``; ``head(params, carry, batch, cfg, mesh, reduction="mean") -> loss``. The carry
     is a tensor (the hidden states). ``embed_leaves`` and ``head_leaves`` name the top-level leaves each end uses
     (a tied embedding appears in both).
+
+    ``halves`` (optional): ``(first, second)``, each with ``block``'s signature, ``block`` being ``second`` after
+    ``first`` (a decoder layer's attention with its residual, then its MLP with its residual); ``first_leaves(cfg)``
+    names the layer leaves ``first`` uses, the rest being ``second``'s, and ``half_names`` says what each half is.
+    A pipeline may then cut a layer between its halves, which balances stages that whole layers cannot (the last
+    stage's LM head weighs about half a layer or more).
     """
 
     embed: Callable
@@ -88,6 +94,14 @@ class Stages:
     embed_leaves: Callable[[Any], Sequence[str]]
     head_leaves: Callable[[Any], Sequence[str]]
     layers: str = "layers"
+    halves: tuple[Callable, Callable] | None = None
+    first_leaves: Callable[[Any], Sequence[str]] | None = None
+    half_names: tuple[str, str] = ("attention", "mlp")
+
+    def __post_init__(self):
+        if (self.halves is None) != (self.first_leaves is None):
+            raise ModelError("Stages: give halves and first_leaves together (the two half-blocks and the layer "
+                             "leaves the first one uses), or neither")
 
     def loss(self, params, batch, cfg, mesh, reduction: str = "mean"):
         """The staged composition on one process: equal to the model's ``loss``."""

@@ -34,7 +34,7 @@ HELP = {
     "micro_batches": "micro-batches accumulated per step (the pipeline's micro-batches with pp)",
     "optimizer": "adamw, lion or sgd", "lr": "peak learning rate",
     "pipeline": "schedule with pp > 1: 1f1b, gpipe or interleaved", "chunks": "virtual stages per pp rank (interleaved)",
-    "parts": "layers per pipeline stage, e.g. 3,5 (default: balanced)",
+    "parts": "layers per pipeline stage, e.g. 3,5 or 2.5,1.5 (default: balanced by weight, head included)",
     "schedule": "warmup_cosine, warmup_linear or constant", "warmup": "warmup steps",
     "weight_decay": "decoupled weight decay (not on norms and biases)", "zero": "ZeRO stage: 0, 1, 2 or 3",
     "clip": "clip the global gradient norm to this (0: off)", "precision": "fp32, bf16 or fp16 (with loss scaling)",
@@ -234,6 +234,15 @@ def build_optimizer(opts):
     return optimizers[opts["optimizer"]]()
 
 
+def _number(text: str, flag: str) -> int | float:
+    """``"3"`` -> 3, ``"2.5"`` -> 2.5 (a count of layers, halves allowed)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise SystemExit(f"funcpar: bad {flag} entry '{text}': expected layer counts such as 3,5 or 2.5,1.5") from None
+    return int(x) if x.is_integer() else x
+
+
 def _step_parts(opts, model, cfg, mesh):
     """The model's loss (with remat if asked) and the ``compile_step`` options every train step takes from
     ``opts``, checked: shared by the full step and the ``--lora`` one."""
@@ -251,7 +260,7 @@ def _step_parts(opts, model, cfg, mesh):
 def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
     """The train step: the model's loss (with its micro-batch weighting, and remat if asked) and the options."""
     loss, kw = _step_parts(opts, model, cfg, mesh)
-    parts = [int(p) for p in str(opts["parts"]).replace(" ", "").split(",") if p] or None
+    parts = [_number(p, "--parts") for p in str(opts["parts"]).replace(" ", "").split(",") if p] or None
     return fp.compile_step(loss, specs, pipeline=opts["pipeline"], chunks=opts["chunks"] or None, parts=parts, **kw)
 
 

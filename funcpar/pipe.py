@@ -30,7 +30,7 @@ import torch
 
 from . import collectives as C
 from . import p2p
-from .pipeline import Schedule, assign_layers
+from .pipeline import Schedule, assign_units
 from .remat import remat
 from .state import StepError
 
@@ -50,7 +50,9 @@ class StagePlan:
         self.model, self.stages, self.cfg, self.mesh, self.schedule = model, st, cfg, mesh, schedule
         self.shapes = model.init(cfg, device="meta")
         self.n_layers = len(self.shapes[st.layers])
-        self.ranges = assign_layers(self.n_layers, schedule.virtual_stages, parts)
+        self.first = set(st.first_leaves(cfg)) if st.halves is not None else None
+        # units: the layers, or their halves; ranges[v]: the units virtual stage v holds
+        self.ranges = assign_units(self.n_layers, schedule.virtual_stages, self._costs(), parts, self.first is not None)
         self.rank, self.pp, self.V = mesh.coord("pp"), mesh.axis_size("pp"), schedule.virtual_stages
         self.virtual = [schedule.stage_of(self.rank, c) for c in range(schedule.chunks)]
         self.embed_names, self.head_names = set(st.embed_leaves(cfg)), set(st.head_leaves(cfg))
@@ -64,8 +66,8 @@ class StagePlan:
         """Whether this rank holds the leaf at ``path`` (a path of the model's parameter tree)."""
         top = _key(path[0])
         if top == self.stages.layers:
-            i = _key(path[1])
-            return any(i in self.ranges[v] for v in self.virtual)
+            units = self._units_of(_key(path[1]), _key(path[2]) if len(path) > 2 else None)
+            return any(u in self.ranges[v] for v in self.virtual for u in units)
         return (top in self.embed_names and 0 in self.virtual) or (top in self.head_names and self.V - 1 in self.virtual)
 
     def holds_path(self, path: str) -> bool:
@@ -93,12 +95,49 @@ class StagePlan:
             parts = []
             for c in range(self.schedule.chunks):
                 v = self.schedule.stage_of(r, c)
-                rg = self.ranges[v]
-                what = [f"layers {rg.start}-{rg.stop - 1}" if len(rg) > 1 else f"layer {rg.start}"]
-                what = (["embed"] if v == 0 else []) + what + (["head"] if v == self.V - 1 else [])
+                what = (["embed"] if v == 0 else []) + self._describe_units(self.ranges[v])
+                what += ["head"] if v == self.V - 1 else []
                 parts.append(f"stage {v}: " + " + ".join(what))
             lines.append(f"pp rank {r}: " + "; ".join(parts))
         return "\n".join(lines)
+
+
+    def _units_of(self, i: int, name: Any) -> list[int]:
+        """The units layer ``i``'s leaf ``name`` belongs to (both halves for ``None``: the whole layer)."""
+        if self.first is None:
+            return [i]
+        return [2 * i, 2 * i + 1] if name is None else [2 * i + (0 if name in self.first else 1)]
+
+    def _costs(self) -> list[float]:
+        """Each unit's weight for the default split: its leaves' element count (a matmul's work per token is twice
+        its weight's), the last unit's including the head's leaves. The embedding is a lookup and counts nothing;
+        attention's sequence-length term is left out (at 256 positions about a fifth of an attention half)."""
+        st, layers = self.stages, self.shapes[self.stages.layers]
+        costs = []
+        for i, lp in enumerate(layers):
+            flat = [(_key(p[0]), x) for p, x in zip(optree.tree_paths(lp), optree.tree_leaves(lp))]
+            for unit in self._units_of(i, None):
+                costs.append(float(sum(x.numel() for name, x in flat if unit in self._units_of(i, name))))
+        head = set(st.head_leaves(self.cfg))
+        if costs:
+            costs[-1] += float(sum(x.numel() for name, x in self.shapes.items() if name in head
+                                   for x in optree.tree_leaves(x)))
+        return costs
+
+    def _describe_units(self, rg: range) -> list[str]:
+        """``["layers 0-1", "layer 2 attention"]`` for units ``rg``."""
+        if self.first is None:
+            return [f"layers {rg.start}-{rg.stop - 1}" if len(rg) > 1 else f"layer {rg.start}"]
+        out, a, z = [], rg.start, rg.stop
+        if a % 2:
+            out.append(f"layer {a // 2} {self.stages.half_names[1]}")
+            a += 1
+        if z - a >= 2:
+            lo, hi = a // 2, a // 2 + (z - a) // 2 - 1
+            out.append(f"layers {lo}-{hi}" if hi > lo else f"layer {lo}")
+        if (z - a) % 2:
+            out.append(f"layer {(z - 1) // 2} {self.stages.half_names[0]}")
+        return out
 
 
 def _signature(mb: Any) -> tuple:
@@ -116,8 +155,9 @@ class Executor:
     # ------------------------------------------------------------------------------------------- chunk passes
     def _blocks(self, params: Any, x: torch.Tensor, v: int) -> torch.Tensor:
         st, cfg, mesh = self.plan.stages, self.plan.cfg, self.mesh
-        for i in self.plan.ranges[v]:
-            fn = functools.partial(_block_call, st.block, i, cfg, mesh)
+        for u in self.plan.ranges[v]:
+            i, block = (u, st.block) if st.halves is None else (u // 2, st.halves[u % 2])
+            fn = functools.partial(_block_call, block, i, cfg, mesh)
             x = remat(fn)(params[st.layers][i], x) if self.remat else fn(params[st.layers][i], x)
         return x
 

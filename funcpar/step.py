@@ -377,7 +377,8 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     host is the device: the same code path). On a mesh with ``pp > 1`` the model's staged form is cut into
     pipeline stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline``
     (``"1f1b"``, ``"gpipe"`` or ``"interleaved"``), ``chunks`` (virtual stages per rank, interleaved; default 2),
-    ``parts`` (layers per virtual stage; default balanced). ``nonfinite``: a step whose loss or gradient norm is
+    ``parts`` (layers per virtual stage, in halves where the model's staged form has them: ``[2.5, 1.5]``; default:
+    cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step whose loss or gradient norm is
     not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``) or is
     skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or by loss scaling.
     ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker thread

@@ -176,6 +176,11 @@ def _gelu(x, cfg: Config):
 
 
 def _block(p, x, cfg: Config, mesh):
+    return _mlp_half(p, _attention_half(p, x, None, cfg, mesh), None, cfg, mesh)
+
+
+def _attention_half(p, x, i: int | None, cfg: Config, mesh):
+    """Attention and its residual (a pipeline's first half of a layer)."""
     hd = cfg.head_dim
     h = F.layer_norm(x, (cfg.n_embd,), p["ln1_w"], p["ln1_b"], cfg.layer_norm_epsilon)
     # (B, T, d) -> (B, T, H/tp*hd) each; h's gradient summed over tp
@@ -183,7 +188,14 @@ def _block(p, x, cfg: Config, mesh):
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     o = A.causal(q, k, v)  # (B, H/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
-    x = x + C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
+    return x + C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
+
+
+ATTENTION_LEAVES = ("ln1_w", "ln1_b", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo")  # the rest: the MLP's
+
+
+def _mlp_half(p, x, i: int | None, cfg: Config, mesh):
+    """The MLP and its residual (a pipeline's second half of a layer)."""
     h = F.layer_norm(x, (cfg.n_embd,), p["ln2_w"], p["ln2_b"], cfg.layer_norm_epsilon)
     h = _gelu(L.column_parallel(h, [p["w_fc"]], mesh, "tp", [p["b_fc"]])[0], cfg)  # (B, T, d) -> (B, T, I/tp)
     return x + C.reduce_from_region_(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, I/tp) -> (B, T, d)
@@ -232,5 +244,6 @@ MODEL = fp.register_model(fp.ModelSpec(
     name="gpt2", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=False,
     stages=fp.Stages(_embed, _stage_block, _head, embed_leaves=lambda cfg: ["wte", "wpe"],
-                     head_leaves=lambda cfg: ["ln_f_w", "ln_f_b", "wte"]),
+                     head_leaves=lambda cfg: ["ln_f_w", "ln_f_b", "wte"],
+                     halves=(_attention_half, _mlp_half), first_leaves=lambda cfg: ATTENTION_LEAVES),
 ))

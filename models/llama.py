@@ -283,7 +283,6 @@ def _rope_cos_sin(cfg: Config, T: int, device, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-
 def _kv_weights(p, cfg: Config, mesh):
     """This rank's k/v projections: its shards, or, where they are replicated because tp does not divide the kv
     heads, the rows of the kv heads its query heads use (gradients summed over tp by ``copy_to_region``)."""
@@ -325,9 +324,20 @@ def _attention(p, x, cos, sin, window, cfg: Config, mesh):
     return y + p["bo"] if "bo" in p else y
 
 
-
 def _layer(lp, x, cos, sin, window, cfg: Config, mesh):
     x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, window, cfg, mesh)
+    return _mlp_half(lp, x, None, cfg, mesh)
+
+
+def _attention_half(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
+    """A pipeline's first half of layer ``i``: attention and its residual."""
+    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
+    return x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg.sliding_windows[i],
+                          cfg, mesh)
+
+
+def _mlp_half(lp, x, i: int | None, cfg: Config, mesh) -> torch.Tensor:
+    """The MLP and its residual (a pipeline's second half of a layer)."""
     return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
 
 
@@ -336,8 +346,7 @@ def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
-    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
-    return _layer(lp, x, cos, sin, cfg.sliding_windows[i], cfg, mesh)
+    return _mlp_half(lp, _attention_half(lp, x, i, cfg, mesh), i, cfg, mesh)
 
 
 def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
@@ -385,5 +394,7 @@ MODEL = fp.register_model(fp.ModelSpec(
     name="llama", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True,
     stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
-                     head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"]),
+                     head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"],
+                     halves=(_attention_half, _mlp_half),  # first_leaves: the attention's; the rest, the MLP's
+                     first_leaves=lambda cfg: ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")),
 ))

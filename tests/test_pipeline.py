@@ -12,6 +12,7 @@ from funcpar.pipeline import (
     PipelineError,
     Schedule,
     assign_layers,
+    assign_units,
     gpipe,
     interleaved_1f1b,
     make_schedule,
@@ -53,6 +54,45 @@ def test_assign_layers_follows_parts():
 def test_assign_layers_errors_name_the_numbers(args, kwargs, message):
     with pytest.raises(PipelineError, match=message):
         assign_layers(*args, **kwargs)
+
+
+def test_assign_units_balances_costs_and_may_cut_a_layer_between_its_halves():
+    # a small Llama's halves (attention 0.79, MLP 2.16; the last MLP carries the head's 2.1): whole layers split
+    # 6.16 : 8.26 over two stages, a cut after layer 2's attention 7.08 : 7.34 (the cut nearest half the total)
+    costs = [0.79, 2.16] * 4
+    costs[-1] += 2.1
+    assert assign_units(4, 2, costs, halves=True) == [range(0, 5), range(5, 8)]
+    assert assign_units(4, 4, costs, halves=True) == [range(0, 3), range(3, 5), range(5, 7), range(7, 8)]
+    # whole layers (no halves): the head's weight moves a layer off the last stage
+    assert assign_units(8, 2, [1.0] * 7 + [5.0]) == [range(0, 6), range(6, 8)]
+    # one unit of all the weight: every other stage keeps one unit, in order
+    assert assign_units(4, 3, [0, 0, 0, 9.0]) == [range(0, 1), range(1, 2), range(2, 4)]
+    # no costs, or none positive: the even split
+    assert assign_units(10, 4) == assign_layers(10, 4)
+    assert assign_units(3, 2, [0.0, 0.0, 0.0]) == assign_layers(3, 2)
+    assert assign_units(2, 4, None, halves=True) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+
+
+def test_assign_units_parts_count_layers_in_halves():
+    assert assign_units(4, 2, parts=[2.5, 1.5], halves=True) == [range(0, 5), range(5, 8)]
+    assert assign_units(4, 2, parts=[1, 3], halves=True) == [range(0, 2), range(2, 8)]
+    assert assign_units(4, 2, parts=[1, 3]) == [range(0, 1), range(1, 4)]  # whole layers: parts as assign_layers
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((4, 2), {"parts": [2.5, 1.5]}, r"parts\[0\] is 2.5: this model's stages hold whole layers"),
+    ((4, 2), {"parts": [2.25, 1.75], "halves": True}, r"parts\[0\] is 2.25: a stage holds whole layers or halves"),
+    ((4, 2), {"parts": [4, 0], "halves": True}, r"parts\[1\] is 0: stage 1 needs at least one layer or half of one"),
+    ((4, 2), {"parts": [2.5, 2], "halves": True}, r"parts \[2.5, 2\] sum to 4.5 but the model has 4 layers"),
+    ((4, 2), {"parts": [1, 1, 2], "halves": True}, r"parts has 3 entries for 2 stages"),
+    ((2, 5), {"halves": True}, r"5 pipeline stages but the model has only 2 layers \(4 halves\): each stage needs "
+                               r"at least one half"),
+    ((2, 3), {}, r"3 pipeline stages but the model has only 2 layers: each stage needs at least one$"),
+    ((2, 0), {"halves": True}, r"at least 1 stage, got 0"),
+])
+def test_assign_units_errors_name_the_numbers(args, kwargs, message):
+    with pytest.raises(PipelineError, match=message):
+        assign_units(*args, **kwargs)
 
 
 def test_rank_layers_puts_virtual_stage_c_pp_plus_r_on_rank_r():

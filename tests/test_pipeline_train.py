@@ -131,7 +131,8 @@ def _variants(runs):
 
 VARIANTS = [
     {"zero": 0}, {"zero": 2}, {"remat": True}, {"name": "llama-tied", "remat": True, "pipeline": "interleaved", "chunks": 2},
-    {"parts": [1, 7]}, {"parts": [5, 3], "name": "llama-tied"},
+    {"parts": [1, 7]}, {"parts": [5, 3], "name": "llama-tied"}, {"parts": [2.5, 5.5], "remat": True},
+    {"parts": [3.5, 4.5], "name": "gpt2"}, {"pipeline": "interleaved", "chunks": 2, "parts": [0.5, 3, 4, 0.5]},
     {"pipeline": "interleaved", "chunks": 2, "parts": [1, 3, 3, 1]}, {"pipeline": "interleaved", "chunks": 4},
     {"offload": "cpu"},
 ]
@@ -164,8 +165,10 @@ def test_stage_plans_name_the_numbers_that_do_not_fit():
         make("llama", mesh, 4, parts=[3, 3, 2])
     with pytest.raises(fp.StepError, match=r"stage 1 needs at least one layer"):
         make("llama", mesh, 4, parts=[8, 0])
-    with pytest.raises(fp.StepError, match=r"16 pipeline stages but the model has only 8 layers"):
-        make("llama", mesh, 4, pipeline="interleaved", chunks=8)
+    with pytest.raises(fp.StepError, match=r"18 pipeline stages but the model has only 8 layers \(16 halves\)"):
+        make("llama", mesh, 4, pipeline="interleaved", chunks=9)
+    with pytest.raises(fp.StepError, match=r"parts\[0\] is 4.25: a stage holds whole layers or halves of them"):
+        make("llama", mesh, 4, parts=[4.25, 3.75])
     with pytest.raises(fp.StepError, match=r"n_micro=3 is not a multiple of pp=2"):
         make("llama", mesh, 3, pipeline="interleaved", chunks=2)
     with pytest.raises(fp.StepError, match=r"unknown pipeline schedule 'zb'"):
@@ -176,6 +179,17 @@ def test_stage_plans_name_the_numbers_that_do_not_fit():
     assert step.pipe.plan.describe().splitlines() == [
         "pp rank 0: stage 0: embed + layer 0", "pp rank 1: stage 1: layer 1", "pp rank 2: stage 2: layer 2",
         "pp rank 3: stage 3: layers 3-7 + head"]
+    step, *_ = make("llama", fp.Mesh.abstract(pp=2), 4, pipeline="interleaved", chunks=2, parts=[1.5, 3, 0.5, 3])
+    assert step.pipe.plan.describe().splitlines() == [
+        "pp rank 0: stage 0: embed + layer 0 + layer 1 attention; stage 2: layer 4 mlp",
+        "pp rank 1: stage 1: layer 1 mlp + layers 2-3 + layer 4 attention; stage 3: layers 5-7 + head"]
+    st = fp.get_model("llama").stages
+    with pytest.raises(fp.ModelError, match="give halves and first_leaves together"):
+        dataclasses.replace(st, first_leaves=None)
+    meta = fp.get_model("llama").init(config("llama"), device="meta")
+    held = {p for p, _ in fp.tree.leaves_with_path(step.pipe.plan.select(meta))}  # pp rank 0's
+    assert {"layers.1.wq", "layers.1.attn_norm", "layers.4.w_down", "layers.0.w_up"} <= held
+    assert not {"layers.1.w_up", "layers.1.mlp_norm", "layers.4.wo", "layers.2.wq"} & held
 
 
 class _Busy(torch.autograd.Function):
@@ -213,8 +227,9 @@ def _bubbles(micro):
     ids = torch.randint(0, V, (micro, T), generator=torch.Generator().manual_seed(0))
     out = {}
     for pipeline, chunks in SCHEDULES:
+        stages = 2 * (chunks or 1)  # equal layers a stage: equal busy time (the default cut would weigh the head)
         step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, accum_steps=micro, pipeline=pipeline,
-                               chunks=chunks)
+                               chunks=chunks, parts=[LAYERS // stages] * stages)
         state = step.init(fp.shard(model.init(cfg), specs, mesh))
         measured = []
         for _ in range(4):
