@@ -32,8 +32,10 @@ only its own tensors from the safetensors file (``LayerSpec``, so a stage never 
 transformers' ``LlamaRotaryEmbedding``, so the only activation between stages is the hidden-state tensor; no
 attention mask is passed: transformers' SDPA attention is then causal) | final ``LlamaRMSNorm`` + ``lm_head``,
 with ``loss_fn`` transformers' shifted causal-LM loss (pad the labels with -100, shift by one, mean cross-entropy
-over the tokens). ``partition_method="uniform"`` splits the N + 2 layers evenly, which is funcpar's default split
-too (stage 0: embedding + the first N/2 blocks, stage 1: the rest + norm + head). The pipe engine averages the
+over the tokens). ``partition_method="uniform"`` splits the N + 2 layers evenly (stage 0: embedding + the first N/2
+blocks, stage 1: the rest + norm + head), DeepSpeed's best whole-layer split here ("parameters", its default, gives
+the same: the embedding weighs as much as the head); funcpar's default cut weighs the head and, for Llama, may end a
+stage between a layer's attention and its MLP. The pipe engine averages the
 micro-batch losses; as every micro-batch has the same number of target tokens (no -100 labels in the data) that
 is the global token mean, as transformers' loss of the whole batch and funcpar's token-weighted mean are.
 

@@ -46,7 +46,7 @@ def _key(entry: Any) -> Any:
 class StagePlan:
     """Which virtual stages, layers and leaves this ``pp`` rank holds (the model's staged form over ``schedule``)."""
 
-    def __init__(self, model, cfg: Any, mesh, schedule: Schedule, parts: list[int] | None = None):
+    def __init__(self, model, cfg: Any, mesh, schedule: Schedule, parts: list[float] | None = None):
         st = model.stages
         self.model, self.stages, self.cfg, self.mesh, self.schedule = model, st, cfg, mesh, schedule
         self.shapes = model.init(cfg, device="meta")
@@ -126,19 +126,21 @@ class StagePlan:
                                    for x in optree.tree_leaves(x)))
         return costs
 
+    def pieces(self, rg: range) -> list[tuple[int, int | None]]:
+        """Units ``rg`` as ``(layer, half)`` in order: ``half`` 0 or 1 where only that half is in ``rg``, ``None``
+        for a whole layer (run as one block)."""
+        if self.first is None:
+            return [(u, None) for u in rg]
+        return [(u // 2, None if u % 2 == 0 and u + 1 in rg else u % 2) for u in rg if u % 2 == 0 or u - 1 not in rg]
+
     def _describe_units(self, rg: range) -> list[str]:
         """``["layers 0-1", "layer 2 attention"]`` for units ``rg``."""
-        if self.first is None:
-            return [f"layers {rg.start}-{rg.stop - 1}" if len(rg) > 1 else f"layer {rg.start}"]
-        out, a, z = [], rg.start, rg.stop
-        if a % 2:
-            out.append(f"layer {a // 2} {self.stages.half_names[1]}")
-            a += 1
-        if z - a >= 2:
-            lo, hi = a // 2, a // 2 + (z - a) // 2 - 1
-            out.append(f"layers {lo}-{hi}" if hi > lo else f"layer {lo}")
-        if (z - a) % 2:
-            out.append(f"layer {(z - 1) // 2} {self.stages.half_names[0]}")
+        out, whole = [], [i for i, half in self.pieces(rg) if half is None]
+        for i, half in self.pieces(rg):
+            if half is not None:
+                out.append(f"layer {i} {self.stages.half_names[half]}")
+            elif i == whole[0]:
+                out.append(f"layers {i}-{whole[-1]}" if len(whole) > 1 else f"layer {i}")
         return out
 
 
@@ -156,11 +158,13 @@ class Executor:
 
     # ------------------------------------------------------------------------------------------- chunk passes
     def _blocks(self, params: Any, x: torch.Tensor, v: int) -> torch.Tensor:
-        st, cfg, mesh = self.plan.stages, self.plan.cfg, self.mesh
-        for u in self.plan.ranges[v]:
-            i, block = (u, st.block) if st.halves is None else (u // 2, st.halves[u % 2])
-            fn = functools.partial(_block_call, block, i, cfg, mesh)
-            x = remat(fn)(params[st.layers][i], x) if self.remat else fn(params[st.layers][i], x)
+        st, cfg, mesh, first = self.plan.stages, self.plan.cfg, self.mesh, self.plan.first
+        for i, half in self.plan.pieces(self.plan.ranges[v]):
+            lp = params[st.layers][i]
+            if half is not None:  # only that half's leaves (remat's backward would make zeros for the others)
+                lp = {k: x for k, x in lp.items() if (k in first) == (half == 0)}
+            fn = functools.partial(_block_call, st.block if half is None else st.halves[half], i, cfg, mesh)
+            x = remat(fn)(lp, x) if self.remat else fn(lp, x)
         return x
 
     def _tag(self, kind: int, m: int, v: int) -> int:

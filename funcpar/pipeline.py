@@ -1,6 +1,7 @@
 """Pipeline-parallel plans as data: which layers each stage holds, and the order in which each rank runs them.
 
-A model's blocks are cut into contiguous *virtual stages* ``0 .. V-1`` (:func:`assign_layers`). The ``pp`` ranks of
+A model's blocks (or their halves) are cut into contiguous *virtual stages* ``0 .. V-1`` (:func:`assign_units`;
+:func:`assign_layers` is its even split of whole layers). The ``pp`` ranks of
 the mesh axis ``pp`` hold them round-robin: with ``chunks`` virtual stages per rank, rank ``r`` holds virtual stages
 ``r, r + pp, r + 2 pp, ...``; its ``c``-th one (its *chunk* ``c``) is virtual stage ``v = c * pp + r``. Without
 interleaving ``chunks == 1`` and virtual stage = rank. The global batch of a step is split into ``n_micro``
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from typing import Sequence
 
 __all__ = ["PipelineError", "Action", "Schedule", "assign_layers", "assign_units", "gpipe", "one_f_one_b", "interleaved_1f1b",
@@ -95,7 +97,7 @@ def assign_units(n_layers: int, stages: int, costs: Sequence[float] | None = Non
     if parts is not None and halves:
         units = []
         for s, size in enumerate(parts):
-            if not isinstance(size, (int, float)) or not float(size * 2).is_integer():
+            if not isinstance(size, numbers.Real) or not float(size * 2).is_integer():
                 raise PipelineError(f"parts[{s}] is {size!r}: a stage holds whole layers or halves of them "
                                     f"(parts {list(parts)})")
             units.append(int(size * 2))
@@ -109,7 +111,7 @@ def assign_units(n_layers: int, stages: int, costs: Sequence[float] | None = Non
         return assign_layers(n, stages, units)
     if parts is not None:
         for s, size in enumerate(parts):
-            if not isinstance(size, int) and not (isinstance(size, float) and size.is_integer()):
+            if not isinstance(size, numbers.Real) or not float(size).is_integer():
                 raise PipelineError(f"parts[{s}] is {size!r}: this model's stages hold whole layers (its staged "
                                     f"form has no halves) (parts {list(parts)})")
         return assign_layers(n_layers, stages, [int(x) for x in parts])
@@ -157,7 +159,8 @@ class Schedule:
         return chunk * self.pp + rank
 
     def rank_layers(self, n_layers: int, parts: list[int] | None = None) -> list[list[range]]:
-        """Per rank, per chunk, the block indices it holds (:func:`assign_layers` over the virtual stages)."""
+        """Per rank, per chunk, the block indices of :func:`assign_layers`'s even split over the virtual stages (the
+        executor's cut is :func:`assign_units`')."""
         stages = assign_layers(n_layers, self.virtual_stages, parts)
         return [[stages[self.stage_of(r, c)] for c in range(self.chunks)] for r in range(self.pp)]
 

@@ -69,7 +69,7 @@ class Step:
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20,
+                 parts: list[float] | None = None, nonfinite: str = "error", max_skips: int = 20,
                  overlap: bool = False, host_malloc: str = "keep"):
         mesh = mesh if mesh is not None else Mesh.current()
         if host_malloc not in ("keep", "system"):
@@ -354,7 +354,7 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  bucket_mb: float = 64, compile: bool = False, param_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[int] | None = None, nonfinite: str = "error", max_skips: int = 20,
+                 parts: list[float] | None = None, nonfinite: str = "error", max_skips: int = 20,
                  overlap: bool = False, host_malloc: str = "keep") -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 

@@ -77,6 +77,10 @@ def test_assign_units_parts_count_layers_in_halves():
     assert assign_units(4, 2, parts=[2.5, 1.5], halves=True) == [range(0, 5), range(5, 8)]
     assert assign_units(4, 2, parts=[1, 3], halves=True) == [range(0, 2), range(2, 8)]
     assert assign_units(4, 2, parts=[1, 3]) == [range(0, 1), range(1, 4)]  # whole layers: parts as assign_layers
+    import numpy as np  # numbers of any kind: numpy's too
+
+    assert assign_units(4, 2, parts=list(np.array([2.5, 1.5])), halves=True) == [range(0, 5), range(5, 8)]
+    assert assign_units(4, 2, parts=np.array([1, 3])) == [range(0, 1), range(1, 4)]
 
 
 @pytest.mark.parametrize("args, kwargs, message", [

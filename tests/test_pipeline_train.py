@@ -183,6 +183,8 @@ def test_stage_plans_name_the_numbers_that_do_not_fit():
     assert step.pipe.plan.describe().splitlines() == [
         "pp rank 0: stage 0: embed + layer 0 + layer 1 attention; stage 2: layer 4 mlp",
         "pp rank 1: stage 1: layer 1 mlp + layers 2-3 + layer 4 attention; stage 3: layers 5-7 + head"]
+    # a lone half runs alone (with only its leaves); both halves of a layer run as one block
+    assert step.pipe.plan.pieces(range(1, 5)) == [(0, 1), (1, None), (2, 0)]
     st = fp.get_model("llama").stages
     with pytest.raises(fp.ModelError, match="give halves and first_leaves together"):
         dataclasses.replace(st, first_leaves=None)
