@@ -3,10 +3,10 @@
 A model's staged form (:class:`funcpar.Stages`: ``embed -> block ... -> head``) is cut into virtual stages
 (:func:`funcpar.pipeline.assign_units`, by the units' weights or by ``parts``), a unit being a block or, where the
 staged form has ``halves``, half of one (attention, MLP); rank ``r`` of the ``pp`` axis holds the units of its
-chunks (each half's own leaves), the embedding if it holds virtual stage 0 and the head if it holds the last one. Its *stage tree* is
-the model's parameter tree with ``None`` for every leaf another stage holds, so paths, checkpoints and the
-optimizer state keep the global structure (``layers.5.wq`` is ``layers.5.wq`` at any ``pp``). A tied embedding is
-held by the first and the last stage, and its gradient is summed over the two (as Megatron does).
+chunks (each half's own leaves), the embedding if it holds virtual stage 0 and the head if it holds the last one.
+Its *stage tree* is the model's parameter tree with ``None`` for every leaf another stage holds, so paths,
+checkpoints and the optimizer state keep the global structure (``layers.5.wq`` is ``layers.5.wq`` at any ``pp``). A
+tied embedding is held by the first and the last stage, and its gradient is summed over the two (as Megatron does).
 
 :class:`Executor` runs one step's micro-batches through :attr:`StagePlan.schedule`: per action ``F(m, c)`` it
 receives the input activation from the rank holding the previous virtual stage (or embeds micro-batch ``m``), runs
@@ -102,11 +102,15 @@ class StagePlan:
             lines.append(f"pp rank {r}: " + "; ".join(parts))
         return "\n".join(lines)
 
+    def half_of(self, name: Any) -> int:
+        """Which half of a layer its leaf ``name`` belongs to: 0 (``Stages.first_leaves``) or 1."""
+        return 0 if name in self.first else 1
+
     def _units_of(self, i: int, name: Any) -> list[int]:
         """The units layer ``i``'s leaf ``name`` belongs to (both halves for ``None``: the whole layer)."""
         if self.first is None:
             return [i]
-        return [2 * i, 2 * i + 1] if name is None else [2 * i + (0 if name in self.first else 1)]
+        return [2 * i, 2 * i + 1] if name is None else [2 * i + self.half_of(name)]
 
     def _costs(self) -> list[float]:
         """Each unit's weight for the default split: its leaves' element count (a matmul's work per token is twice
@@ -115,11 +119,10 @@ class StagePlan:
         Llama (256 positions), an attention half takes 0.55 of an MLP half's time against 0.36 of its weight; cut by
         the measured times, the benchmark models' 1F1B stages would be the same (``parts`` overrides the cut)."""
         st, layers = self.stages, self.shapes[self.stages.layers]
-        costs = []
+        costs = [0.0] * (len(layers) * (1 if self.first is None else 2))
         for i, lp in enumerate(layers):
-            flat = [(_key(p[0]), x) for p, x in zip(optree.tree_paths(lp), optree.tree_leaves(lp))]
-            for unit in self._units_of(i, None):
-                costs.append(float(sum(x.numel() for name, x in flat if unit in self._units_of(i, name))))
+            for p, x in zip(optree.tree_paths(lp), optree.tree_leaves(lp)):
+                costs[self._units_of(i, _key(p[0]))[0]] += x.numel()
         head = set(st.head_leaves(self.cfg))
         if costs:
             costs[-1] += float(sum(x.numel() for name, x in self.shapes.items() if name in head
@@ -135,8 +138,9 @@ class StagePlan:
 
     def _describe_units(self, rg: range) -> list[str]:
         """``["layers 0-1", "layer 2 attention"]`` for units ``rg``."""
-        out, whole = [], [i for i, half in self.pieces(rg) if half is None]
-        for i, half in self.pieces(rg):
+        pieces = self.pieces(rg)
+        out, whole = [], [i for i, half in pieces if half is None]
+        for i, half in pieces:
             if half is not None:
                 out.append(f"layer {i} {self.stages.half_names[half]}")
             elif i == whole[0]:
@@ -158,11 +162,11 @@ class Executor:
 
     # ------------------------------------------------------------------------------------------- chunk passes
     def _blocks(self, params: Any, x: torch.Tensor, v: int) -> torch.Tensor:
-        st, cfg, mesh, first = self.plan.stages, self.plan.cfg, self.mesh, self.plan.first
-        for i, half in self.plan.pieces(self.plan.ranges[v]):
+        plan, st, cfg, mesh = self.plan, self.plan.stages, self.plan.cfg, self.mesh
+        for i, half in plan.pieces(plan.ranges[v]):
             lp = params[st.layers][i]
             if half is not None:  # only that half's leaves (remat's backward would make zeros for the others)
-                lp = {k: x for k, x in lp.items() if (k in first) == (half == 0)}
+                lp = {k: x for k, x in lp.items() if plan.half_of(k) == half}
             fn = functools.partial(_block_call, st.block if half is None else st.halves[half], i, cfg, mesh)
             x = remat(fn)(lp, x) if self.remat else fn(lp, x)
         return x

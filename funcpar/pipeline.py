@@ -34,8 +34,8 @@ import itertools
 import numbers
 from typing import Sequence
 
-__all__ = ["PipelineError", "Action", "Schedule", "assign_layers", "assign_units", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "make_schedule", "SCHEDULES"]
+__all__ = ["PipelineError", "Action", "Schedule", "assign_layers", "assign_units", "gpipe", "one_f_one_b",
+           "interleaved_1f1b", "make_schedule", "SCHEDULES"]
 
 
 class PipelineError(ValueError):

@@ -378,9 +378,9 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     pipeline stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline``
     (``"1f1b"``, ``"gpipe"`` or ``"interleaved"``), ``chunks`` (virtual stages per rank, interleaved; default 2),
     ``parts`` (layers per virtual stage, in halves where the model's staged form has them: ``[2.5, 1.5]``; default:
-    cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step whose loss or gradient norm is
-    not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``) or is
-    skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or by loss scaling.
+    cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step whose loss or gradient
+    norm is not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``)
+    or is skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or by loss scaling.
     ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker thread
     (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, fp32, not with ``compile``); off by
     default: on the 2-core CPU the ring's copies and sums take the core the backward runs on, and it did not pay.
