@@ -13,7 +13,7 @@ Meshes and implementations (``common.MESHES``):
     dp2     2 ranks: funcpar Mesh(dp=2) zero=1 | DeepSpeed ZeRO-1 | DeepSpeed ZeRO-2 | torch FSDP2 (fully_shard)
     tp2     2 ranks: funcpar Mesh(tp=2) | DeepSpeed AutoTP | torch TP (parallelize_module, vocab-parallel head)
     tp2dp2  4 ranks: funcpar Mesh(tp=2, dp=2) zero=1 | DeepSpeed AutoTP + ZeRO-1 | torch TP + FSDP2
-    pp2     2 ranks, 4 micro-batches: funcpar Mesh(pp=2) interleaved 1F1B | DeepSpeed PipelineModule (2 stages,
+    pp2     2 ranks, 4 micro-batches: funcpar Mesh(pp=2) zero-bubble 1F1B | DeepSpeed PipelineModule (2 stages,
             ZeRO-0, 1F1B)
 
 How. The runner writes one transformers ``LlamaForCausalLM`` (``save_pretrained``, fp32, untied head, seed 0) into

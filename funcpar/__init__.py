@@ -14,6 +14,7 @@ from . import lora as lora
 from . import optim as optim
 from . import p2p as p2p
 from . import pipeline as pipeline
+from . import splitgrad as splitgrad
 from . import tree as tree
 from .collectives import CollectiveError as CollectiveError
 from .layout import ZeroLayout as ZeroLayout

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from . import collectives as C
 from . import pointwise
 from .pointwise import _functorch_wrapped, rms_norm, rotary, swiglu
+from .splitgrad import wanted
 
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
@@ -231,12 +232,13 @@ class _ColumnParallel(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, mesh, axis, k, *wb = inputs
         ctx.mesh, ctx.axis, ctx.k = mesh, axis, k
+        ctx.tensors = tuple(isinstance(t, torch.Tensor) for t in inputs)
         ctx.save_for_backward(x, *wb[:k])
 
     @staticmethod
     def backward(ctx, *gs):
         x, *ws = ctx.saved_tensors
-        need, k, (mesh, axis) = ctx.needs_input_grad, ctx.k, (ctx.mesh, ctx.axis)
+        need, k, (mesh, axis) = wanted(ctx, ctx.tensors), ctx.k, (ctx.mesh, ctx.axis)  # (a split pass: part)
         g2 = [g.reshape(-1, g.shape[-1]) for g in gs]  # (N, out_i/tp)
         done = None
         if need[0]:

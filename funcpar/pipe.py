@@ -30,7 +30,7 @@ import optree
 import torch
 
 from . import collectives as C
-from . import p2p
+from . import p2p, splitgrad
 from .pipeline import Schedule, assign_units
 from .remat import remat
 from .state import StepError
@@ -207,32 +207,47 @@ class Executor:
     def _forward(self, params, mb, v: int, m: int, weight: torch.Tensor | None):
         st, cfg, mesh, last = self.plan.stages, self.plan.cfg, self.mesh, v == self.plan.V - 1
         sig = _signature(mb)
-        x_in = None
-        if v == 0:
-            x = st.embed(params, mb, cfg, mesh)
+        embedded = None
+        if v == 0:  # the blocks start from a leaf, as on the other stages: the embedding's backward comes after
+            embedded = st.embed(params, mb, cfg, mesh)
+            x_in = embedded.detach().requires_grad_(True)
         else:
             x_in = self._recv_input(v, m, sig).requires_grad_(True)
-            x = x_in
-        y = self._blocks(params, x, v)
+        y = self._blocks(params, x_in, v)
         if not last:
             self._send_output(y.detach(), v, m, sig)
-            return x_in, y, None
+            return (x_in, embedded), y, None
         loss = st.head(params, y, mb, cfg, mesh)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise StepError("the model's head must return a scalar loss")
-        return x_in, loss * weight if weight is not None else loss, loss.detach()
+        return (x_in, embedded), loss * weight if weight is not None else loss, loss.detach()
 
-    def _backward(self, x_in, y, v: int, m: int) -> None:
+    def _backward(self, inputs: tuple, y, v: int, m: int, weights: list | None) -> Callable | None:
+        """``B``: the chunk's backward, its input's gradient sent on (on virtual stage 0, into the embedding). With
+        ``weights`` (a ``W`` follows) only the input's gradient; returns what computes the weights' gradients (and
+        the embedding's)."""
+        x_in, embedded = inputs
         if v == self.plan.V - 1:
             grad = None
         else:
             buf = torch.empty_like(y)
             grad = self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v + 1), self._tag(2, m, v + 1), channel=1))
-        if y.requires_grad:
+        later = None
+        if y.requires_grad and weights is not None:
+            rest = splitgrad.backward_input([y], [grad], [x_in], weights)
+            later = rest and rest.run
+        elif y.requires_grad:
             torch.autograd.backward(y, grad)
-        if x_in is not None:
-            g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+        g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+        if embedded is None:
             self._sends.append(p2p.isend(g, self.mesh, "pp", self._peer(v - 1), self._tag(2, m, v), channel=1))
+        elif embedded.requires_grad:
+            embed = functools.partial(torch.autograd.backward, embedded, g)
+            if weights is None:
+                embed()
+            else:
+                later = functools.partial(_in_turn, later, embed)
+        return later
 
     # ------------------------------------------------------------------------------------------------ a step
     def run(self, params: Any, micro: list, shares: list[float], scale: torch.Tensor
@@ -245,6 +260,9 @@ class Executor:
         tree = optree.tree_unflatten(treedef, leaves)
         self._sends, self._waited = [], 0.0
         held: dict[tuple[int, int], tuple] = {}
+        deferred: dict[tuple[int, int], Callable | None] = {}  # a split backward's weight part, until its W
+        split = {(m, c) for r, m, c in plan.schedule.split() if r == plan.rank}
+        trainable = [x for x in leaves if x.requires_grad]
         peak, loss_sum = 0, torch.zeros((), dtype=torch.float64)
         t0 = time.perf_counter()
         with torch.enable_grad():
@@ -252,15 +270,22 @@ class Executor:
                 v = plan.schedule.stage_of(plan.rank, a.chunk)
                 if a.kind == "F":
                     weight = torch.tensor(shares[a.micro], dtype=torch.float32) * scale
-                    x_in, y, loss = self._forward(tree, micro[a.micro], v, a.micro, weight)
-                    held[(a.micro, a.chunk)] = (x_in, y)
-                    peak = max(peak, len(held))
+                    inputs, y, loss = self._forward(tree, micro[a.micro], v, a.micro, weight)
+                    held[(a.micro, a.chunk)] = (inputs, y)
+                    peak = max(peak, len(held) + len(deferred))
                     if loss is not None:
                         loss_sum += loss.double().cpu() * shares[a.micro]
-                else:
-                    x_in, y = held.pop((a.micro, a.chunk))
-                    self._backward(x_in, y, v, a.micro)
-                    del x_in, y
+                elif a.kind == "B":
+                    inputs, y = held.pop((a.micro, a.chunk))
+                    later = self._backward(inputs, y, v, a.micro, trainable if (a.micro, a.chunk) in split else None)
+                    if (a.micro, a.chunk) in split:
+                        deferred[(a.micro, a.chunk)] = later
+                    del inputs, y, later
+                else:  # W: the weights' gradients of that backward
+                    later = deferred.pop((a.micro, a.chunk))
+                    if later is not None:
+                        later()
+                    del later
         for s in self._sends:
             self._wait(s)
         self._sends = []
@@ -310,6 +335,12 @@ class Executor:
             s.wait()
         self._sends = []
         return C.all_reduce(loss, self.mesh, "pp")
+
+
+def _in_turn(*calls: Callable | None) -> None:
+    for call in calls:
+        if call is not None:
+            call()
 
 
 def _block_call(block: Callable, index: int, cfg: Any, mesh, lp: Any, x: torch.Tensor) -> torch.Tensor:

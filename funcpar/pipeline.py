@@ -15,7 +15,9 @@ A :class:`Schedule` lists, per rank, the :class:`Action` s that rank runs, stric
 The schedules differ in how many activations a rank keeps (``F`` run, ``B`` not yet) and in the *bubble*, the share
 of rank-time spent waiting: GPipe runs every forward and then every backward (memory grows with ``n_micro``);
 1F1B starts backwards as early as it can and so keeps at most ``pp`` micro-batches in flight; interleaved 1F1B
-gives each rank several thin chunks so the pipeline fills and drains in smaller steps and the bubble shrinks.
+gives each rank several thin chunks so the pipeline fills and drains in smaller steps and the bubble shrinks; zero
+bubble (:func:`zero_bubble`) splits each backward into ``B``, the input's gradient, and a later ``W``, the weights'
+(``W(m, v)`` needs only ``B(m, v)``, on its own rank), and runs the ``W`` s where a rank would wait.
 
 This module only plans. :meth:`Schedule.validate` checks a plan is complete and well ordered,
 :meth:`Schedule.simulate` runs it as a discrete-event simulation (zero communication latency) and reports the bubble
@@ -24,112 +26,25 @@ and the activation memory, and ``str(schedule)`` draws the timeline. The executo
 the micro-batch), run chunk ``c``'s blocks, keep what the backward needs and send the output to the rank holding
 ``v+1``; for ``B`` receive the output gradient from ``v+1`` (or start from the loss), run the backward of chunk ``c``,
 accumulate the parameter gradients and send the input gradient to ``v-1``.
-Only the standard library is imported here.
+Only the standard library (and :mod:`funcpar.stagecut`, the stage cuts) is imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import numbers
-from typing import Sequence
+from collections import deque
+
+from .stagecut import PipelineError, _plural, assign_layers, assign_units
 
 __all__ = ["PipelineError", "Action", "Schedule", "assign_layers", "assign_units", "gpipe", "one_f_one_b",
-           "interleaved_1f1b", "make_schedule", "SCHEDULES"]
-
-
-class PipelineError(ValueError):
-    """A pipeline plan that cannot work: bad sizes, an incomplete or misordered schedule, a deadlock."""
-
-
-def _plural(n: int, word: str, many: str | None = None) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
-
-
-def assign_layers(n_layers: int, stages: int, parts: list[int] | None = None) -> list[range]:
-    """The block indices each (virtual) stage holds, contiguous and in order.
-
-    By default the split is balanced, earlier stages taking the extra layer (10 layers over 4 stages: 3, 3, 2, 2).
-    ``parts`` gives the sizes instead: ``stages`` entries of at least 1 summing to ``n_layers``.
-    """
-    if stages < 1:
-        raise PipelineError(f"a pipeline needs at least 1 stage, got {stages}")
-    if stages > n_layers:
-        raise PipelineError(f"{_plural(stages, 'pipeline stage')} but the model has only "
-                            f"{_plural(n_layers, 'layer')}: each stage needs at least one")
-    if parts is None:
-        base, extra = divmod(n_layers, stages)
-        sizes = [base + (1 if s < extra else 0) for s in range(stages)]
-    else:
-        sizes = list(parts)
-        if len(sizes) != stages:
-            raise PipelineError(f"parts has {_plural(len(sizes), 'entry', 'entries')} for {_plural(stages, 'stage')}")
-        for s, size in enumerate(sizes):
-            if size < 1:
-                raise PipelineError(f"parts[{s}] is {size}: stage {s} needs at least one layer (parts {sizes})")
-        if sum(sizes) != n_layers:
-            raise PipelineError(f"parts {sizes} sum to {sum(sizes)} but the model has "
-                                f"{_plural(n_layers, 'layer')}")
-    out, start = [], 0
-    for size in sizes:
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def assign_units(n_layers: int, stages: int, costs: Sequence[float] | None = None, parts: list | None = None,
-                 halves: bool = False) -> list[range]:
-    """The *units* each (virtual) stage holds, contiguous and in order: a unit is a layer or, with ``halves``, half of
-    one (unit ``2 i`` is layer ``i``'s first half, ``2 i + 1`` its second).
-
-    ``parts`` gives each stage's size in layers (with ``halves`` in steps of 0.5: ``[2.5, 1.5]``). Otherwise, given
-    ``costs`` (one per unit, the last including what comes after the blocks, such as the LM head), the split balances
-    them: cut ``k`` falls at the unit boundary whose running cost is nearest ``k / stages`` of the total, every stage
-    keeping at least one unit. Without costs (or with none positive), :func:`assign_layers`'s even split.
-    """
-    n = n_layers * (2 if halves else 1)
-    if stages < 1:
-        raise PipelineError(f"a pipeline needs at least 1 stage, got {stages}")
-    if 1 <= n < stages:
-        what = f"{_plural(n_layers, 'layer')}" + (f" ({n} halves)" if halves else "")
-        raise PipelineError(f"{_plural(stages, 'pipeline stage')} but the model has only {what}: each stage needs "
-                            f"at least one" + (" half" if halves else ""))
-    if parts is not None and halves:
-        units = []
-        for s, size in enumerate(parts):
-            if not isinstance(size, numbers.Real) or not float(size * 2).is_integer():
-                raise PipelineError(f"parts[{s}] is {size!r}: a stage holds whole layers or halves of them "
-                                    f"(parts {list(parts)})")
-            units.append(int(size * 2))
-        if len(units) == stages and sum(units) == n and min(units) < 1:
-            s = units.index(min(units))
-            raise PipelineError(f"parts[{s}] is {parts[s]}: stage {s} needs at least one layer or half of one "
-                                f"(parts {list(parts)})")
-        if len(units) == stages and sum(units) != n:
-            raise PipelineError(f"parts {list(parts)} sum to {sum(parts)} but the model has "
-                                f"{_plural(n_layers, 'layer')}")
-        return assign_layers(n, stages, units)
-    if parts is not None:
-        for s, size in enumerate(parts):
-            if not isinstance(size, numbers.Real) or not float(size).is_integer():
-                raise PipelineError(f"parts[{s}] is {size!r}: this model's stages hold whole layers (its staged "
-                                    f"form has no halves) (parts {list(parts)})")
-        return assign_layers(n_layers, stages, [int(x) for x in parts])
-    if costs is None or len(costs) != n or not sum(costs) > 0:
-        return assign_layers(n, stages)
-    cum = list(itertools.accumulate(costs))
-    bounds = [0]
-    for k in range(1, stages):
-        target = cum[-1] * k / stages
-        options = range(bounds[-1] + 1, n - (stages - k) + 1)  # units before cut k; later stages keep one each
-        bounds.append(min(options, key=lambda c: (abs(cum[c - 1] - target), c)))
-    bounds.append(n)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+           "interleaved_1f1b", "zero_bubble", "make_schedule", "SCHEDULES"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    """One pass of one micro-batch through one of a rank's chunks: ``kind`` is ``"F"`` or ``"B"``."""
+    """One pass of one micro-batch through one of a rank's chunks: ``kind`` is ``"F"`` (forward), ``"B"``
+    (backward) or ``"W"`` (the weights' gradients of a backward split in two: its ``B`` then forms only the input's
+    gradient, and ``W`` the rest later, see :func:`zero_bubble`)."""
 
     kind: str
     micro: int
@@ -169,7 +84,8 @@ class Schedule:
                 f"virtual stage {self.stage_of(rank, a.chunk)})")
 
     def validate(self) -> Schedule:
-        """Check every (micro-batch, virtual stage) runs once forward and once backward, forward first.
+        """Check every (micro-batch, virtual stage) runs once forward and once backward, forward first, and at most
+        once ``W``, after its ``B``.
 
         Returns the schedule; raises :class:`PipelineError` naming the rank and the action.
         """
@@ -178,16 +94,18 @@ class Schedule:
         for r, acts in enumerate(self.actions):
             seen: dict[tuple[str, int, int], int] = {}
             for i, a in enumerate(acts):
-                if a.kind not in ("F", "B") or not 0 <= a.micro < self.n_micro or not 0 <= a.chunk < self.chunks:
+                if a.kind not in ("F", "B", "W") or not 0 <= a.micro < self.n_micro or not 0 <= a.chunk < self.chunks:
                     raise PipelineError(f"{self.name}: {self._where(r, i, a)} is not an action of this schedule "
-                                        f"(kind F or B, micro-batch < {self.n_micro}, chunk < {self.chunks})")
+                                        f"(kind F, B or W, micro-batch < {self.n_micro}, chunk < {self.chunks})")
                 key = (a.kind, a.micro, a.chunk)
                 if key in seen:
                     raise PipelineError(f"{self.name}: {self._where(r, i, a)} runs twice "
                                         f"(first as action {seen[key]})")
-                if a.kind == "B" and ("F", a.micro, a.chunk) not in seen:
-                    raise PipelineError(f"{self.name}: {self._where(r, i, a)} comes before its forward "
-                                        f"{Action('F', a.micro, a.chunk).label(self.chunks)}")
+                before = {"B": "F", "W": "B"}.get(a.kind)
+                if before and (before, a.micro, a.chunk) not in seen:
+                    what = "forward" if before == "F" else "backward"
+                    raise PipelineError(f"{self.name}: {self._where(r, i, a)} comes before its {what} "
+                                        f"{Action(before, a.micro, a.chunk).label(self.chunks)}")
                 seen[key] = i
             for m in range(self.n_micro):
                 for c in range(self.chunks):
@@ -198,11 +116,17 @@ class Schedule:
                                                 f"(micro-batch {m}, virtual stage {self.stage_of(r, c)})")
         return self
 
+    def split(self) -> set[tuple[int, int, int]]:
+        """(rank, micro, chunk) of every backward split in two (a ``W`` action follows its ``B``)."""
+        return {(r, a.micro, a.chunk) for r, acts in enumerate(self.actions) for a in acts if a.kind == "W"}
+
     def _deps(self, rank: int, a: Action) -> list[tuple[str, int, int]]:
         """What ``a`` waits for, as (kind, micro, virtual stage) keys."""
         v = self.stage_of(rank, a.chunk)
         if a.kind == "F":
             return [("F", a.micro, v - 1)] if v > 0 else []
+        if a.kind == "W":
+            return [("B", a.micro, v)]
         return [("F", a.micro, v)] + ([("B", a.micro, v + 1)] if v + 1 < self.virtual_stages else [])
 
     def _key_label(self, key: tuple[str, int, int]) -> str:
@@ -226,6 +150,8 @@ class Schedule:
         self.validate()
         if t_forward <= 0 or t_backward <= 0:
             raise PipelineError(f"times must be positive, got t_forward={t_forward}, t_backward={t_backward}")
+        split = self.split()
+        weight = t_backward // 2 if isinstance(t_backward, int) else t_backward / 2  # a split B's second part
         done: dict[tuple[str, int, int], float] = {}
         pos, free = [0] * self.pp, [0.0] * self.pp
         spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(self.pp)]
@@ -238,7 +164,8 @@ class Schedule:
                     if any(k not in done for k in deps):
                         break
                     start = max([free[r]] + [done[k] for k in deps])
-                    free[r] = start + (t_forward if a.kind == "F" else t_backward)
+                    took = {"F": t_forward, "W": weight}.get(a.kind, t_backward)
+                    free[r] = start + (took - weight if (r, a.micro, a.chunk) in split and a.kind == "B" else took)
                     done[(a.kind, a.micro, self.stage_of(r, a.chunk))] = free[r]
                     spans[r].append((start, free[r], a))
                     pos[r] += 1
@@ -251,19 +178,20 @@ class Schedule:
         """Run the plan with these pass times and no communication latency.
 
         Returns ``makespan``, per-rank ``busy`` time, ``bubble`` (1 - total busy / (pp * makespan)),
-        per-rank ``max_in_flight`` (most activations held: forwards run whose backward has not) and per-rank
-        ``spans`` ((start, finish, action) in order). Validates first; raises :class:`PipelineError` on a deadlock.
+        per-rank ``max_in_flight`` (most activations held: forwards run whose backward, or ``W`` where the backward
+        is split, has not) and per-rank ``spans`` ((start, finish, action) in order). A split backward's ``W`` takes
+        half of ``t_backward`` (rounded down) and its ``B`` the rest. Validates first; raises :class:`PipelineError` on a deadlock.
         The times are per action, i.e. per chunk: an interleaved chunk holds ``1 / chunks`` of a rank's layers, so
         scale them for comparable makespans (the bubble, a fraction, is the same at any scale).
         """
         spans = self._spans(t_forward, t_backward)
         makespan = max(s[-1][1] for s in spans if s)
         busy = [sum(end - start for start, end, _ in s) for s in spans]
-        in_flight = []
-        for acts in self.actions:
+        in_flight, split = [], self.split()
+        for r, acts in enumerate(self.actions):
             held = peak = 0
             for a in acts:
-                held += 1 if a.kind == "F" else -1
+                held += 1 if a.kind == "F" else 0 if a.kind == "B" and (r, a.micro, a.chunk) in split else -1
                 peak = max(peak, held)
             in_flight.append(peak)
         return {"makespan": makespan, "busy": busy, "bubble": 1.0 - sum(busy) / (self.pp * makespan),
@@ -360,15 +288,62 @@ def interleaved_1f1b(pp: int, n_micro: int, chunks: int = 2) -> Schedule:
     return Schedule("interleaved", pp, n_micro, chunks, per_rank)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+def zero_bubble(pp: int, n_micro: int, chunks: int = 1) -> Schedule:
+    """Zero-bubble 1F1B (``chunks == 1``, ZB-H1 of Qi et al., 2023) or interleaved (``chunks >= 2``): every
+    backward split into ``B``, the input's gradient, which the previous stage waits for, and ``W``, the weights'
+    gradients, which nothing waits for and which fill the time a rank would otherwise idle.
+
+    The forwards and the backwards come in the order of :func:`one_f_one_b` (or :func:`interleaved_1f1b`); where
+    each goes is decided by running the pipeline with unit times for ``F``, ``B`` and ``W``: a free rank runs its
+    next backward if its gradient has come, else its next forward if its input has come and it holds fewer chunk
+    activations than the plain schedule's most plus one (held until ``W``), else its oldest ``W``. With unit times
+    that gives 1F1B's bubble ``(pp - 1) (F + B + W)`` about a third: pp=2 with 4 micro-batches takes 13 units
+    for 12 of work (1F1B 15; interleaved with 2 chunks 13.5, zero-bubble interleaved 12.5).
+    """
+    _check_sizes("zb", pp, n_micro, chunks)
+    if chunks > 1 and n_micro % pp:
+        raise PipelineError(f"zb: n_micro={n_micro} is not a multiple of pp={pp} (with chunks={chunks}, micro-batches "
+                            "go round in groups of pp)")
+    base = one_f_one_b(pp, n_micro) if chunks == 1 else interleaved_1f1b(pp, n_micro, chunks)
+    V, limit = pp * chunks, [n + 1 for n in base.simulate()["max_in_flight"]]
+    fwd = [deque(a for a in acts if a.kind == "F") for acts in base.actions]
+    bwd = [deque(a for a in acts if a.kind == "B") for acts in base.actions]
+    weights: list[deque] = [deque() for _ in range(pp)]
+    held, out = [0] * pp, [[] for _ in range(pp)]
+    done: dict[tuple[str, int, int], int] = {}
+    t = 0
+    while any(fwd) or any(bwd) or any(weights):
+        ready = {k for k, at in done.items() if at <= t}  # what finished by time t (each action takes 1)
+        for r in range(pp):
+            if bwd[r] and set(base._deps(r, bwd[r][0])) <= ready:
+                a = bwd[r].popleft()
+                weights[r].append(Action("W", a.micro, a.chunk))
+            elif fwd[r] and held[r] < limit[r] and set(base._deps(r, fwd[r][0])) <= ready:
+                a = fwd[r].popleft()
+                held[r] += 1
+            elif weights[r]:
+                a = weights[r].popleft()
+                held[r] -= 1
+            else:
+                continue
+            done[(a.kind, a.micro, a.chunk * pp + r)] = t + 1
+            out[r].append(a)
+        t += 1
+        if t > 4 * V * n_micro * 3:  # cannot happen: the plain schedule's orders with more room never deadlock
+            raise PipelineError(f"zb: no schedule found for pp={pp}, n_micro={n_micro}, chunks={chunks}")
+    return Schedule("zb", pp, n_micro, chunks, tuple(tuple(acts) for acts in out))
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb": zero_bubble}
 
 
 def make_schedule(name: str, pp: int, n_micro: int, chunks: int = 1) -> Schedule:
-    """The schedule called ``name`` ("gpipe", "1f1b" or "interleaved"); ``chunks`` only for "interleaved"."""
+    """The schedule called ``name`` ("gpipe", "1f1b", "interleaved" or "zb"); ``chunks`` only for "interleaved"
+    and "zb"."""
     if name not in SCHEDULES:
         raise PipelineError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    if name == "interleaved":
-        return interleaved_1f1b(pp, n_micro, chunks)
+    if name in ("interleaved", "zb"):
+        return SCHEDULES[name](pp, n_micro, chunks)
     if chunks != 1:
-        raise PipelineError(f"{name} runs one chunk per rank, got chunks={chunks} (use 'interleaved')")
+        raise PipelineError(f"{name} runs one chunk per rank, got chunks={chunks} (use 'interleaved' or 'zb')")
     return SCHEDULES[name](pp, n_micro)

@@ -376,7 +376,9 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     ZeRO-Offload does; the gradient parts go to the host, the updated parts come back. On a CPU-only machine the
     host is the device: the same code path). On a mesh with ``pp > 1`` the model's staged form is cut into
     pipeline stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline``
-    (``"1f1b"``, ``"gpipe"`` or ``"interleaved"``), ``chunks`` (virtual stages per rank, interleaved; default 2),
+    (``"1f1b"``, ``"gpipe"``, ``"interleaved"`` or ``"zb"``: zero-bubble, each backward split into the input's
+    gradient and the weights', the latter filling the bubble; not with remat), ``chunks`` (virtual stages per rank,
+    interleaved (default 2) or zb (default 1)),
     ``parts`` (layers per virtual stage, in halves where the model's staged form has them: ``[2.5, 1.5]``; default:
     cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step whose loss or gradient
     norm is not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``)

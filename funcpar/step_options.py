@@ -42,12 +42,17 @@ def pipeline_executor(loss_fn: Callable, mesh: Mesh, zero, accum_steps, has_aux,
         if bad:
             raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
     model, cfg, _ = found
+    remat = getattr(loss_fn, "remat", False)
+    if remat and name == "zb":
+        raise StepError(f"{mesh!r}: pipeline='zb' splits each backward into the input's gradient and the weights', "
+                        "but remat recomputes a block and forms both in one pass: use remat=False with 'zb', or "
+                        "pipeline='1f1b' / 'interleaved' with remat")
     try:
         sched = make_schedule(name, pp, accum_steps, chunks if chunks is not None else (2 if name == "interleaved" else 1))
         plan = StagePlan(model, cfg, mesh, sched.validate(), parts)
     except PipelineError as e:
         raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None
-    return Executor(plan, remat_blocks=getattr(loss_fn, "remat", False))
+    return Executor(plan, remat_blocks=remat)
 
 
 def validate_options(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss_scale) -> None:

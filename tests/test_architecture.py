@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # lowest first; a module may import its own layer or a lower one (docs/ARCHITECTURE.md, "Layers")
 LAYERS = [
     ("core", ["funcpar.tree", "funcpar.spec", "funcpar.state", "funcpar.model", "funcpar.mesh",
-              "funcpar.lifeline", "funcpar.hostmem", "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*", "funcpar.pipeline"]),
+              "funcpar.lifeline", "funcpar.hostmem", "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*", "funcpar.pipeline",
+              "funcpar.stagecut", "funcpar.splitgrad"]),
     ("communication", ["funcpar.transport", "funcpar.collectives", "funcpar.p2p"]),
     ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_options", "funcpar.layers", "funcpar.remat", "funcpar.atomic", "funcpar.data",
                 "funcpar._ckpt_source", "funcpar._hf_folder", "funcpar.layout", "funcpar.buffers", "funcpar.zero3",

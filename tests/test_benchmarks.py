@@ -137,8 +137,8 @@ def test_profile_tables_split_the_step_and_state_the_compute_floor():
     assert report.profile_tables(prof[1:], rows) == "- profile of Mesh(tp=2) funcpar failed: exit 1: boom"
 
 
-def test_pipeline_mesh_runs_funcpar_interleaved_against_deepspeeds_pipe_engine_on_equal_micro_batches():
-    """pp2: funcpar Mesh(pp=2) with interleaved 1F1B and DeepSpeed's PipelineModule, the global batch cut into the same
+def test_pipeline_mesh_runs_funcpar_zero_bubble_against_deepspeeds_pipe_engine_on_equal_micro_batches():
+    """pp2: funcpar Mesh(pp=2) with zero-bubble 1F1B and DeepSpeed's PipelineModule, the global batch cut into the same
     micro-batches; no bytes row (funcpar counts the collectives of tp and dp, not a pipeline's sends), so no
     ``funcpar plan`` for it; every other mesh keeps one micro-batch."""
     from benchmarks import worker
@@ -146,8 +146,8 @@ def test_pipeline_mesh_runs_funcpar_interleaved_against_deepspeeds_pipe_engine_o
     assert C.MESHES["pp2"]["impls"] == ["funcpar", "ds-pipe"] and C.MESHES["pp2"]["nproc"] == 2
     assert C.micro_batches("pp2") == 4 and C.SIZES["small"]["global_batch"] % C.micro_batches("pp2") == 0
     assert all(C.micro_batches(m) == 1 for m in C.MESHES if m != "pp2")
-    assert C.impl_label("pp2", "funcpar") == "funcpar Mesh(pp=2) interleaved 1F1B (2 chunks a stage), 4 micro-batches"
-    assert C.pipeline("pp2") == {"pipeline": "interleaved", "chunks": 2} and C.pipeline("dp2") == {}
+    assert C.impl_label("pp2", "funcpar") == "funcpar Mesh(pp=2) zero-bubble 1F1B, 4 micro-batches"
+    assert C.pipeline("pp2") == {"pipeline": "zb"} and C.pipeline("dp2") == {}
     assert C.impl_label("pp2", "ds-pipe") == "DeepSpeed PipelineModule (2 stages)" and C.NEEDS["ds-pipe"] == "deepspeed"
     assert C.analytic_traffic(C.SIZES["small"], "pp2") == {}
     assert worker.BUILDERS["ds-pipe"] is worker.build_ds_pipe

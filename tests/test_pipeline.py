@@ -17,6 +17,7 @@ from funcpar.pipeline import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    zero_bubble,
 )
 
 # (pp, n_micro) for pp in (1, 2, 4) and n_micro in (pp, 2 pp, 8), without repeats
@@ -182,8 +183,11 @@ def test_interleaved_goes_round_in_groups_of_pp():
 @pytest.mark.parametrize("call, message", [
     (lambda: interleaved_1f1b(4, 6, chunks=2), r"n_micro=6 is not a multiple of pp=4"),
     (lambda: interleaved_1f1b(4, 8, chunks=1), r"chunks=1, needs at least 2"),
-    (lambda: make_schedule("zb", 2, 4), r"unknown pipeline schedule 'zb'; known: gpipe, 1f1b, interleaved"),
-    (lambda: make_schedule("1f1b", 2, 4, chunks=2), r"1f1b runs one chunk per rank, got chunks=2"),
+    (lambda: make_schedule("zbv", 2, 4), r"unknown pipeline schedule 'zbv'; known: gpipe, 1f1b, interleaved, zb"),
+    (lambda: make_schedule("1f1b", 2, 4, chunks=2), r"1f1b runs one chunk per rank, got chunks=2 \(use "
+                                                    r"'interleaved' or 'zb'\)"),
+    (lambda: zero_bubble(4, 6, chunks=2), r"zb: n_micro=6 is not a multiple of pp=4 \(with chunks=2"),
+    (lambda: zero_bubble(2, 0), r"zb: n_micro must be a positive integer, got 0"),
     (lambda: one_f_one_b(0, 4), r"pp must be a positive integer, got 0"),
     (lambda: gpipe(2, 0), r"n_micro must be a positive integer, got 0"),
 ])
@@ -236,6 +240,56 @@ def test_simulate_times_follow_the_dependencies():
     assert spans[1] == [(1, 2, "F0"), (2, 4, "B0"), (4, 5, "F1"), (5, 7, "B1")]
     assert sim["makespan"] == 9 and sim["busy"] == [6, 6]
     assert sim["bubble"] == pytest.approx(1 - 12 / 18)
+
+
+# ---- zero bubble: backwards split into B (the input's gradient) and W (the weights') ------------------------------
+
+@pytest.mark.parametrize("pp, n, chunks", [(pp, n, 1) for pp, n in GRID] + [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 8, 3)])
+def test_zero_bubble_keeps_the_plain_orders_and_beats_them(pp, n, chunks):
+    zb = zero_bubble(pp, n, chunks).validate()
+    base = one_f_one_b(pp, n) if chunks == 1 else interleaved_1f1b(pp, n, chunks)
+    for r, acts in enumerate(zb.actions):
+        # every backward split, its W after its B; forwards and backwards each in the plain schedule's order, so
+        # every rank posts its sends and receives in the same order (a backend that pairs them by order pairs them)
+        assert {a for a in acts if a.kind == "W"} == {Action("W", a.micro, a.chunk) for a in acts if a.kind == "B"}
+        for kind in "FB":
+            assert [a for a in acts if a.kind == kind] == [a for a in base.actions[r] if a.kind == kind]
+    assert zb.split() == {(r, a.micro, a.chunk) for r in range(pp) for a in zb.actions[r] if a.kind == "B"}
+    # held until W: at most one chunk activation more than the plain schedule holds until B
+    got, plain = zb.simulate()["max_in_flight"], base.simulate()["max_in_flight"]
+    assert all(g <= p + 1 for g, p in zip(got, plain)), (got, plain)
+    fast, slow = zb.simulate(1, 2)["makespan"], base.simulate(1, 2)["makespan"]
+    assert fast < slow if pp > 1 else fast == slow, (fast, slow)
+    assert fast >= 3 * n * chunks  # no rank can finish before its own work
+
+
+def test_zero_bubble_figures():
+    # unit F, B, W: 1F1B's bubble (pp - 1)(F + B + W) shrinks to (pp - 1)(F + B - W)
+    assert zero_bubble(2, 4).simulate(1, 2)["makespan"] == 13 and one_f_one_b(2, 4).simulate(1, 2)["makespan"] == 15
+    assert zero_bubble(4, 8).simulate(1, 2)["makespan"] == 29 and one_f_one_b(4, 8).simulate(1, 2)["makespan"] == 33
+    assert zero_bubble(2, 4, 2).simulate(1, 2)["makespan"] == 25  # interleaved: 27
+    assert str(zero_bubble(2, 4)).splitlines() == [
+        "rank 0 | F0 F1 F2 B0 W0 B1 F3 W1 B2 W2 .. B3 W3",
+        "rank 1 | .. F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3",
+        "zb: pp=2 n_micro=4 chunks=1, F=1 B=2 time units, makespan 13, bubble 7.7%, max in flight [3, 2]",
+    ]
+
+
+def test_a_split_backward_takes_the_time_of_a_whole_one():
+    sim = plan(2, 1, "F0 B0 W0", "F0 B0").simulate(t_forward=1.0, t_backward=4.0)
+    spans = [[(s, e, a.label()) for s, e, a in r] for r in sim["spans"]]
+    assert spans == [[(0, 1, "F0"), (6, 8, "B0"), (8, 10, "W0")], [(1, 2, "F0"), (2, 6, "B0")]]
+    assert sim["max_in_flight"] == [1, 1]
+
+
+@pytest.mark.parametrize("ranks, message", [
+    (("F0 W0 B0", "F0 B0"), r"rank 0, action 1 \(W0: micro-batch 0, virtual stage 0\) comes before its backward B0"),
+    (("F0 B0 W0 W0", "F0 B0"), r"rank 0, action 3 \(W0: .*\) runs twice \(first as action 2\)"),
+    (("F0 B0 X0", "F0 B0"), r"rank 0, action 2 \(X0: .*\) is not an action of this schedule \(kind F, B or W"),
+])
+def test_validate_checks_weight_passes(ranks, message):
+    with pytest.raises(PipelineError, match=message):
+        plan(2, 1, *ranks).validate()
 
 
 def test_str_draws_every_rank_and_the_bubble():

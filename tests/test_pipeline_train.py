@@ -21,7 +21,7 @@ import tinylm
 from funcpar.models import gpt2, llama
 
 V, B, T, LAYERS = 96, 16, 8, 8
-SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2)]
+SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb", None), ("zb", 2)]
 
 
 def config(name):
@@ -98,8 +98,9 @@ MESHES = [{"pp": 2}, {"pp": 4}, {"pp": 2, "dp": 2}, {"pp": 2, "tp": 2}, {"pp": 2
 @pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "-".join(f"{a}{n}" for a, n in s.items()))
 def test_every_schedule_trains_as_the_single_process_run(sizes):
     layers = 2 * sizes["pp"]  # the fewest interleaving (2 chunks per rank) can take: the 8-rank mesh's runs are slow
+    plans = [(micro, p, c) for micro in (4, 8) for p, c in SCHEDULES if p != "zb"] + [(4, "zb", None), (8, "zb", 2)]
     runs = [(f"{name}:{layers}", micro, pipeline, chunks) for name in ("llama", "llama-tied", "gpt2")
-            for micro in (4, 8) for pipeline, chunks in SCHEDULES]
+            for micro, pipeline, chunks in plans]
     results = harness.run(math.prod(sizes.values()), _matrix, sizes, runs)
     pp = sizes["pp"]
     for k, (name, micro, pipeline, chunks) in enumerate(runs):
@@ -171,8 +172,10 @@ def test_stage_plans_name_the_numbers_that_do_not_fit():
         make("llama", mesh, 4, parts=[4.25, 3.75])
     with pytest.raises(fp.StepError, match=r"n_micro=3 is not a multiple of pp=2"):
         make("llama", mesh, 3, pipeline="interleaved", chunks=2)
-    with pytest.raises(fp.StepError, match=r"unknown pipeline schedule 'zb'"):
-        make("llama", mesh, 4, pipeline="zb")
+    with pytest.raises(fp.StepError, match=r"unknown pipeline schedule 'zbv'"):
+        make("llama", mesh, 4, pipeline="zbv")
+    with pytest.raises(fp.StepError, match=r"pipeline='zb' splits each backward .* use remat=False with 'zb'"):
+        make("llama", mesh, 4, pipeline="zb", remat=True)
     with pytest.raises(fp.StepError, match=r"zero=3"):
         make("llama", mesh, 4, zero=3)
     step, *_ = make("llama", fp.Mesh.abstract(pp=4), 4, parts=[1, 1, 1, 5])
@@ -196,28 +199,34 @@ def test_stage_plans_name_the_numbers_that_do_not_fit():
 
 class _Busy(torch.autograd.Function):
     """Holds its rank for a fixed time, forward and (twice as long) backward, as a block's compute would: the measured
-    bubble then depends on the schedule alone, not on how busy the machine is."""
+    bubble then depends on the schedule alone, not on how busy the machine is. Its backward's time is half the
+    input's gradient and half a weight's (a zero gradient), so a zero-bubble schedule's split passes take half each
+    (:func:`funcpar.splitgrad.wanted`)."""
 
     @staticmethod
-    def forward(x):
+    def forward(x, w):
         time.sleep(BUSY_S)
         return x.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.w_shape = inputs[1].shape
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(2 * BUSY_S)
-        return g
+        need = fp.splitgrad.wanted(ctx, (True, True))
+        time.sleep(BUSY_S * sum(need))
+        return g if need[0] else None, g.new_zeros(ctx.w_shape) if need[1] else None
 
 
 BUSY_S = 0.006
 
 
 def _busy_block(lp, x, i, cfg, mesh):
-    return _Busy.apply(tinylm._block(lp, x, i, cfg, mesh))
+    # the norm's weight given to _Busy alone (the block gets a copy outside autograd): used once, its gradient is
+    # _Busy's alone, so the weight pass runs _Busy's backward and nothing above it (a leaf used twice in a chunk
+    # would have the weight pass run the path between its uses again)
+    return _Busy.apply(tinylm._block({**lp, "norm": lp["norm"].detach()}, x, i, cfg, mesh), lp["norm"])
 
 
 def _bubbles(micro):
@@ -237,7 +246,7 @@ def _bubbles(micro):
         for _ in range(4):
             state, m = step(state, {"input_ids": ids})
             measured.append(m["bubble"])
-        out[pipeline] = statistics.median(measured[1:])
+        out[(pipeline, chunks)] = statistics.median(measured[1:])
     return out
 
 
@@ -246,8 +255,9 @@ def test_the_measured_bubble_follows_the_schedule_and_interleaving_shrinks_it():
         measured = harness.run(2, _bubbles, micro)[0]
         for pipeline, chunks in SCHEDULES:
             planned = fp.pipeline.make_schedule(pipeline, 2, micro, chunks or 1).simulate()["bubble"]
-            assert abs(measured[pipeline] - planned) <= 0.05, (micro, pipeline, measured, planned)
-        assert measured["interleaved"] < measured["1f1b"] - 0.01, (micro, measured)
+            assert abs(measured[(pipeline, chunks)] - planned) <= 0.05, (micro, pipeline, chunks, measured, planned)
+        one = measured[("1f1b", None)]
+        assert measured[("interleaved", 2)] < one - 0.01 and measured[("zb", None)] < one - 0.01, (micro, measured)
 
 
 def _reshard(folder, first, then, pipeline, chunks):

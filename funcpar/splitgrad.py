@@ -1,0 +1,160 @@
+"""A backward pass split in two: the inputs' gradients now, the weights' gradients later (zero-bubble pipelines).
+
+A pipeline stage's backward has two parts with different urgency: the gradient of its *input* is what the previous
+stage waits for, while the gradients of its *weights* are needed only when the step ends. Computing the first at
+once and deferring the second lets a schedule fill its bubble with weight-gradient work (Qi et al., "Zero Bubble
+Pipeline Parallelism", 2023).
+
+:func:`backward_input` walks the autograd graph of a chunk's outputs and finds, for every weight, the *split nodes*:
+the nodes on the path from the outputs to the inputs through which that weight's gradient flows (for ``y = x @ w.T``
+the matmul's backward node, which forms both ``x``'s and ``w``'s gradients). It runs the backward to the inputs
+only, keeping the graph, and records the gradient arriving at each split node. :meth:`Deferred.run` later restarts
+the engine at the split nodes with those gradients, towards the weights only, and accumulates them into ``.grad``.
+The engine computes a node's outputs only where a requested edge needs them, so the two passes together do the
+work of one backward: the input-gradient matmuls in the first, the weight-gradient matmuls in the second. (A custom
+``autograd.Function`` computes what ``ctx.needs_input_grad`` says in both passes unless it asks :func:`wanted`.)
+The gradients are the single backward's: the same ops on the same operands.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["Deferred", "backward_input", "wanted"]
+
+
+_REQUESTED: list[set[Node]] = []  # the leaves' accumulator nodes the running split pass computes gradients for
+
+
+def wanted(ctx, tensors: Sequence[bool]) -> tuple[bool, ...]:
+    """``ctx.needs_input_grad`` narrowed, inside a split pass, to the inputs that pass reaches: for a custom
+    Function's ``backward``, which of its inputs' gradients the engine will use (the input pass wants no weight's,
+    the weight pass no activation's). ``tensors``: per input of the Function's forward, whether it was a tensor
+    (those have an edge in ``ctx.next_functions``). Outside a split pass, ``needs_input_grad`` itself."""
+    if not _REQUESTED:
+        return tuple(ctx.needs_input_grad)
+    edges, out = iter(ctx.next_functions), []
+    for need, is_tensor in zip(ctx.needs_input_grad, tensors):
+        node = next(edges)[0] if is_tensor else None
+        if not need or node is None:
+            out.append(bool(need) and node is not None)
+        elif type(node).__name__ == "AccumulateGrad":  # a leaf: the engine cannot say during autograd.grad
+            out.append(node in _REQUESTED[-1])
+        else:
+            out.append(torch._C._will_engine_execute_node(node))
+    return tuple(out)
+
+
+def _grad(outputs, inputs, grad_outputs) -> tuple:
+    """``torch.autograd.grad`` (graph kept, unused inputs None) with ``inputs``' leaves known to :func:`wanted`."""
+    _REQUESTED.append({get_gradient_edge(x).node if isinstance(x, torch.Tensor) else x.node for x in inputs})
+    try:
+        return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)
+    finally:
+        _REQUESTED.pop()
+
+
+def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Every node reachable from ``roots`` -> the nodes with an edge to it (``roots`` map to [])."""
+    parents: dict[Node, list[Node]] = {n: [] for n in roots}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                stack.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _above(start: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """``start`` and every node with a path down to one of them."""
+    seen, stack = set(start), list(start)
+    while stack:
+        for p in parents[stack.pop()]:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+class Deferred:
+    """The weight-gradient half of a split backward (see the module docstring): ``run()`` once."""
+
+    def __init__(self, groups: list[tuple[list[torch.Tensor], list[Node]]], grads: dict[Node, tuple]):
+        self.groups, self.grads = groups, grads
+
+    def run(self) -> None:
+        """Each group's weights' gradients from the gradients recorded at its split nodes, added to ``.grad``."""
+        for weights, nodes in self.groups:
+            edges, outs = [], []
+            for n in nodes:
+                for i, g in enumerate(self.grads.get(n, ())):
+                    if g is not None:
+                        edges.append(GradientEdge(n, i))
+                        outs.append(g)
+            if not edges:  # no gradient reached this group: its weights get none
+                continue
+            hooks = []
+            if len(nodes) > 1:  # a split node below another: what arrives from above is already in its record
+                hooks = [n.register_prehook(lambda _g, rec=self.grads[n]: rec) for n in nodes if n in self.grads]
+            try:
+                dws = _grad(edges, [get_gradient_edge(w) for w in weights], outs)
+            finally:
+                for h in hooks:
+                    h.remove()
+            for w, dw in zip(weights, dws):
+                if dw is not None:
+                    w.grad = dw if w.grad is None else w.grad.add_(dw)
+        self.groups, self.grads = [], {}
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> Deferred | None:
+    """The backward of ``outputs`` (with ``grads``; None for a scalar's 1) into ``inputs``' ``.grad`` only; returns
+    what computes ``weights``' gradients later. Returns ``None`` after a whole backward (``.grad`` of the inputs and
+    the weights set) where nothing can be deferred: no input, or a weight whose gradient reaches the outputs without
+    passing the inputs' path."""
+    roots = [o.grad_fn for o in outputs]
+    if not inputs or any(r is None for r in roots):
+        torch.autograd.backward(list(outputs), list(grads))
+        return None
+    parents = _parents(roots)
+    on_path = _above([get_gradient_edge(x).node for x in inputs], parents)
+    by_nodes: dict[frozenset, list[torch.Tensor]] = defaultdict(list)
+    for w in weights:
+        acc = get_gradient_edge(w).node
+        if acc not in parents:
+            continue  # not used by these outputs
+        split, seen, stack = set(), {acc}, [acc]
+        while stack:
+            node = stack.pop()
+            if not parents[node] and node not in on_path:
+                torch.autograd.backward(list(outputs), list(grads))  # a root that only weights reach
+                return None
+            for p in parents[node]:
+                if p in on_path:
+                    split.add(p)
+                elif p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        by_nodes[frozenset(split)].append(w)
+    recorded: dict[Node, tuple] = {}
+    hooks = [n.register_prehook(lambda g, n=n: recorded.__setitem__(n, g) or None)
+             for nodes in by_nodes for n in nodes]
+    try:
+        dx = _grad(list(outputs), list(inputs), list(grads))
+    finally:
+        for h in hooks:
+            h.remove()
+    for x, g in zip(inputs, dx):
+        if g is not None:
+            x.grad = g if x.grad is None else x.grad.add_(g)
+    return Deferred([(ws, list(nodes)) for nodes, ws in by_nodes.items()], recorded)
