@@ -266,6 +266,8 @@ def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, 
     cli.main(["plan", "--mesh", "pp=2,tp=2", "--model", "llama-tiny", "--micro-batches", "4", "--parts", "2.5,1.5"])
     text = capsys.readouterr().out
     assert "pp rank 0: stage 0: embed + layers 0-1 + layer 2 attention\npp rank 1: stage 1: layer 2 mlp + layer 3 + head" in text
+    cli.main(["plan", "--mesh", "pp=2,tp=2", "--model", "llama-tiny", "--micro-batches", "4", "--pipeline", "zb"])
+    assert "zb over 4 micro-batches: planned bubble 7.7%" in capsys.readouterr().out  # traced through the split
     with pytest.raises(SystemExit, match=r"bad --parts entry 'x': expected layer counts such as 3,5 or 2.5,1.5"):
         cli.main(["plan", "--mesh", "pp=2", "--model", "llama-tiny", "--parts", "2.5,x"])
 
