@@ -135,7 +135,8 @@ VARIANTS = [
     {"parts": [1, 7]}, {"parts": [5, 3], "name": "llama-tied"}, {"parts": [2.5, 5.5], "remat": True},
     {"parts": [3.5, 4.5], "name": "gpt2"}, {"pipeline": "interleaved", "chunks": 2, "parts": [0.5, 3, 4, 0.5]},
     {"pipeline": "interleaved", "chunks": 2, "parts": [1, 3, 3, 1]}, {"pipeline": "interleaved", "chunks": 4},
-    {"offload": "cpu"},
+    {"offload": "cpu"}, {"pipeline": "zb", "zero": 2, "parts": [2.5, 5.5]},
+    {"pipeline": "zb", "chunks": 2, "name": "llama-tied", "parts": [0.5, 3, 4, 0.5]},
 ]
 
 
@@ -146,7 +147,7 @@ def test_zero_stages_remat_offload_and_uneven_parts_train_as_the_single_process_
         assert_equal_runs((losses, params), ref, f"pp=2 dp=2 {kw}")
 
 
-MIXED = [{"param_dtype": torch.bfloat16}, {"param_dtype": torch.float16}]
+MIXED = [{"param_dtype": torch.bfloat16}, {"param_dtype": torch.float16, "pipeline": "zb"}]
 
 
 def test_mixed_precision_through_the_pipeline_tracks_the_single_process_run():
