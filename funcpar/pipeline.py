@@ -180,9 +180,10 @@ class Schedule:
         Returns ``makespan``, per-rank ``busy`` time, ``bubble`` (1 - total busy / (pp * makespan)),
         per-rank ``max_in_flight`` (most activations held: forwards run whose backward, or ``W`` where the backward
         is split, has not) and per-rank ``spans`` ((start, finish, action) in order). A split backward's ``W`` takes
-        half of ``t_backward`` (rounded down) and its ``B`` the rest. Validates first; raises :class:`PipelineError` on a deadlock.
-        The times are per action, i.e. per chunk: an interleaved chunk holds ``1 / chunks`` of a rank's layers, so
-        scale them for comparable makespans (the bubble, a fraction, is the same at any scale).
+        half of ``t_backward`` (rounded down) and its ``B`` the rest. Validates first; raises
+        :class:`PipelineError` on a deadlock. The times are per action, i.e. per chunk: an interleaved chunk holds
+        ``1 / chunks`` of a rank's layers, so scale them for comparable makespans (the bubble, a fraction, is the
+        same at any scale).
         """
         spans = self._spans(t_forward, t_backward)
         makespan = max(s[-1][1] for s in spans if s)

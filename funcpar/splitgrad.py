@@ -27,7 +27,9 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 __all__ = ["Deferred", "backward_input", "wanted"]
 
 
-_REQUESTED: list[set[Node]] = []  # the leaves' accumulator nodes the running split pass computes gradients for
+# the leaves' accumulator nodes the running split pass computes gradients for: a module-level stack, not a
+# thread-local, since on CUDA the engine runs a custom Function's backward on its device thread, not the caller's
+_REQUESTED: list[set[Node]] = []
 
 
 def wanted(ctx, tensors: Sequence[bool]) -> tuple[bool, ...]:
@@ -49,13 +51,23 @@ def wanted(ctx, tensors: Sequence[bool]) -> tuple[bool, ...]:
     return tuple(out)
 
 
-def _grad(outputs, inputs, grad_outputs) -> tuple:
-    """``torch.autograd.grad`` (graph kept, unused inputs None) with ``inputs``' leaves known to :func:`wanted`."""
+def _grad(outputs, inputs, grad_outputs, prehooks=()) -> tuple:
+    """``torch.autograd.grad`` (graph kept, unused inputs None) with ``inputs``' leaves known to :func:`wanted`, and
+    ``prehooks`` ((node, hook) pairs) registered for the call only."""
     _REQUESTED.append({get_gradient_edge(x).node if isinstance(x, torch.Tensor) else x.node for x in inputs})
+    handles = [node.register_prehook(hook) for node, hook in prehooks]
     try:
         return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)
     finally:
+        for h in handles:
+            h.remove()
         _REQUESTED.pop()
+
+
+def _accumulate(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    for t, g in zip(tensors, grads):
+        if g is not None:
+            t.grad = g if t.grad is None else t.grad.add_(g)
 
 
 def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -102,17 +114,10 @@ class Deferred:
                         outs.append(g)
             if not edges:  # no gradient reached this group: its weights get none
                 continue
-            hooks = []
-            if len(nodes) > 1:  # a split node below another: what arrives from above is already in its record
-                hooks = [n.register_prehook(lambda _g, rec=self.grads[n]: rec) for n in nodes if n in self.grads]
-            try:
-                dws = _grad(edges, [get_gradient_edge(w) for w in weights], outs)
-            finally:
-                for h in hooks:
-                    h.remove()
-            for w, dw in zip(weights, dws):
-                if dw is not None:
-                    w.grad = dw if w.grad is None else w.grad.add_(dw)
+            # several split nodes, one below another: what arrives from above is already in the lower one's record
+            many = len(nodes) > 1
+            clamps = [(n, lambda _g, rec=self.grads[n]: rec) for n in nodes if many and n in self.grads]
+            _accumulate(weights, _grad(edges, [get_gradient_edge(w) for w in weights], outs, clamps))
         self.groups, self.grads = [], {}
 
 
@@ -147,14 +152,6 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                     stack.append(p)
         by_nodes[frozenset(split)].append(w)
     recorded: dict[Node, tuple] = {}
-    hooks = [n.register_prehook(lambda g, n=n: recorded.__setitem__(n, g) or None)
-             for nodes in by_nodes for n in nodes]
-    try:
-        dx = _grad(list(outputs), list(inputs), list(grads))
-    finally:
-        for h in hooks:
-            h.remove()
-    for x, g in zip(inputs, dx):
-        if g is not None:
-            x.grad = g if x.grad is None else x.grad.add_(g)
+    records = [(n, lambda g, n=n: recorded.__setitem__(n, g)) for nodes in by_nodes for n in nodes]
+    _accumulate(inputs, _grad(list(outputs), list(inputs), list(grads), records))
     return Deferred([(ws, list(nodes)) for nodes, ws in by_nodes.items()], recorded)
