@@ -132,7 +132,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         torch.autograd.backward(list(outputs), list(grads))
         return None
     parents = _parents(roots)
-    on_path = _above([get_gradient_edge(x).node for x in inputs], parents)
+    on_path = _above([n for n in (get_gradient_edge(x).node for x in inputs) if n in parents], parents)
     by_nodes: dict[frozenset, list[torch.Tensor]] = defaultdict(list)
     for w in weights:
         acc = get_gradient_edge(w).node

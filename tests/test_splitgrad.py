@@ -82,6 +82,10 @@ def test_what_cannot_be_split_runs_whole():
     (w_ref, x_ref), (w_got, x_got), between, rest = whole_and_split(lambda p, x: net(p, x) + p["b1"].sum(), p, x0)
     assert rest is not None and all(v is None for v in between.values())
     assert torch.equal(x_got, x_ref) and all(torch.equal(w_got[k], w_ref[k]) for k in p)
+    # an input the outputs do not use: nothing to split from, the whole backward (and no gradient for it)
+    p, unused = weights(8), torch.randn(4, D, requires_grad=True)
+    assert splitgrad.backward_input([net(p, x0).sum()], [None], [unused], list(p.values())) is None
+    assert unused.grad is None and all(w.grad is not None for w in p.values())
     # no input at all: the whole backward
     p = weights(7)
     assert splitgrad.backward_input([net(p, x0).sum()], [None], [], list(p.values())) is None
