@@ -12,15 +12,15 @@ tied embedding is held by the first and the last stage, and its gradient is summ
 receives the input activation from the rank holding the previous virtual stage (or embeds micro-batch ``m``), runs
 the chunk's blocks with autograd recording, keeps the input and the output, and sends the output on; per ``B(m, c)``
 it receives the output's gradient (or starts from the weighted loss), runs the chunk's backward (each parameter's
-``.grad`` accumulates over micro-batches; the saved activations are freed as they are used), and sends the input's
-gradient back (virtual stage 0's blocks start from a detached copy of the embedding's output, whose backward
-follows). Where ``W(m, c)`` follows, ``B`` forms only the input's gradient and ``W`` the weights' and the embedding's
-(:mod:`funcpar.splitgrad`). Gradients are those of ``sum_m w_m loss_m``, as the unpipelined step computes them. Sends
-are asynchronous and every message is tagged (:mod:`funcpar.p2p`); a rank waits only where its next action needs
-data. Activations and gradients travel on two channels (communicators): each stream is posted in the same order by
-sender and receiver (every rank walks the same forward order and the same backward order), so a backend that matches
-messages by order (NCCL) pairs them as the tags do on gloo. The executor measures the time it spends waiting (the
-*bubble*) and the most micro-batches it holds.
+``.grad`` accumulates over micro-batches; the saved activations are freed as they are used; a split ``B`` keeps them
+until its ``W``), and sends the input's gradient back (virtual stage 0's blocks start from a detached copy of the
+embedding's output, whose backward follows). Where ``W(m, c)`` follows, ``B`` forms only the input's gradient and
+``W`` the weights' and the embedding's (:mod:`funcpar.splitgrad`). Gradients are those of ``sum_m w_m loss_m``, as
+the unpipelined step computes them. Sends are asynchronous and every message is tagged (:mod:`funcpar.p2p`); a rank
+waits only where its next action needs data. Activations and gradients travel on two channels (communicators): each
+stream is posted in the same order by sender and receiver (every rank walks the same forward order and the same
+backward order), so a backend that matches messages by order (NCCL) pairs them as the tags do on gloo. The executor
+measures the time it spends waiting (the *bubble*) and the most micro-batches it holds.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ __all__ = ["Deferred", "backward_input", "wanted"]
 
 
 # the leaves' accumulator nodes the running split pass computes gradients for: a module-level stack, not a
-# thread-local, since on CUDA the engine runs a custom Function's backward on its device thread, not the caller's
+# thread-local, since on CUDA the engine runs a custom Function's backward on its device thread, not the caller's. So
+# one split pass at a time per process, and no other backward through a Function asking `wanted` while it runs
+# (funcpar's ranks are processes, each walking its schedule on one thread)
 _REQUESTED: list[set[Node]] = []
 
 
@@ -65,9 +67,11 @@ def _grad(outputs, inputs, grad_outputs, prehooks=()) -> tuple:
 
 
 def _accumulate(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """``.grad += g``, a first ``g`` copied (the engine may return one tensor for two leaves, an expanded view, or
+    the gradient it was given: the in-place sums of later micro-batches must not reach any of those)."""
     for t, g in zip(tensors, grads):
         if g is not None:
-            t.grad = g if t.grad is None else t.grad.add_(g)
+            t.grad = g.clone(memory_format=torch.contiguous_format) if t.grad is None else t.grad.add_(g)
 
 
 def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -114,9 +118,9 @@ class Deferred:
                         outs.append(g)
             if not edges:  # no gradient reached this group: its weights get none
                 continue
-            # several split nodes, one below another: what arrives from above is already in the lower one's record
-            many = len(nodes) > 1
-            clamps = [(n, lambda _g, rec=self.grads[n]: rec) for n in nodes if many and n in self.grads]
+            # each split node gets its record as it is: tensor hooks ran on it in the input pass and would run again
+            # on what the engine is given, and a split node below another would also get what arrives from above
+            clamps = [(n, lambda _g, rec=self.grads[n]: rec) for n in nodes if n in self.grads]
             _accumulate(weights, _grad(edges, [get_gradient_edge(w) for w in weights], outs, clamps))
         self.groups, self.grads = [], {}
 
@@ -124,25 +128,29 @@ class Deferred:
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> Deferred | None:
     """The backward of ``outputs`` (with ``grads``; None for a scalar's 1) into ``inputs``' ``.grad`` only; returns
-    what computes ``weights``' gradients later. Returns ``None`` after a whole backward (``.grad`` of the inputs and
-    the weights set) where nothing can be deferred: no input, or a weight whose gradient reaches the outputs without
-    passing the inputs' path."""
+    what computes ``weights``' gradients later (those not requiring grad are skipped). Returns ``None`` after a whole
+    backward (``.grad`` of the inputs and the weights set) where nothing can be deferred: no input, an output the
+    inputs do not reach, or a weight whose path joins the inputs' at an input itself (a non-leaf input computed from
+    it: the input pass stops there)."""
     roots = [o.grad_fn for o in outputs]
     if not inputs or any(r is None for r in roots):
         torch.autograd.backward(list(outputs), list(grads))
         return None
     parents = _parents(roots)
-    on_path = _above([n for n in (get_gradient_edge(x).node for x in inputs) if n in parents], parents)
+    starts = {n for n in (get_gradient_edge(x).node for x in inputs) if n in parents}
+    on_path = _above(list(starts), parents)
     by_nodes: dict[frozenset, list[torch.Tensor]] = defaultdict(list)
     for w in weights:
+        if not w.requires_grad:
+            continue
         acc = get_gradient_edge(w).node
         if acc not in parents:
             continue  # not used by these outputs
         split, seen, stack = set(), {acc}, [acc]
         while stack:
             node = stack.pop()
-            if not parents[node] and node not in on_path:
-                torch.autograd.backward(list(outputs), list(grads))  # a root that only weights reach
+            if not parents[node] and node not in on_path or starts.intersection(parents[node]):
+                torch.autograd.backward(list(outputs), list(grads))  # a root only weights reach, or an input's node
                 return None
             for p in parents[node]:
                 if p in on_path:

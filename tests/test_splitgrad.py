@@ -86,6 +86,11 @@ def test_what_cannot_be_split_runs_whole():
     p, unused = weights(8), torch.randn(4, D, requires_grad=True)
     assert splitgrad.backward_input([net(p, x0).sum()], [None], [unused], list(p.values())) is None
     assert unused.grad is None and all(w.grad is not None for w in p.values())
+    # an input computed from a weight: the input pass stops at the input, so that weight's part cannot wait
+    p, w0 = weights(9), torch.randn(D, requires_grad=True)
+    xin = x0 * w0
+    assert splitgrad.backward_input([net(p, xin).sum()], [None], [xin], [w0, *p.values()]) is None
+    assert w0.grad is not None and xin.grad is None  # (a non-leaf's .grad is not kept by a whole backward)
     # no input at all: the whole backward
     p = weights(7)
     assert splitgrad.backward_input([net(p, x0).sum()], [None], [], list(p.values())) is None
@@ -111,6 +116,21 @@ class _Recorder(torch.autograd.Function):
         need = splitgrad.wanted(ctx, (True, False, True))
         _Recorder.calls.append(need)
         return g @ w if need[0] else None, None, g.t() @ x if need[2] else None
+
+
+def test_tensor_hooks_run_once_and_first_gradients_are_copies():
+    # a hook on an activation scales what reaches the weights below it: once, as in a whole backward
+    def hooked(p, x):
+        h = F.linear(x, p["w1"])
+        h.register_hook(lambda g: g * 10)
+        return F.linear(h, p["w2"]) + p["b1"] + p["b2"]  # two biases given one gradient tensor by the engine
+    p, x0 = weights(10), torch.randn(4, D, generator=torch.Generator().manual_seed(11))
+    g = torch.Generator().manual_seed(12)
+    p = {"w1": p["w1"], "w2": p["w2"], "b1": torch.randn(4, D, generator=g).requires_grad_(),
+         "b2": torch.randn(4, D, generator=g).requires_grad_()}
+    (w_ref, x_ref), (w_got, x_got), _, rest = whole_and_split(hooked, p, x0)
+    assert rest is not None and torch.equal(x_got, x_ref) and all(torch.equal(w_got[k], w_ref[k]) for k in p)
+    assert p["b1"].grad.data_ptr() != p["b2"].grad.data_ptr()  # summed into separately by the next micro-batch
 
 
 def test_custom_functions_asking_wanted_form_only_each_passes_part():
