@@ -53,25 +53,19 @@ def wanted(ctx, tensors: Sequence[bool]) -> tuple[bool, ...]:
     return tuple(out)
 
 
-def _grad(outputs, inputs, grad_outputs, prehooks=()) -> tuple:
-    """``torch.autograd.grad`` (graph kept, unused inputs None) with ``inputs``' leaves known to :func:`wanted`, and
-    ``prehooks`` ((node, hook) pairs) registered for the call only."""
+def _backward(outputs, inputs, grad_outputs, prehooks=()) -> None:
+    """``torch.autograd.backward`` into ``inputs`` only (graph kept), with ``inputs``' leaves known to :func:`wanted`
+    and ``prehooks`` ((node, hook) pairs) registered for the call only. The leaves' own accumulator nodes add to
+    ``.grad`` as in any backward: a fresh gradient is taken as it is, one the engine holds elsewhere (the same tensor
+    for two leaves, the gradient it was given) copied first."""
     _REQUESTED.append({get_gradient_edge(x).node if isinstance(x, torch.Tensor) else x.node for x in inputs})
     handles = [node.register_prehook(hook) for node, hook in prehooks]
     try:
-        return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True)
+        torch.autograd.backward(outputs, grad_outputs, retain_graph=True, inputs=inputs)
     finally:
         for h in handles:
             h.remove()
         _REQUESTED.pop()
-
-
-def _accumulate(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """``.grad += g``, a first ``g`` copied (the engine may return one tensor for two leaves, an expanded view, or
-    the gradient it was given: the in-place sums of later micro-batches must not reach any of those)."""
-    for t, g in zip(tensors, grads):
-        if g is not None:
-            t.grad = g.clone(memory_format=torch.contiguous_format) if t.grad is None else t.grad.add_(g)
 
 
 def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -121,7 +115,7 @@ class Deferred:
             # each split node gets its record as it is: tensor hooks ran on it in the input pass and would run again
             # on what the engine is given, and a split node below another would also get what arrives from above
             clamps = [(n, lambda _g, rec=self.grads[n]: rec) for n in nodes if n in self.grads]
-            _accumulate(weights, _grad(edges, [get_gradient_edge(w) for w in weights], outs, clamps))
+            _backward(edges, weights, outs, clamps)
         self.groups, self.grads = [], {}
 
 
@@ -161,5 +155,5 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         by_nodes[frozenset(split)].append(w)
     recorded: dict[Node, tuple] = {}
     records = [(n, lambda g, n=n: recorded.__setitem__(n, g)) for nodes in by_nodes for n in nodes]
-    _accumulate(inputs, _grad(list(outputs), list(inputs), list(grads), records))
+    _backward(list(outputs), list(inputs), list(grads), records)
     return Deferred([(ws, list(nodes)) for nodes, ws in by_nodes.items()], recorded)

@@ -149,3 +149,34 @@ def test_custom_functions_asking_wanted_form_only_each_passes_part():
     _Recorder.calls.clear()
     torch.func.grad(lambda w: _Recorder.apply(x.detach(), "t", w).sum())(w.detach())
     assert _Recorder.calls == [(False, False, True)]
+
+
+def test_the_weight_pass_takes_the_engines_gradients_without_copies_but_never_a_given_one():
+    # the leaves' accumulator nodes take a fresh gradient as it is (a copy per weight per micro-batch cost a zero-
+    # bubble pipeline's step 2%); a gradient the caller still holds (here the one given for the output, which the
+    # bias gets unchanged) is copied, so the next micro-batch's in-place sum cannot reach the caller's tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_):
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    p = weights(13)
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(14)).requires_grad_()
+    g = torch.randn(4, D, generator=torch.Generator().manual_seed(15))
+    y = F.linear(F.linear(x, p["w1"]).tanh(), p["w2"])
+    rest = splitgrad.backward_input([y], [g], [x], [p["w1"], p["w2"]])
+    with Copies() as mode:
+        rest.run()
+    assert mode.seen == [] and p["w1"].grad is not None and p["w2"].grad is not None
+    b = torch.zeros(4, D, requires_grad=True)
+    x = x.detach().requires_grad_()
+    rest = splitgrad.backward_input([F.linear(x, p["w1"]) + b], [g], [x], [p["w1"], b])
+    rest.run()
+    assert torch.equal(b.grad, g) and b.grad.data_ptr() != g.data_ptr()
