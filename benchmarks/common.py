@@ -18,7 +18,22 @@ DATA_BATCHES = 4  # distinct global batches, cycled; batch 0 is every implementa
 SIZES = {
     "small": dict(hidden=512, layers=4, heads=8, kv_heads=4, vocab=4096, seq=256, global_batch=8),
     "large": dict(hidden=1024, layers=4, heads=16, kv_heads=8, vocab=8192, seq=256, global_batch=8),
+    # one GPU's worth (0.87B parameters, 8192 tokens a step): too slow for the 2-core CPU, for --device cuda
+    "gpu": dict(hidden=2048, layers=16, heads=16, kv_heads=8, vocab=32000, seq=2048, global_batch=4),
 }
+CPU_SIZES = ("small", "large")  # --size both
+
+# --precision: fp32 everywhere, or bf16 compute with fp32 master weights and optimizer state (funcpar's
+# param_dtype=torch.bfloat16; the eager loop's forward under torch.autocast), for the implementations listed
+PRECISIONS = ("fp32", "bf16")
+BF16_IMPLS = ("funcpar", "hf-eager")
+
+
+def precision_short(impl: str, precision: str) -> str | None:
+    """Why ``impl`` does not run at ``precision`` here (bf16 is wired for funcpar and the eager loop), or None."""
+    if precision != "fp32" and impl not in BF16_IMPLS:
+        return f"--precision {precision} is wired for {' and '.join(BF16_IMPLS)} only"
+    return None
 
 # implementation id -> what it is (the table's wording)
 IMPLS = {

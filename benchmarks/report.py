@@ -311,7 +311,7 @@ def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
            + (f"; the jobs on CUDA (NCCL, one GPU per rank): {', '.join(m['gpus'])}" if on_gpu else
               "; the jobs on host tensors (gloo)"),
            "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
-           f"- matmul peak (measured, fp32, {'cuda:0' if on_gpu else str(meta['peak_threads']) + ' threads'}, "
+           f"- matmul peak (measured, {meta.get('precision', 'fp32')}, {'cuda:0' if on_gpu else str(meta['peak_threads']) + ' threads'}, "
            f"{meta['peak_n']}x{meta['peak_n']} "
            f"matmuls, the fastest one in {meta['peak_seconds']:g} s"
            + (" at the start and at the end of the run: " + " and ".join(f"{p / 1e9:.1f}" for p in meta["peaks"])

@@ -75,9 +75,10 @@ def missing_package(impl: str) -> str | None:
     return None
 
 
-def not_runnable(mesh: str, impl: str, device: str, gpus: int) -> str | None:
-    """Why the job (``mesh``, ``impl``) cannot run here: a package missing, or too few GPUs; None if it can."""
-    return missing_package(impl) or C.devices_short(mesh, device, gpus)
+def not_runnable(mesh: str, impl: str, device: str, gpus: int, precision: str = "fp32") -> str | None:
+    """Why the job (``mesh``, ``impl``) cannot run here: a package missing, too few GPUs, or the precision not wired
+    for that peer; None if it can."""
+    return missing_package(impl) or C.devices_short(mesh, device, gpus) or C.precision_short(impl, precision)
 
 
 def resolve_device(choice: str) -> tuple[str, int]:
@@ -91,24 +92,27 @@ def resolve_device(choice: str) -> tuple[str, int]:
     return ("cuda" if choice == "cuda" or (choice == "auto" and gpus) else "cpu"), gpus
 
 
-def measure_peak(threads: int, n: int, seconds: float, device: str = "cpu") -> float:
-    """The best fp32 matmul FLOP/s of ``n`` x ``n`` matmuls over ``seconds``: on ``threads`` threads, or on the
-    first CUDA device (each matmul timed to its completion; TF32 as torch leaves it, off by default), measured in a
-    child process there, so that the runner holds no CUDA context or cached memory on the jobs' rank-0 GPU."""
+def measure_peak(threads: int, n: int, seconds: float, device: str = "cpu", precision: str = "fp32") -> float:
+    """The best matmul FLOP/s of ``n`` x ``n`` matmuls in ``precision`` (fp32 or bf16) over ``seconds``: on
+    ``threads`` threads, or on the first CUDA device (each matmul timed to its completion; TF32 as torch leaves it,
+    off by default), measured in a child process there, so that the runner holds no CUDA context or cached memory on
+    the jobs' rank-0 GPU."""
     if device == "cuda":
         code = (f"import sys; sys.path.insert(0, {ROOT!r}); from benchmarks import run; "
-                f"print(run._peak({threads}, {n}, {seconds}, 'cuda'))")
+                f"print(run._peak({threads}, {n}, {seconds}, 'cuda', {precision!r}))")
         return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                     check=True).stdout.split()[-1])
-    return _peak(threads, n, seconds, device)
+    return _peak(threads, n, seconds, device, precision)
 
 
-def _peak(threads: int, n: int, seconds: float, device: str) -> float:
+def _peak(threads: int, n: int, seconds: float, device: str, precision: str = "fp32") -> float:
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    g = torch.Generator(device=device).manual_seed(0)  # random operands: zeros run faster than real data
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=g) for _ in range(2))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     a @ b
     sync()
@@ -177,7 +181,8 @@ def launch(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
            WORKER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights,
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device]
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
+           "--precision", getattr(args, "precision", "fp32")]  # (benchmarks/lora.py's arguments: fp32)
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     loads, done = [], threading.Event()
@@ -219,7 +224,8 @@ def profile(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     """``profile_step.py`` for one (mesh, implementation): its phase split of a few profiled steps."""
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
-           PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights, "--device", args.device]
+           PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights, "--device", args.device,
+           "--precision", args.precision]
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     try:
@@ -237,7 +243,7 @@ def run_size(name: str, jobs: list[tuple[str, str]], args, records: list[dict], 
     size = C.SIZES[name]
     weights = write_weights(size)
     try:
-        why = {(m, i): not_runnable(m, i, args.device, args.gpus) for m, i in jobs}
+        why = {(m, i): not_runnable(m, i, args.device, args.gpus, args.precision) for m, i in jobs}
         runnable = [job for job in jobs if not why[job]]
         records += [{"mesh": m, "impl": i, "size": name, "missing": why[m, i]} for m, i in jobs if why[m, i]]
         for r in range(args.repeats):
@@ -281,7 +287,12 @@ def select_jobs(args) -> list[tuple[str, str]]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--size", default="small", choices=["small", "large", "both"])
+    ap.add_argument("--size", default="small", choices=[*C.SIZES, "both"],
+                    help="both: " + " and ".join(C.CPU_SIZES) + "; gpu (0.87B parameters) is sized for one GPU")
+    ap.add_argument("--precision", default="fp32", choices=C.PRECISIONS,
+                    help="bf16: bf16 compute, fp32 master weights and optimizer state (funcpar's param_dtype, the "
+                         "eager loop under torch.autocast; the other peers are listed as not run); the matmul peak "
+                         "is then measured in bf16")
     ap.add_argument("--device", default="auto", choices=C.DEVICES,
                     help="where the jobs run: cuda (NCCL, one GPU per rank, DS_ACCELERATOR=cuda) or cpu (gloo, "
                          "DS_ACCELERATOR=cpu); auto: cuda wherever torch sees a CUDA device")
@@ -333,26 +344,27 @@ def main(argv=None) -> None:
     args.device, args.gpus = resolve_device(args.device)
     print("jobs on " + (f"CUDA, NCCL: {args.gpus} GPU(s)" if args.device == "cuda" else "host tensors, gloo"),
           flush=True)
-    why = {(m, i): not_runnable(m, i, args.device, args.gpus) for m, i in jobs}
+    why = {(m, i): not_runnable(m, i, args.device, args.gpus, args.precision) for m, i in jobs}
     missing = sorted({f"{C.impl_label(m, i)} on {C.mesh_label(m)} ({why[m, i]})" for m, i in jobs if why[m, i]})
     for line in missing:
         print(f"not run: {line}", flush=True)
     t0, at_start = time.perf_counter(), versions()  # the funcpar commit the jobs ran (others may commit meanwhile)
     threads, n = (1, 8192) if args.device == "cuda" else (os.cpu_count() or 1, 2048)
-    peaks = [measure_peak(threads, n, args.peak_seconds, args.device)]
+    peaks = [measure_peak(threads, n, args.peak_seconds, args.device, args.precision)]
     where = "cuda:0" if args.device == "cuda" else f"{threads} threads"
-    print(f"matmul peak: {peaks[0] / 1e9:.1f} GFLOP/s (fp32, {where})", flush=True)
+    print(f"matmul peak: {peaks[0] / 1e9:.1f} GFLOP/s ({args.precision}, {where})", flush=True)
     records, planned, profiles = [], {}, {}
-    for name in (["small", "large"] if args.size == "both" else [args.size]):
+    for name in (C.CPU_SIZES if args.size == "both" else [args.size]):
         done = run_size(name, jobs, args, records, t0)
         planned[name], profiles[name] = done["planned"], done["profiles"]
-    peaks.append(measure_peak(threads, n, args.peak_seconds, args.device))  # again at the end: the larger is the machine's
+    peaks.append(measure_peak(threads, n, args.peak_seconds, args.device, args.precision))  # again at the end: the larger is the machine's
     print(f"matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {max(peaks) / 1e9:.1f}", flush=True)
     meta = {"command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "wall_s": time.perf_counter() - t0,
             "machine": machine(args.device), "versions": at_start, "peak_flops": max(peaks), "peaks": peaks,
             "peak_threads": threads, "peak_n": n, "peak_seconds": args.peak_seconds, "warmup": args.warmup,
-            "steps": args.steps, "repeats": args.repeats, "missing": missing, "tol": args.tol}
+            "steps": args.steps, "repeats": args.repeats, "missing": missing, "tol": args.tol,
+            "precision": args.precision}
     write_outputs(meta, records, planned, args, profiles)
 
 
@@ -362,7 +374,7 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
     plot_path = args.plot or os.path.join(out_dir, "results.png")
     json_path = args.json or os.path.join(out_dir, "results.json")
     tol = meta.get("tol", args.tol)
-    meta["notes"] = SETUP_NOTES + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
+    meta["notes"] = setup_notes(meta.get("precision", "fp32")) + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
     sizes = {name: {"planned": planned.get(name, {}), "profiles": profiles.get(name, []),
                     "rows": report.summarize(records, name, C.flops_per_step(C.SIZES[name]), meta["peak_flops"], tol)}
              for name in planned}
@@ -377,6 +389,18 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
           + f" ({meta['wall_s'] / 60:.1f} min)")
     for name, s in sizes.items():
         print(f"\n{name}\n" + report.table(s["rows"], tol) + "\n\n" + report.summary(s["rows"]))
+
+
+def setup_notes(precision: str) -> list[str]:
+    """What every job of a run did, in words (the first line says the precision)."""
+    if precision == "fp32":
+        return SETUP_NOTES
+    how = ("bf16 compute with fp32 master weights, gradients reduced and optimizer state in fp32: funcpar "
+           "`compile_step(..., param_dtype=torch.bfloat16)` (bf16 copies of the parameters for the forward and "
+           "backward, fp32 masters in the optimizer state), the eager loop's forward under "
+           "`torch.autocast(dtype=torch.bfloat16)` (fp32 parameters, autocast's bf16 matmuls, its fp32 list for "
+           "softmax, norms and the loss); the other peers not run")
+    return [SETUP_NOTES[0].replace("Every implementation: fp32", f"Every implementation: {how}", 1)] + SETUP_NOTES[1:]
 
 
 SETUP_NOTES = [

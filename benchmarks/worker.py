@@ -68,6 +68,8 @@ def _mean_over_world(loss, world: int) -> float:
 def build_funcpar(args, size, rank, world, lora: bool = False):
     """funcpar's step on the weights; with ``lora``, adapters ``common.LORA`` on the base frozen
     (``--impl funcpar-lora``, for benchmarks/lora.py)."""
+    import torch
+
     import funcpar as fp
 
     mesh = fp.Mesh(device=args.dev, **C.MESHES[args.mesh]["axes"])
@@ -78,8 +80,9 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
         adapters = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(C.LORA), mesh)
         loss, specs, init = adapters.loss_fn(loss, params), adapters.specs(), adapters.init(seed=0, device=args.dev)
     pipe = C.pipeline(args.mesh)  # ({} off a pipeline mesh)
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[getattr(args, "precision", "fp32")]  # bf16: fp32 masters in the optimizer state
     step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1,
-                           clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), **pipe)
+                           clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), param_dtype=dtype, **pipe)
     box = {"state": step.init(init)}
     del params, init
 
@@ -107,9 +110,12 @@ def build_hf_eager(args, size, rank, world):
     model = _hf_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=C.WD)
 
+    amp = torch.autocast(args.dev.type, dtype=torch.bfloat16, enabled=getattr(args, "precision", "fp32") == "bf16")
+
     def run(i):
         ids = C.global_batch(size, i).to(args.dev)
-        loss = model(input_ids=ids, labels=ids).loss
+        with amp:  # bf16: the forward's matmuls in bf16, the parameters and their gradients fp32 (torch AMP)
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), C.CLIP)
         opt.step()
@@ -355,6 +361,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="auto", choices=C.DEVICES)
+    ap.add_argument("--precision", default="fp32", choices=C.PRECISIONS)
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     import torch
@@ -362,6 +369,8 @@ def main() -> None:
     torch.set_num_threads(C.MESHES[args.mesh]["threads"])
     try:
         setup_device(args)
+        if C.precision_short(args.impl.replace("-lora", ""), args.precision):
+            raise SystemExit(C.precision_short(args.impl.replace("-lora", ""), args.precision))
         if world != C.MESHES[args.mesh]["nproc"]:
             raise SystemExit(f"mesh {args.mesh} runs {C.MESHES[args.mesh]['nproc']} ranks, got WORLD_SIZE={world}")
         out = measure(args, rank, world)

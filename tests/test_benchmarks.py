@@ -188,7 +188,7 @@ def test_on_cuda_every_job_runs_nccl_one_gpu_per_rank_and_the_report_says_so(mon
     args = run.parse_args(["--device", "cuda"])
     args.gpus = 1
     rec = run.launch("1", "ds-zero1", "small", "/w", args)
-    assert seen["env"]["DS_ACCELERATOR"] == "cuda" and seen["cmd"][-2:] == ["--device", "cuda"]
+    assert seen["env"]["DS_ACCELERATOR"] == "cuda" and _flag(seen["cmd"], "--device") == "cuda"
     assert rec["gpu_mb"] == [2]
     rows = report.summarize([dict(rec, impl="funcpar", mesh="1"), dict(rec, impl="hf-eager", mesh="1")], "small",
                             1e9, 1e12, 1e-4)
@@ -245,7 +245,7 @@ def test_lora_benchmark_launches_its_jobs_on_the_resolved_device(monkeypatch, tm
     out = tmp_path / "LORA.md"
     lora.main(["--meshes", "1", "--repeats", "1", "--device", "cpu", "--out", str(out)])
     assert [c[c.index("--impl") + 1] for c, _ in seen] == ["funcpar", "funcpar-lora"]
-    assert all(c[-2:] == ["--device", "cpu"] and acc == "cpu" for c, acc in seen)
+    assert all(_flag(c, "--device") == "cpu" and _flag(c, "--precision") == "fp32" and acc == "cpu" for c, acc in seen)
     assert "| Mesh() | 1.000 | 1.000 | 1.00 | 10 | 10 |" in out.read_text()
     # on a machine with one GPU a 4-rank mesh is listed as not run (as run.py does) and the one-process mesh runs
     seen.clear()
@@ -255,3 +255,62 @@ def test_lora_benchmark_launches_its_jobs_on_the_resolved_device(monkeypatch, tm
     text = out.read_text()
     assert "| Mesh(tp=2, dp=2) | not run: needs 4 GPUs (one per rank), this machine has 1 |" in text
     assert "| Mesh() | 1.000 | 1.000 | 1.00 | 10 | 10 |" in text
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    """The value after ``name`` in a command line."""
+    return cmd[cmd.index(name) + 1]
+
+
+def test_bf16_runs_funcpar_and_the_eager_loop_only_and_the_report_says_bf16(monkeypatch):
+    """--precision bf16: the jobs get it, the peers not wired for it are listed as not run (not silently run in fp32),
+    the peak and the notes say bf16."""
+    import subprocess
+    import types
+
+    from benchmarks import run
+
+    assert run.not_runnable("1", "hf-eager", "cpu", 0, "bf16") is None
+    assert run.not_runnable("1", "funcpar", "cuda", 1, "bf16") is None
+    assert "wired for funcpar and hf-eager only" in run.not_runnable("dp2", "ds-zero1", "cpu", 0, "bf16")
+    assert run.not_runnable("dp2", "ds-zero1", "cuda", 1, "bf16").startswith("needs 2 GPUs")
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen["cmd"] = cmd
+        return types.SimpleNamespace(stdout="RESULT " + json.dumps({"times": [1.0], "losses": [1.0], "rss_mb": [1]}),
+                                     stderr="", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = run.parse_args(["--device", "cpu", "--precision", "bf16", "--size", "gpu"])
+    run.launch("1", "funcpar", "gpu", "/w", args)
+    assert _flag(seen["cmd"], "--precision") == "bf16" and _flag(seen["cmd"], "--size") == "gpu"
+    assert run.setup_notes("bf16")[0].startswith("Every implementation: bf16 compute with fp32 master weights")
+    assert run.setup_notes("fp32")[0].startswith("Every implementation: fp32, AdamW")
+    meta = {"command": "c", "date": "d", "wall_s": 1, "peak_threads": 1, "peak_n": 8192, "peak_seconds": 3,
+            "peak_flops": 5e14, "warmup": 2, "steps": 4, "repeats": 1, "versions": {}, "precision": "bf16",
+            "machine": {"cpu": "x", "cores": 16, "memory_gib": 1.0, "device": "cuda", "gpus": ["NVIDIA H100"]}}
+    assert "matmul peak (measured, bf16, cuda:0" in report.document(meta, {}, 1e-4)
+    with pytest.raises(SystemExit):
+        run.parse_args(["--precision", "fp8"])
+
+
+def test_the_bf16_peak_multiplies_bf16_operands():
+    """run._peak in bf16 times bf16 matmuls (a float32 product timed under a bf16 label would halve every MFU)."""
+    import torch
+
+    from benchmarks import run
+
+    seen = []
+    real = torch.Tensor.__matmul__
+
+    def spy(a, b):
+        seen.append((a.dtype, b.dtype))
+        return real(a, b)
+
+    torch.Tensor.__matmul__ = spy
+    try:
+        assert run._peak(1, 64, 0.01, "cpu", "bf16") > 0
+    finally:
+        torch.Tensor.__matmul__ = real
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
