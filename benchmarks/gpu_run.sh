@@ -6,9 +6,11 @@
 # Uses the machine's own Python with its CUDA torch and transformers (FUNCPAR_PYTHON, default python3); installs
 # funcpar into it without touching torch (--no-deps), and optree from .whl/ when that folder holds a wheel (machines
 # with no package index). Stages, most important first, each skipped when less than its budget is left of [seconds]
-# (default 480):
-#   1. fp32, the small and large sizes, one process (NCCL takes one GPU per rank: the multi-rank meshes need more GPUs)
-#   2. bf16 (fp32 masters), the 0.87B "gpu" size, one process, with the profile of where the time goes
+# (default 480); STAGES (default all, in this order) picks some:
+#   fp32           the small and large sizes, one process (NCCL takes one GPU per rank: multi-rank meshes need more GPUs)
+#   bf16-gpu       bf16 (fp32 masters), the 0.87B "gpu" size, one process (PROFILE=1: with where the time goes)
+#   compile-large  fp32, large, funcpar with compile=True against the eager loop
+#   compile-gpu    bf16, the "gpu" size, funcpar with compile=True alone
 # Each stage writes RESULTS-*.md, results-*.json and its log under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +44,8 @@ stage() {  # name, seconds it needs, run.py arguments...
         2>&1 | grep -v "Writing model shards" | tee "$OUT/log-$name.txt"
 }
 
-stage fp32 150 --size both --precision fp32 --repeats 2 --warmup 3 --steps 10
+want() { [[ " ${STAGES:-fp32 bf16-gpu compile-large compile-gpu} " == *" $1 "* ]]; }
+want fp32 && stage fp32 150 --size both --precision fp32 --repeats 2 --warmup 3 --steps 10
 # a failed funcpar job: its traceback (the runner keeps one line)
 if grep -q "funcpar Mesh().*FAILED" "$OUT/log-fp32.txt" 2>/dev/null; then
     "$PY" - <<'EOF' 2>&1 | tail -40
@@ -54,5 +57,10 @@ subprocess.run([sys.executable, "benchmarks/worker.py", "--mesh", "1", "--impl",
                 "--weights", d, "--device", "cuda", "--warmup", "2", "--steps", "1"])
 EOF
 fi
-stage bf16-gpu 200 --size gpu --precision bf16 --tol 2e-2 --repeats 2 --warmup 3 --steps 10 --profile
+want bf16-gpu && stage bf16-gpu 150 --size gpu --precision bf16 --tol 2e-2 --repeats 2 --warmup 3 --steps 10 \
+    ${PROFILE:+--profile}
+# funcpar with compile=True (torch.compile of the per-micro-batch gradient), against the same eager loop
+want compile-large && stage compile-large 70 --size large --precision fp32 --compile --repeats 1 --warmup 3 --steps 10
+want compile-gpu && stage compile-gpu 100 --size gpu --precision bf16 --tol 2e-2 --compile --impls funcpar \
+    --repeats 1 --warmup 3 --steps 10
 echo "== done in $(( $(date +%s) - start )) s"

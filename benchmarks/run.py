@@ -183,6 +183,7 @@ def launch(mesh: str, impl: str, size: str, weights: str, args) -> dict:
            WORKER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights,
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
            "--precision", getattr(args, "precision", "fp32")]  # (benchmarks/lora.py's arguments: fp32)
+    cmd += ["--compile"] if getattr(args, "compile", False) and impl.startswith("funcpar") else []
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     loads, done = [], threading.Event()
@@ -225,7 +226,7 @@ def profile(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
            PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights, "--device", args.device,
-           "--precision", args.precision]
+           "--precision", args.precision] + (["--compile"] if args.compile and impl == "funcpar" else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     try:
@@ -296,6 +297,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto", choices=C.DEVICES,
                     help="where the jobs run: cuda (NCCL, one GPU per rank, DS_ACCELERATOR=cuda) or cpu (gloo, "
                          "DS_ACCELERATOR=cpu); auto: cuda wherever torch sees a CUDA device")
+    ap.add_argument("--compile", action="store_true",
+                    help="funcpar's jobs with compile_step(..., compile=True): torch.compile of the per-micro-batch "
+                         "gradient (the compilation in the warm-up steps)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--meshes", default=",".join(C.MESHES), help="comma-separated, of " + ", ".join(C.MESHES))
     ap.add_argument("--impls", help="comma-separated subset of " + ", ".join(C.IMPLS) + " (None: all)")
@@ -364,7 +368,7 @@ def main(argv=None) -> None:
             "machine": machine(args.device), "versions": at_start, "peak_flops": max(peaks), "peaks": peaks,
             "peak_threads": threads, "peak_n": n, "peak_seconds": args.peak_seconds, "warmup": args.warmup,
             "steps": args.steps, "repeats": args.repeats, "missing": missing, "tol": args.tol,
-            "precision": args.precision}
+            "precision": args.precision, "compile": args.compile}
     write_outputs(meta, records, planned, args, profiles)
 
 
@@ -374,7 +378,7 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
     plot_path = args.plot or os.path.join(out_dir, "results.png")
     json_path = args.json or os.path.join(out_dir, "results.json")
     tol = meta.get("tol", args.tol)
-    meta["notes"] = setup_notes(meta.get("precision", "fp32")) + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
+    meta["notes"] = setup_notes(meta.get("precision", "fp32"), meta.get("compile", False)) + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
     sizes = {name: {"planned": planned.get(name, {}), "profiles": profiles.get(name, []),
                     "rows": report.summarize(records, name, C.flops_per_step(C.SIZES[name]), meta["peak_flops"], tol)}
              for name in planned}
@@ -391,8 +395,12 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
         print(f"\n{name}\n" + report.table(s["rows"], tol) + "\n\n" + report.summary(s["rows"]))
 
 
-def setup_notes(precision: str) -> list[str]:
-    """What every job of a run did, in words (the first line says the precision)."""
+def setup_notes(precision: str, compiled: bool = False) -> list[str]:
+    """What every job of a run did, in words (the first line says the precision; ``compiled``: ``--compile``)."""
+    if compiled:
+        notes = setup_notes(precision)
+        return [notes[0], notes[1].replace("no `compile=`", "`compile=True` (`--compile`: torch.compile of the "
+                                           "per-micro-batch gradient, compiled in the warm-up steps)")] + notes[2:]
     if precision == "fp32":
         return SETUP_NOTES
     how = ("bf16 compute with fp32 master weights, gradients reduced and optimizer state in fp32: funcpar "

@@ -82,7 +82,8 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
     pipe = C.pipeline(args.mesh)  # ({} off a pipeline mesh)
     dtype = {"fp32": None, "bf16": torch.bfloat16}[getattr(args, "precision", "fp32")]  # bf16: fp32 masters in the optimizer state
     step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1,
-                           clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), param_dtype=dtype, **pipe)
+                           clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), param_dtype=dtype,
+                           compile=getattr(args, "compile", False), **pipe)
     box = {"state": step.init(init)}
     del params, init
 
@@ -362,6 +363,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="auto", choices=C.DEVICES)
     ap.add_argument("--precision", default="fp32", choices=C.PRECISIONS)
+    ap.add_argument("--compile", action="store_true", help="funcpar: compile_step(..., compile=True)")
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     import torch

@@ -40,7 +40,7 @@ from .model import carried_check, carried_weight
 from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
-from .optim.transforms import sum_of_squares
+from .optim.transforms import sums_of_squares
 from .overlap import Overlap
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
@@ -288,11 +288,9 @@ class Step:
         mesh, buckets = self.mesh, self.layout.buckets
         if self.zero == 3 or self.pipe is not None:  # count per leaf (a zero=3 unit mixes leaves sharded and
             # replicated over the model axes; a pipeline's tied leaf counts on one stage)
-            sq = torch.stack([sum_of_squares(v) for v, c in zip(self.layout.views(parts), self._counted) if c]
-                             or [torch.zeros((), dtype=torch.float64)]).sum()
-        else:
-            sq = torch.stack([sum_of_squares(p) if b.counted else p.new_zeros((), dtype=torch.float64)
-                              for b, p in zip(buckets, parts)]).sum()
+            sq = sums_of_squares([v for v, c in zip(self.layout.views(parts), self._counted) if c]).sum()
+        else:  # (float64 on the host, one device sync)
+            sq = sums_of_squares([p for b, p in zip(buckets, parts) if b.counted]).sum()
         # the loss is replicated over the model axes: count it on one rank of each
         loss_owner = all(mesh.coord(a) == 0 for a in self.model_axes) and mesh.coord("pp") == mesh.axis_size("pp") - 1
         # the finiteness check only under loss scaling (it costs a pass over the gradients)

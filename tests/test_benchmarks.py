@@ -287,6 +287,11 @@ def test_bf16_runs_funcpar_and_the_eager_loop_only_and_the_report_says_bf16(monk
     assert _flag(seen["cmd"], "--precision") == "bf16" and _flag(seen["cmd"], "--size") == "gpu"
     assert run.setup_notes("bf16")[0].startswith("Every implementation: bf16 compute with fp32 master weights")
     assert run.setup_notes("fp32")[0].startswith("Every implementation: fp32, AdamW")
+    assert "no `compile=`" in run.setup_notes("bf16")[1] and "`compile=True`" in run.setup_notes("bf16", True)[1]
+    run.launch("1", "funcpar", "gpu", "/w", run.parse_args(["--compile"]))
+    assert "--compile" in seen["cmd"]
+    run.launch("1", "hf-eager", "gpu", "/w", run.parse_args(["--compile"]))
+    assert "--compile" not in seen["cmd"]
     meta = {"command": "c", "date": "d", "wall_s": 1, "peak_threads": 1, "peak_n": 8192, "peak_seconds": 3,
             "peak_flops": 5e14, "warmup": 2, "steps": 4, "repeats": 1, "versions": {}, "precision": "bf16",
             "machine": {"cpu": "x", "cores": 16, "memory_gib": 1.0, "device": "cuda", "gpus": ["NVIDIA H100"]}}

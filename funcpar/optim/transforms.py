@@ -54,27 +54,51 @@ def _on_leaves(update):
     return wrapped
 
 
-def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
-    """``(x ** 2).sum()`` in float64 (returned as float64): a float32 norm of a million-element tensor on CPU is
-    off by ~1e-3 relative (measured 8.8e-4 on 8M elements), enough to move clipping off the single-process run's.
+def _row_sum_of_squares(x: torch.Tensor, row: int) -> torch.Tensor:
+    """The float32 2-norms of ``row``-element rows of the flat ``x``, squared and summed in float64 (the tail in
+    float64): three kernels whatever the size, no copy of ``x``, no device sync."""
+    n = x.numel() // row * row
+    total = torch.linalg.vector_norm(x[:n].reshape(-1, row), dim=1).double().square().sum()
+    if n < x.numel():
+        total = total + torch.linalg.vector_norm(x[n:], dtype=torch.float64).square()
+    return total
 
-    On host tensors: the float32 2-norms of ``row``-element rows, squared and summed in float64: each row within a
-    float32 rounding, which mostly averages out over rows (measured 4e-9 relative on 8M elements, 4e-8 on 350K), in
-    2.5 ms against 5.5-14 ms for float64 copies a chunk at a time (the benchmark's ZeRO-1 step at dp=2, 8M-element
-    shards: its norm phase 12-13 -> 4-6 ms). A row past float32's range (an element above ~1e19: inf) or a sum
-    that underflows to 0 is done again in float64. Elsewhere (GPU), float64 copies of ``chunk`` elements at a time."""
-    x = x.detach().reshape(-1)
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=x.device)
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        n = x.numel() // row * row
-        total = torch.linalg.vector_norm(x[:n].reshape(-1, row), dim=1).double().square().sum()
-        if n < x.numel():
-            total = total + torch.linalg.vector_norm(x[n:], dtype=torch.float64).square()
-        if 0.0 < total.item() < math.inf:  # (host: no device sync; NaN falls through and stays NaN below)
-            return total
+
+def _exact_sum_of_squares(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Float64 copies of ``chunk`` elements of the flat ``x`` at a time, squared and summed."""
     return torch.stack([torch.linalg.vector_norm(x[i : i + chunk], dtype=torch.float64) ** 2
                         for i in range(0, x.numel(), chunk)]).sum()
+
+
+def sums_of_squares(xs: list[torch.Tensor], chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
+    """``(x ** 2).sum()`` of each of ``xs`` in float64, as one float64 tensor on the host, with one device sync.
+
+    A float32 norm of a million-element tensor is off by ~1e-3 relative (measured 8.8e-4 on 8M elements on the CPU),
+    enough to move clipping off the single-process run's. A float32 ``x``: the float32 2-norms of ``row``-element
+    rows, squared and summed in float64: each row within a float32 rounding, which mostly averages out over rows
+    (measured 4e-9 relative on 8M elements, 4e-8 on 350K), three kernels per tensor (on the CPU 2.5 ms against
+    5.5-14 ms for float64 copies a chunk at a time, the benchmark's ZeRO-1 step at dp=2, 8M-element shards; on a GPU,
+    a 0.87B-parameter model's gradients: 3 kernels a bucket where the chunks launched about 1,700). A result that is
+    not a positive finite number (a row past float32's range, an element above ~1e19, gives inf; a sum that
+    underflows gives 0) and any other dtype: float64 copies of ``chunk`` elements at a time."""
+    xs = [x.detach().reshape(-1) for x in xs]
+    fast = [_row_sum_of_squares(x, row) if x.numel() and x.dtype == torch.float32 else None for x in xs]
+    host: list[torch.Tensor | None] = [None] * len(xs)
+    for dev in dict.fromkeys(f.device for f in fast if f is not None):  # one copy to the host (a sync) per device
+        idx = [i for i, f in enumerate(fast) if f is not None and f.device == dev]
+        for i, v in zip(idx, torch.stack([fast[i] for i in idx]).cpu()):
+            host[i] = v
+    for i, x in enumerate(xs):
+        if x.numel() == 0:
+            host[i] = torch.zeros((), dtype=torch.float64)
+        elif host[i] is None or not 0.0 < host[i].item() < math.inf:  # (NaN falls through and stays NaN)
+            host[i] = _exact_sum_of_squares(x, chunk).cpu()
+    return torch.stack(host) if host else torch.zeros(0, dtype=torch.float64)
+
+
+def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
+    """``(x ** 2).sum()`` in float64, on the host: :func:`sums_of_squares` of one tensor."""
+    return sums_of_squares([x], chunk, row)[0]
 
 
 def global_norm(tree: Any) -> torch.Tensor:
@@ -82,7 +106,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     xs = leaves(tree)
     if not xs:
         return torch.zeros(())
-    return torch.stack([sum_of_squares(x) for x in xs]).sum().sqrt().float()
+    return sums_of_squares(xs).sum().sqrt().float().to(xs[0].device)
 
 
 _tree_norm = global_norm
