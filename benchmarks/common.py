@@ -31,7 +31,7 @@ BF16_IMPLS = ("funcpar", "hf-eager")
 
 def precision_short(impl: str, precision: str) -> str | None:
     """Why ``impl`` does not run at ``precision`` here (bf16 is wired for funcpar and the eager loop), or None."""
-    if precision != "fp32" and impl not in BF16_IMPLS:
+    if precision != "fp32" and impl.removesuffix("-lora") not in BF16_IMPLS:
         return f"--precision {precision} is wired for {' and '.join(BF16_IMPLS)} only"
     return None
 

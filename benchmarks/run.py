@@ -226,7 +226,7 @@ def profile(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
            PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights, "--device", args.device,
-           "--precision", args.precision] + (["--compile"] if args.compile and impl == "funcpar" else [])
+           "--precision", args.precision] + (["--compile"] if args.compile and impl.startswith("funcpar") else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     try:
@@ -378,7 +378,8 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
     plot_path = args.plot or os.path.join(out_dir, "results.png")
     json_path = args.json or os.path.join(out_dir, "results.json")
     tol = meta.get("tol", args.tol)
-    meta["notes"] = setup_notes(meta.get("precision", "fp32"), meta.get("compile", False)) + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
+    meta["notes"] = setup_notes(meta.get("precision", "fp32"), meta.get("compile", False),
+                                meta["machine"].get("device", "cpu")) + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
     sizes = {name: {"planned": planned.get(name, {}), "profiles": profiles.get(name, []),
                     "rows": report.summarize(records, name, C.flops_per_step(C.SIZES[name]), meta["peak_flops"], tol)}
              for name in planned}
@@ -395,20 +396,27 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
         print(f"\n{name}\n" + report.table(s["rows"], tol) + "\n\n" + report.summary(s["rows"]))
 
 
-def setup_notes(precision: str, compiled: bool = False) -> list[str]:
-    """What every job of a run did, in words (the first line says the precision; ``compiled``: ``--compile``)."""
+def setup_notes(precision: str, compiled: bool = False, device: str = "cpu") -> list[str]:
+    """What every job of a run did, in words: the precision, ``--compile``, and on CUDA without the host-only
+    sentences (gloo's rings, threads per rank)."""
+    notes = list(SETUP_NOTES)
+    if precision != "fp32":
+        how = ("bf16 compute with fp32 master weights, gradients reduced and optimizer state in fp32 (funcpar "
+               "`compile_step(..., param_dtype=torch.bfloat16)`: bf16 copies of the parameters for the forward and "
+               "backward, fp32 masters in the optimizer state; the eager loop's forward under "
+               "`torch.autocast(dtype=torch.bfloat16)`: fp32 parameters, autocast's bf16 matmuls, its fp32 list for "
+               "softmax, norms and the loss; the other peers not run)")
+        notes[0] = notes[0].replace("Every implementation: fp32, ", f"Every implementation: {how}; ", 1)
     if compiled:
-        notes = setup_notes(precision)
-        return [notes[0], notes[1].replace("no `compile=`", "`compile=True` (`--compile`: torch.compile of the "
-                                           "per-micro-batch gradient, compiled in the warm-up steps)")] + notes[2:]
-    if precision == "fp32":
-        return SETUP_NOTES
-    how = ("bf16 compute with fp32 master weights, gradients reduced and optimizer state in fp32: funcpar "
-           "`compile_step(..., param_dtype=torch.bfloat16)` (bf16 copies of the parameters for the forward and "
-           "backward, fp32 masters in the optimizer state), the eager loop's forward under "
-           "`torch.autocast(dtype=torch.bfloat16)` (fp32 parameters, autocast's bf16 matmuls, its fp32 list for "
-           "softmax, norms and the loss); the other peers not run")
-    return [SETUP_NOTES[0].replace("Every implementation: fp32", f"Every implementation: {how}", 1)] + SETUP_NOTES[1:]
+        notes[1] = notes[1].replace("no `compile=`", "`compile=True` (`--compile`: torch.compile of the "
+                                    "per-micro-batch gradient, compiled in the warm-up steps)")
+    if device == "cuda":
+        notes[1] = notes[1][: notes[1].index(" On host tensors (gloo)")]
+        notes = [n.replace("transformers model, gloo,", "transformers model, NCCL,") for n in notes
+                 if not n.startswith("The one-process mesh runs 2 threads")]
+        notes.append("On CUDA: every rank on its own GPU with NCCL; each step's clock stops after "
+                     "`torch.cuda.synchronize`.")
+    return notes
 
 
 SETUP_NOTES = [

@@ -371,8 +371,9 @@ def main() -> None:
     torch.set_num_threads(C.MESHES[args.mesh]["threads"])
     try:
         setup_device(args)
-        if C.precision_short(args.impl.replace("-lora", ""), args.precision):
-            raise SystemExit(C.precision_short(args.impl.replace("-lora", ""), args.precision))
+        short = C.precision_short(args.impl, args.precision)
+        if short:
+            raise SystemExit(short)
         if world != C.MESHES[args.mesh]["nproc"]:
             raise SystemExit(f"mesh {args.mesh} runs {C.MESHES[args.mesh]['nproc']} ranks, got WORLD_SIZE={world}")
         out = measure(args, rank, world)

@@ -40,10 +40,10 @@ def test_block_path_is_sdpa_to_round_off(shape, permuted):
     for name, got in (("sdpa", _run(_sdpa, xs, go, torch.float32)), ("block", _run(A.causal, xs, go, torch.float32))):
         err = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, exact)]
         if name == "sdpa":
-            # twice torch's own error, and never under 8 float32 ulps of the largest value: torch's error moves with
-            # the CPU's kernels (on one machine, q's gradient at (3, 8, 4, 97, 64): torch 3.69e-7, the block path
-            # 7.39e-7, 1.0007x twice torch's; both within 7 ulps)
-            bound = [max(2 * e, 8 * torch.finfo(torch.float32).eps) for e in err]
+            # twice torch's own error and 2 float32 ulps of the largest value: torch's error moves with the CPU's
+            # kernels (on one machine, q's gradient at (3, 8, 4, 97, 64): torch 3.69e-7, the block path 7.39e-7,
+            # 1.0007x twice torch's)
+            bound = [max(2 * e + 2 * torch.finfo(torch.float32).eps, 1e-7) for e in err]
         else:  # output, then the gradients of q, k, v
             assert all(e <= b for e, b in zip(err, bound)), (shape, err, bound)
 

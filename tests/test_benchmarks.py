@@ -270,7 +270,9 @@ def test_bf16_runs_funcpar_and_the_eager_loop_only_and_the_report_says_bf16(monk
 
     from benchmarks import run
 
+    monkeypatch.setattr(run, "missing_package", lambda impl: None)  # (DeepSpeed is an optional extra)
     assert run.not_runnable("1", "hf-eager", "cpu", 0, "bf16") is None
+    assert run.not_runnable("1", "funcpar-lora", "cpu", 0, "bf16") is None  # (build_funcpar: param_dtype too)
     assert run.not_runnable("1", "funcpar", "cuda", 1, "bf16") is None
     assert "wired for funcpar and hf-eager only" in run.not_runnable("dp2", "ds-zero1", "cpu", 0, "bf16")
     assert run.not_runnable("dp2", "ds-zero1", "cuda", 1, "bf16").startswith("needs 2 GPUs")
@@ -287,6 +289,9 @@ def test_bf16_runs_funcpar_and_the_eager_loop_only_and_the_report_says_bf16(monk
     assert _flag(seen["cmd"], "--precision") == "bf16" and _flag(seen["cmd"], "--size") == "gpu"
     assert run.setup_notes("bf16")[0].startswith("Every implementation: bf16 compute with fp32 master weights")
     assert run.setup_notes("fp32")[0].startswith("Every implementation: fp32, AdamW")
+    assert "; AdamW (lr 1e-3" in run.setup_notes("bf16")[0]
+    on_gpu = " ".join(run.setup_notes("fp32", device="cuda"))
+    assert "gloo" not in on_gpu and "2 threads" not in on_gpu and "NCCL" in on_gpu
     assert "no `compile=`" in run.setup_notes("bf16")[1] and "`compile=True`" in run.setup_notes("bf16", True)[1]
     run.launch("1", "funcpar", "gpu", "/w", run.parse_args(["--compile"]))
     assert "--compile" in seen["cmd"]

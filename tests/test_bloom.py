@@ -291,8 +291,11 @@ def test_adamw_steps_equal_the_single_process_run(ckpts):
             for k, (a, r) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - r) <= 1e-5 * abs(r), f"{what}: step {k + 1} loss {a} vs {r}"
             pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref_params)))
-            for (p, x), (_, y) in pairs:  # measured worst: 6e-6 (tp=2, an MLP weight), 5e-7 at pp=2, 3e-6 at tp=4 (h4)
-                assert (x - y).abs().max().item() <= 1e-5, (what, p)
+            # measured worst: 6e-6 (tp=2, an MLP weight), 5e-7 at pp=2, 3e-6 at tp=4 (h4) on one machine; 1.03e-5 (tp=2,
+            # wte) on an AVX-512 Xeon: after 3 AdamW steps of lr 1e-3 an element whose gradient is near zero moves by
+            # up to lr a step whatever its size, so round-off in the gradient shows there at ~1% of lr
+            for (p, x), (_, y) in pairs:
+                assert (x - y).abs().max().item() <= 2e-5, (what, p)
             moved = math.sqrt(sum((x - y).pow(2).sum().item() for (_, x), (_, y) in zip(
                 fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(start))))
             assert moved > 1e-3, f"{what}: the parameters did not train"

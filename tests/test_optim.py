@@ -406,23 +406,38 @@ def test_sum_of_squares_is_float64_accurate_on_host_with_its_fallbacks():
 
 def test_sums_of_squares_batches_many_tensors_with_one_copy_to_the_host(monkeypatch):
     """The step's norm: every bucket's float64 sum of squares, equal to each tensor's own, in one tensor on the host
-    after a single device-to-host copy (one sync on a GPU: the float32 row path launches three kernels a tensor,
-    where float64 chunks of a million elements launched ~1,700 for a 0.87B model's gradients); other dtypes and the
-    out-of-range sums take the float64 path, empty tensors count zero."""
+    after one device-to-host copy for the row path and one for the exact path (on a GPU one sync each: float64 chunks
+    of a million elements launched ~1,700 kernels for a 0.87B model's gradients); bf16 takes the row path too, the
+    out-of-range and subnormal sums the exact one, NaN stays NaN without it, empty tensors count zero."""
     from funcpar.optim.transforms import sum_of_squares, sums_of_squares
 
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(n, generator=g) for n in (1000, 129, 1 << 16)]
-    xs += [torch.randn(300, generator=g).bfloat16(), torch.zeros(0), torch.full((300,), 1e20)]
+    xs += [torch.randn(300, generator=g).bfloat16(), torch.zeros(0), torch.full((300,), 1e20),
+           torch.full((1024,), 1e-21), torch.tensor([1.0, float("nan")] * 100), torch.randn(50).double()]
     copies = []
     real_cpu = torch.Tensor.cpu
-    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.shape) or real_cpu(t, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(tuple(t.shape)) or real_cpu(t, *a, **k))
     got = sums_of_squares(xs)
-    assert copies[0] == (4,)  # the four float32 ones at once; then the float64 path of the bf16 one and the 1e20 one
-    assert len(copies) == 3
     monkeypatch.setattr(torch.Tensor, "cpu", real_cpu)
-    assert got.dtype == torch.float64 and got.device.type == "cpu" and got.shape == (6,)
+    # the seven float ones (row path) at once; then the 1e20 (inf), the 1e-21 (subnormal) and the float64 one
+    assert copies == [(7,), (3,)]
+    assert got.dtype == torch.float64 and got.device.type == "cpu" and got.shape == (9,)
     for x, s in zip(xs, got):
         exact = (x.double() ** 2).sum()
-        assert abs(s - exact) <= 2.4e-7 * exact and s == sum_of_squares(x)
+        if exact.isnan():
+            assert s.isnan()
+            continue
+        assert abs(s - exact) <= 2.4e-7 * exact, (x[:2], s, exact)
+        assert s == sum_of_squares(x)
     assert sums_of_squares([]).shape == (0,)
+
+
+def test_sum_of_squares_off_the_host_stays_on_its_device_without_a_sync():
+    """A bare optimizer's clipping (``global_norm``) on a non-host device: float64 chunks on that device, nothing
+    copied to the host (checked on the meta device, which refuses every copy to the host)."""
+    from funcpar.optim.transforms import global_norm, sum_of_squares
+
+    x = torch.empty(3 << 20, device="meta")
+    assert sum_of_squares(x).device.type == "meta" and sum_of_squares(x).dtype == torch.float64
+    assert global_norm({"a": x, "b": torch.empty(7, device="meta")}).device.type == "meta"

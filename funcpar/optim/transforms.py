@@ -54,11 +54,15 @@ def _on_leaves(update):
     return wrapped
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # (bf16 and fp16 values are float32 values exactly)
+_TINY = torch.finfo(torch.float32).tiny
+
+
 def _row_sum_of_squares(x: torch.Tensor, row: int) -> torch.Tensor:
     """The float32 2-norms of ``row``-element rows of the flat ``x``, squared and summed in float64 (the tail in
-    float64): three kernels whatever the size, no copy of ``x``, no device sync."""
+    float64): a handful of kernels whatever the size, no device sync."""
     n = x.numel() // row * row
-    total = torch.linalg.vector_norm(x[:n].reshape(-1, row), dim=1).double().square().sum()
+    total = torch.linalg.vector_norm(x[:n].reshape(-1, row), dim=1, dtype=torch.float32).double().square().sum()
     if n < x.numel():
         total = total + torch.linalg.vector_norm(x[n:], dtype=torch.float64).square()
     return total
@@ -70,35 +74,55 @@ def _exact_sum_of_squares(x: torch.Tensor, chunk: int) -> torch.Tensor:
                         for i in range(0, x.numel(), chunk)]).sum()
 
 
+def _needs_exact(total: float, numel: int) -> bool:
+    """Whether the row path's ``total`` may be off: inf (a row past float32's range, an element above ~1e19) or
+    within float32's subnormal range (the rows' squares lost digits, or underflowed to 0). NaN stays NaN."""
+    return total == math.inf or total < numel * _TINY
+
+
+def _to_host(ts: list) -> list:
+    """Python floats of the 0-d tensors in ``ts`` (None stays None): one copy to the host (a sync) per device."""
+    out = [None] * len(ts)
+    for dev in dict.fromkeys(t.device for t in ts if t is not None):
+        idx = [i for i, t in enumerate(ts) if t is not None and t.device == dev]
+        for i, v in zip(idx, torch.stack([ts[i] for i in idx]).cpu().tolist()):
+            out[i] = v
+    return out
+
+
 def sums_of_squares(xs: list[torch.Tensor], chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
-    """``(x ** 2).sum()`` of each of ``xs`` in float64, as one float64 tensor on the host, with one device sync.
+    """``(x ** 2).sum()`` of each of ``xs`` in float64, as one float64 tensor on the host: what the step's gradient
+    norm needs, with one device sync (two where a result needs the exact path).
 
     A float32 norm of a million-element tensor is off by ~1e-3 relative (measured 8.8e-4 on 8M elements on the CPU),
-    enough to move clipping off the single-process run's. A float32 ``x``: the float32 2-norms of ``row``-element
-    rows, squared and summed in float64: each row within a float32 rounding, which mostly averages out over rows
-    (measured 4e-9 relative on 8M elements, 4e-8 on 350K), three kernels per tensor (on the CPU 2.5 ms against
-    5.5-14 ms for float64 copies a chunk at a time, the benchmark's ZeRO-1 step at dp=2, 8M-element shards; on a GPU,
-    a 0.87B-parameter model's gradients: 3 kernels a bucket where the chunks launched about 1,700). A result that is
-    not a positive finite number (a row past float32's range, an element above ~1e19, gives inf; a sum that
-    underflows gives 0) and any other dtype: float64 copies of ``chunk`` elements at a time."""
+    enough to move clipping off the single-process run's. Here a float, bf16 or fp16 ``x`` takes the float32 2-norms
+    of ``row``-element rows, squared and summed in float64: each row within a float32 rounding, which mostly
+    averages out over rows (measured 4e-9 relative on 8M elements, 4e-8 on 350K): a handful of kernels per tensor
+    whatever its size (on the CPU 2.5 ms against 5.5-14 ms for float64 copies a chunk at a time, the benchmark's
+    ZeRO-1 step at dp=2, 8M-element shards; on a GPU, a 0.87B-parameter model's gradients, float64 chunks of 1M
+    elements launched about 1,700 kernels a step: 0.180 -> 0.136 s a step, benchmarks/GPU.md). A result the rows
+    may have got wrong (:func:`_needs_exact`) and any other dtype: float64 copies of ``chunk`` elements at a time,
+    all copied to the host together."""
     xs = [x.detach().reshape(-1) for x in xs]
-    fast = [_row_sum_of_squares(x, row) if x.numel() and x.dtype == torch.float32 else None for x in xs]
-    host: list[torch.Tensor | None] = [None] * len(xs)
-    for dev in dict.fromkeys(f.device for f in fast if f is not None):  # one copy to the host (a sync) per device
-        idx = [i for i, f in enumerate(fast) if f is not None and f.device == dev]
-        for i, v in zip(idx, torch.stack([fast[i] for i in idx]).cpu()):
-            host[i] = v
-    for i, x in enumerate(xs):
-        if x.numel() == 0:
-            host[i] = torch.zeros((), dtype=torch.float64)
-        elif host[i] is None or not 0.0 < host[i].item() < math.inf:  # (NaN falls through and stays NaN)
-            host[i] = _exact_sum_of_squares(x, chunk).cpu()
-    return torch.stack(host) if host else torch.zeros(0, dtype=torch.float64)
+    fast = _to_host([_row_sum_of_squares(x, row) if x.numel() and x.dtype in _FLOATS else None for x in xs])
+    redo = [_exact_sum_of_squares(x, chunk) if x.numel() and (f is None or _needs_exact(f, x.numel())) else None
+            for x, f in zip(xs, fast)]
+    exact = _to_host(redo)
+    return torch.tensor([0.0 if not x.numel() else e if e is not None else f for x, f, e in zip(xs, fast, exact)],
+                        dtype=torch.float64)
 
 
 def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
-    """``(x ** 2).sum()`` in float64, on the host: :func:`sums_of_squares` of one tensor."""
-    return sums_of_squares([x], chunk, row)[0]
+    """``(x ** 2).sum()`` in float64 on ``x``'s device: on the host :func:`sums_of_squares`'s (row norms, and its
+    exact path where they may be off: no sync there); elsewhere float64 copies of ``chunk`` elements at a time, which
+    never wait for the device (a bare optimizer's clipping stays asynchronous; :class:`funcpar.Step` batches every
+    bucket through :func:`sums_of_squares` instead)."""
+    x = x.detach().reshape(-1)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    if x.device.type == "cpu":
+        return sums_of_squares([x], chunk, row)[0]
+    return _exact_sum_of_squares(x, chunk)
 
 
 def global_norm(tree: Any) -> torch.Tensor:
@@ -106,7 +130,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     xs = leaves(tree)
     if not xs:
         return torch.zeros(())
-    return sums_of_squares(xs).sum().sqrt().float().to(xs[0].device)
+    return torch.stack([sum_of_squares(x) for x in xs]).sum().sqrt().float()
 
 
 _tree_norm = global_norm
