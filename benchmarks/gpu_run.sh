@@ -9,8 +9,9 @@
 # (default 480); STAGES (default all, in this order) picks some:
 #   fp32           the small and large sizes, one process (NCCL takes one GPU per rank: multi-rank meshes need more GPUs)
 #   bf16-gpu       bf16 (fp32 masters), the 0.87B "gpu" size, one process (PROFILE=1: with where the time goes)
-#   compile-large  fp32, large, funcpar with compile=True against the eager loop
-#   compile-gpu    bf16, the "gpu" size, funcpar with compile=True alone
+#   eager-large    fp32, large, funcpar with compile=False against the eager loop
+#   eager-gpu      bf16, the "gpu" size, funcpar with compile=False alone
+# (funcpar's jobs run compile_step's default, compile="auto": compiled on one GPU; --compile on/off forces it)
 # Each stage writes RESULTS-*.md, results-*.json and its log under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,7 @@ stage() {  # name, seconds it needs, run.py arguments...
         2>&1 | grep -v "Writing model shards" | tee "$OUT/log-$name.txt"
 }
 
-want() { [[ " ${STAGES:-fp32 bf16-gpu compile-large compile-gpu} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-fp32 bf16-gpu eager-large eager-gpu} " == *" $1 "* ]]; }
 want fp32 && stage fp32 150 --size both --precision fp32 --repeats 2 --warmup 3 --steps 10
 # a failed funcpar job: its traceback (the runner keeps one line)
 if grep -q "funcpar Mesh().*FAILED" "$OUT/log-fp32.txt" 2>/dev/null; then
@@ -59,8 +60,8 @@ EOF
 fi
 want bf16-gpu && stage bf16-gpu 150 --size gpu --precision bf16 --tol 2e-2 --repeats 2 --warmup 3 --steps 10 \
     ${PROFILE:+--profile}
-# funcpar with compile=True (torch.compile of the per-micro-batch gradient), against the same eager loop
-want compile-large && stage compile-large 70 --size large --precision fp32 --compile --repeats 1 --warmup 3 --steps 10
-want compile-gpu && stage compile-gpu 100 --size gpu --precision bf16 --tol 2e-2 --compile --impls funcpar \
+# funcpar with compile=False (its eager gradient), against the same eager loop
+want eager-large && stage eager-large 70 --size large --precision fp32 --compile off --repeats 1 --warmup 3 --steps 10
+want eager-gpu && stage eager-gpu 100 --size gpu --precision bf16 --tol 2e-2 --compile off --impls funcpar \
     --repeats 1 --warmup 3 --steps 10
 echo "== done in $(( $(date +%s) - start )) s"

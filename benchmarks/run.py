@@ -183,7 +183,7 @@ def launch(mesh: str, impl: str, size: str, weights: str, args) -> dict:
            WORKER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights,
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
            "--precision", getattr(args, "precision", "fp32")]  # (benchmarks/lora.py's arguments: fp32)
-    cmd += ["--compile"] if getattr(args, "compile", False) and impl.startswith("funcpar") else []
+    cmd += ["--compile", getattr(args, "compile", "auto")] if impl.startswith("funcpar") else []
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     loads, done = [], threading.Event()
@@ -226,7 +226,7 @@ def profile(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
            PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights, "--device", args.device,
-           "--precision", args.precision] + (["--compile"] if args.compile and impl.startswith("funcpar") else [])
+           "--precision", args.precision] + (["--compile", args.compile] if impl.startswith("funcpar") else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     try:
@@ -297,9 +297,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto", choices=C.DEVICES,
                     help="where the jobs run: cuda (NCCL, one GPU per rank, DS_ACCELERATOR=cuda) or cpu (gloo, "
                          "DS_ACCELERATOR=cpu); auto: cuda wherever torch sees a CUDA device")
-    ap.add_argument("--compile", action="store_true",
-                    help="funcpar's jobs with compile_step(..., compile=True): torch.compile of the per-micro-batch "
-                         "gradient (the compilation in the warm-up steps)")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="funcpar's compile_step(compile=...): auto (its default: eager on host tensors, compiled on a "
+                         "CUDA mesh of data axes only), on (True: torch.compile of the per-micro-batch gradient, "
+                         "compiled in the warm-up steps) or off (False)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--meshes", default=",".join(C.MESHES), help="comma-separated, of " + ", ".join(C.MESHES))
     ap.add_argument("--impls", help="comma-separated subset of " + ", ".join(C.IMPLS) + " (None: all)")
@@ -378,7 +379,7 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
     plot_path = args.plot or os.path.join(out_dir, "results.png")
     json_path = args.json or os.path.join(out_dir, "results.json")
     tol = meta.get("tol", args.tol)
-    meta["notes"] = setup_notes(meta.get("precision", "fp32"), meta.get("compile", False),
+    meta["notes"] = setup_notes(meta.get("precision", "fp32"), meta.get("compile", "off"),
                                 meta["machine"].get("device", "cpu")) + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
     sizes = {name: {"planned": planned.get(name, {}), "profiles": profiles.get(name, []),
                     "rows": report.summarize(records, name, C.flops_per_step(C.SIZES[name]), meta["peak_flops"], tol)}
@@ -396,7 +397,7 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
         print(f"\n{name}\n" + report.table(s["rows"], tol) + "\n\n" + report.summary(s["rows"]))
 
 
-def setup_notes(precision: str, compiled: bool = False, device: str = "cpu") -> list[str]:
+def setup_notes(precision: str, compiled: str = "auto", device: str = "cpu") -> list[str]:
     """What every job of a run did, in words: the precision, ``--compile``, and on CUDA without the host-only
     sentences (gloo's rings, threads per rank)."""
     notes = list(SETUP_NOTES)
@@ -407,9 +408,11 @@ def setup_notes(precision: str, compiled: bool = False, device: str = "cpu") -> 
                "`torch.autocast(dtype=torch.bfloat16)`: fp32 parameters, autocast's bf16 matmuls, its fp32 list for "
                "softmax, norms and the loss; the other peers not run)")
         notes[0] = notes[0].replace("Every implementation: fp32, ", f"Every implementation: {how}; ", 1)
-    if compiled:
-        notes[1] = notes[1].replace("no `compile=`", "`compile=True` (`--compile`: torch.compile of the "
-                                    "per-micro-batch gradient, compiled in the warm-up steps)")
+    notes[1] = notes[1].replace("no `compile=`", {
+        "auto": "`compile=\"auto\"`, its default: eager on host tensors, compiled on a CUDA mesh of data axes only",
+        "on": "`compile=True` (`--compile on`: torch.compile of the per-micro-batch gradient, compiled in the "
+              "warm-up steps)",
+        "off": "`compile=False`"}[{True: "on", False: "off"}.get(compiled, compiled)])
     if device == "cuda":
         notes[1] = notes[1][: notes[1].index(" On host tensors (gloo)")]
         notes = [n.replace("transformers model, gloo,", "transformers model, NCCL,") for n in notes

@@ -292,11 +292,16 @@ def test_bf16_runs_funcpar_and_the_eager_loop_only_and_the_report_says_bf16(monk
     assert "; AdamW (lr 1e-3" in run.setup_notes("bf16")[0]
     on_gpu = " ".join(run.setup_notes("fp32", device="cuda"))
     assert "gloo" not in on_gpu and "2 threads" not in on_gpu and "NCCL" in on_gpu
-    assert "no `compile=`" in run.setup_notes("bf16")[1] and "`compile=True`" in run.setup_notes("bf16", True)[1]
-    run.launch("1", "funcpar", "gpu", "/w", run.parse_args(["--compile"]))
-    assert "--compile" in seen["cmd"]
-    run.launch("1", "hf-eager", "gpu", "/w", run.parse_args(["--compile"]))
+    assert "`compile=\"auto\"`, its default" in run.setup_notes("bf16")[1]
+    assert "`compile=True`" in run.setup_notes("bf16", "on")[1] and "`compile=False`" in run.setup_notes("fp32", "off")[1]
+    run.launch("1", "funcpar", "gpu", "/w", run.parse_args(["--compile", "on"]))
+    assert _flag(seen["cmd"], "--compile") == "on"
+    run.launch("1", "funcpar", "gpu", "/w", run.parse_args([]))
+    assert _flag(seen["cmd"], "--compile") == "auto"
+    run.launch("1", "hf-eager", "gpu", "/w", run.parse_args(["--compile", "on"]))
     assert "--compile" not in seen["cmd"]
+    from benchmarks import worker
+    assert worker.COMPILE == {"auto": "auto", "on": True, "off": False}
     meta = {"command": "c", "date": "d", "wall_s": 1, "peak_threads": 1, "peak_n": 8192, "peak_seconds": 3,
             "peak_flops": 5e14, "warmup": 2, "steps": 4, "repeats": 1, "versions": {}, "precision": "bf16",
             "machine": {"cpu": "x", "cores": 16, "memory_gib": 1.0, "device": "cuda", "gpus": ["NVIDIA H100"]}}
