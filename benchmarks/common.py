@@ -27,6 +27,8 @@ CPU_SIZES = ("small", "large")  # --size both
 # param_dtype=torch.bfloat16; the eager loop's forward under torch.autocast), for the implementations listed
 PRECISIONS = ("fp32", "bf16")
 BF16_IMPLS = ("funcpar", "hf-eager")
+# --compile: funcpar's compile_step(compile=...) (auto: its default)
+COMPILE = {"auto": "auto", "on": True, "off": False}
 
 
 def precision_short(impl: str, precision: str) -> str | None:

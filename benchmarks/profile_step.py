@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="auto", choices=C.DEVICES)
     ap.add_argument("--precision", default="fp32", choices=C.PRECISIONS)
-    ap.add_argument("--compile", default="auto", choices=sorted(W.COMPILE))
+    ap.add_argument("--compile", default="auto", choices=sorted(C.COMPILE))
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     import torch

@@ -181,9 +181,7 @@ def launch(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
            WORKER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights,
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
-           "--precision", getattr(args, "precision", "fp32")]  # (benchmarks/lora.py's arguments: fp32)
-    cmd += ["--compile", getattr(args, "compile", "auto")] if impl.startswith("funcpar") else []
+           "--warmup", str(args.warmup), "--steps", str(args.steps)] + job_flags(impl, args)
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     loads, done = [], threading.Event()
@@ -221,12 +219,18 @@ def plan_traffic(mesh: str, size: dict, weights: str) -> dict:
     return report.parse_plan(p.stdout)
 
 
+def job_flags(impl: str, args) -> list[str]:
+    """The device, precision and (funcpar's jobs) compile flags of a worker or profiler command line
+    (benchmarks/lora.py's arguments have no precision or compile: fp32 and compile_step's default)."""
+    flags = ["--device", args.device, "--precision", getattr(args, "precision", "fp32")]
+    return flags + (["--compile", getattr(args, "compile", "auto")] if impl.startswith("funcpar") else [])
+
+
 def profile(mesh: str, impl: str, size: str, weights: str, args) -> dict:
     """``profile_step.py`` for one (mesh, implementation): its phase split of a few profiled steps."""
     spec = C.MESHES[mesh]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}",
-           PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights, "--device", args.device,
-           "--precision", args.precision] + (["--compile", args.compile] if impl.startswith("funcpar") else [])
+           PROFILER, "--mesh", mesh, "--impl", impl, "--size", size, "--weights", weights] + job_flags(impl, args)
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "DS_ACCELERATOR": args.device,
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     try:
@@ -297,7 +301,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto", choices=C.DEVICES,
                     help="where the jobs run: cuda (NCCL, one GPU per rank, DS_ACCELERATOR=cuda) or cpu (gloo, "
                          "DS_ACCELERATOR=cpu); auto: cuda wherever torch sees a CUDA device")
-    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+    ap.add_argument("--compile", default="auto", choices=list(C.COMPILE),
                     help="funcpar's compile_step(compile=...): auto (its default: eager on host tensors, compiled on a "
                          "CUDA mesh of data axes only), on (True: torch.compile of the per-micro-batch gradient, "
                          "compiled in the warm-up steps) or off (False)")
@@ -379,8 +383,9 @@ def write_outputs(meta: dict, records: list[dict], planned: dict, args, profiles
     plot_path = args.plot or os.path.join(out_dir, "results.png")
     json_path = args.json or os.path.join(out_dir, "results.json")
     tol = meta.get("tol", args.tol)
-    meta["notes"] = setup_notes(meta.get("precision", "fp32"), meta.get("compile", "off"),
-                                meta["machine"].get("device", "cpu")) + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", []))
+    meta["notes"] = (setup_notes(meta.get("precision", "fp32"), meta.get("compile", "off"),
+                                 meta["machine"].get("device", "cpu"))
+                     + notes(records, meta["machine"]["cores"] or 1) + list(getattr(args, "note", [])))
     sizes = {name: {"planned": planned.get(name, {}), "profiles": profiles.get(name, []),
                     "rows": report.summarize(records, name, C.flops_per_step(C.SIZES[name]), meta["peak_flops"], tol)}
              for name in planned}
@@ -412,7 +417,7 @@ def setup_notes(precision: str, compiled: str = "auto", device: str = "cpu") -> 
         "auto": "`compile=\"auto\"`, its default: eager on host tensors, compiled on a CUDA mesh of data axes only",
         "on": "`compile=True` (`--compile on`: torch.compile of the per-micro-batch gradient, compiled in the "
               "warm-up steps)",
-        "off": "`compile=False`"}[{True: "on", False: "off"}.get(compiled, compiled)])
+        "off": "`compile=False`"}[compiled])
     if device == "cuda":
         notes[1] = notes[1][: notes[1].index(" On host tensors (gloo)")]
         notes = [n.replace("transformers model, gloo,", "transformers model, NCCL,") for n in notes

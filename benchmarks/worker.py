@@ -65,9 +65,6 @@ def _mean_over_world(loss, world: int) -> float:
     return t.item() / world
 
 
-COMPILE = {"auto": "auto", "on": True, "off": False}  # --compile -> compile_step(compile=...)
-
-
 def build_funcpar(args, size, rank, world, lora: bool = False):
     """funcpar's step on the weights; with ``lora``, adapters ``common.LORA`` on the base frozen
     (``--impl funcpar-lora``, for benchmarks/lora.py)."""
@@ -86,7 +83,7 @@ def build_funcpar(args, size, rank, world, lora: bool = False):
     dtype = {"fp32": None, "bf16": torch.bfloat16}[getattr(args, "precision", "fp32")]  # bf16: fp32 masters in the optimizer state
     step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(C.LR, weight_decay=C.WD), zero=1,
                            clip_norm=C.CLIP, accum_steps=C.micro_batches(args.mesh), param_dtype=dtype,
-                           compile=COMPILE[getattr(args, "compile", "auto")], **pipe)
+                           compile=C.COMPILE[getattr(args, "compile", "auto")], **pipe)
     box = {"state": step.init(init)}
     del params, init
 
@@ -366,7 +363,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="auto", choices=C.DEVICES)
     ap.add_argument("--precision", default="fp32", choices=C.PRECISIONS)
-    ap.add_argument("--compile", default="auto", choices=sorted(COMPILE), help="funcpar: compile_step's compile=")
+    ap.add_argument("--compile", default="auto", choices=sorted(C.COMPILE), help="funcpar: compile_step's compile=")
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     import torch

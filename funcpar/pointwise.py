@@ -80,6 +80,11 @@ def _compile_error(e: BaseException) -> BaseException | None:
     return None
 
 
+def _compile_error_text(cause: BaseException) -> str:
+    """A compiler failure in one line, for a warning."""
+    return f"{type(cause).__name__}: {cause}".strip().split("\n")[0][:300]
+
+
 def _kernel(fn):
     """``fn`` compiled at its first call (dynamic sizes); on a compile error, a warning, fusion off for the process,
     and ``fn`` run eagerly (the same formula). Tensors go in detached (``requires_grad`` would be one more guard)."""
@@ -97,7 +102,7 @@ def _kernel(fn):
             cause = _compile_error(e)
             if cause is None:
                 raise
-            _failed.append(f"{type(cause).__name__}: {cause}".strip().split("\n")[0][:300])
+            _failed.append(_compile_error_text(cause))
             warnings.warn(f"funcpar.pointwise: torch.compile of the fused {fn.__name__} failed ({_failed[0]}); "
                           "running torch's eager kernels from now on (FUNCPAR_FUSE=off skips the attempt)", stacklevel=2)
             return fn(*args)

@@ -134,10 +134,10 @@ def resolve_compile(compile, mesh: Mesh, zero, offload, overlap, loss_fn, data_a
         return compile, f"compile={compile}"
     if compile != "auto":
         raise StepError(f"compile must be True, False or 'auto', got {compile!r}")
+    model_axes = [a for a in mesh.axis_names if a != "pp" and a not in data_axes and mesh.axis_size(a) > 1]
     off = [(mesh.device.type != "cuda", f"{mesh.device.type} tensors: measured not to pay on the host"),
            (mesh.axis_size("pp") > 1, "pipeline stages"), (zero == 3, "zero=3"), (offload is not None, "offload"),
-           (any(mesh.axis_size(a) > 1 for a in mesh.axis_names if a != "pp" and a not in data_axes),
-            "a model axis (" + ", ".join(a for a in mesh.axis_names if a != "pp" and a not in data_axes) + ")"),
+           (bool(model_axes), f"a model axis ({', '.join(model_axes)})"),
            (bool(overlap), "overlap=True"), (bool(getattr(loss_fn, "remat", False)), "remat")]
     why = next((w for bad, w in off if bad), None)
     return (False, f"auto: eager ({why})") if why else ("auto", "auto: compiled (a CUDA mesh)")
@@ -160,22 +160,21 @@ def auto_compiled(step, fn: Callable, eager: Callable) -> Callable:
     compiler failure (no C++ compiler, a lowering error, the recompile limit, an unsupported construct:
     :func:`funcpar.pointwise._compile_error`) warns once, sets ``step.compiled`` to False and ``step.compile_reason``
     to what failed, and the eager gradient ``eager`` runs that call and every later one. Any other error is raised."""
-    from .pointwise import _compile_error
+    from .pointwise import _compile_error, _compile_error_text
 
     compiled = torch.compile(fn, fullgraph=True)
-    box = [compiled]
 
     def grad(*args):
-        if box[0] is not compiled:
-            return box[0](*args)
+        if step.compiled is False:
+            return eager(*args)
         try:
             return compiled(*args)
         except Exception as e:
             cause = _compile_error(e)
             if cause is None:
                 raise
-            what = f"{type(cause).__name__}: {cause}".strip().split("\n")[0][:300]
-            box[0], step.compiled = eager, False
+            what = _compile_error_text(cause)
+            step.compiled = False
             step.compile_reason = f"auto: eager after a compiler failure ({what})"
             warnings.warn(f"compile_step(compile='auto'): torch.compile of the gradient failed ({what}); running "
                           "the eager gradient from now on (compile=False skips the attempt)", stacklevel=3)

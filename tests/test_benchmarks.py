@@ -300,8 +300,7 @@ def test_bf16_runs_funcpar_and_the_eager_loop_only_and_the_report_says_bf16(monk
     assert _flag(seen["cmd"], "--compile") == "auto"
     run.launch("1", "hf-eager", "gpu", "/w", run.parse_args(["--compile", "on"]))
     assert "--compile" not in seen["cmd"]
-    from benchmarks import worker
-    assert worker.COMPILE == {"auto": "auto", "on": True, "off": False}
+    assert C.COMPILE == {"auto": "auto", "on": True, "off": False}
     meta = {"command": "c", "date": "d", "wall_s": 1, "peak_threads": 1, "peak_n": 8192, "peak_seconds": 3,
             "peak_flops": 5e14, "warmup": 2, "steps": 4, "repeats": 1, "versions": {}, "precision": "bf16",
             "machine": {"cpu": "x", "cores": 16, "memory_gib": 1.0, "device": "cuda", "gpus": ["NVIDIA H100"]}}
