@@ -28,8 +28,11 @@ element-wise ops, reductions, the optimizer's ``_foreach`` kernels) and ``python
 in any op: Python, ``torch.func``'s transforms and the dispatcher between ops). Rank 0 prints ``PROFILE {json}``.
 
 On CUDA (``--device cuda``, or ``auto`` where torch sees one) each phase marker synchronizes the device at both ends,
-so a phase's wall time is its work done, and the kinds are the ops' *device* self times (the kernels each op
-launched, from the CUDA activity); ``python`` is then the rest of the phase: host overhead the device waited for.
+so a phase's wall time is its work done, and the kinds are the device's: each kernel (and copy) in the CUDA activity
+counted once, by its own name where that says what it is (cuBLAS/CUTLASS/nvjet GEMMs, flash/fused attention, NCCL,
+memcpy: :func:`kernel_kind`), else by the op that launched it; ``python`` is then the rest of the phase: host
+overhead the device waited for. (The trace lists each kernel twice, as its own event and inside its launching op's
+device time; counting both put Hopper's GEMMs, named nvjet/sm90_xmma, in "other ops" a second time.)
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ def kind_of(name: str) -> str:
     if name.startswith(_COPIES):
         return "copies"
     return "other ops"
+
+
+_KERNEL_KINDS = (  # (kind, name fragments), the first match wins: attention's CUTLASS kernels are attention
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+    ("collectives", ("nccl",)),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "triton_tem_fused_mm",
+                "triton_tem_fused_addmm", "triton_tem_fused_bmm")),
+    ("copies", ("memcpy", "copy_kernel", "catarraybatchedcopy")),
+)
+
+
+def kernel_kind(name: str) -> str | None:
+    """The kind a device kernel's own name gives, or None when the name does not say (an element-wise kernel, a
+    Triton fusion): then the op that launched it decides."""
+    n = name.lower()
+    return next((kind for kind, parts in _KERNEL_KINDS if any(p in n for p in parts)), None)
+
+
+def _on_device(e) -> bool:
+    """A kernel, copy or set on the device itself (not an op or runtime call on the host)."""
+    t = getattr(e, "device_type", None)
+    return t is not None and getattr(t, "name", str(t)).upper().split(".")[-1] not in ("CPU",)
 
 
 SYNC = [lambda: None]  # the device's synchronize on CUDA (main sets it): phase markers wait for their kernels
@@ -156,23 +181,37 @@ def _chain(e) -> list[str]:
 def phases_of(events, steps: int, step_wall_us: float, device: bool = False) -> dict:
     """{phase: {"wall_ms": .., kind: ..}} per step from the profiler's events inside the ``step`` markers: each
     event's self time goes to the outermost phase around it (``rest`` if none) and to its kind: ``collectives``
-    under a ``comm:`` marker, ``python`` for a marker's own time, else by the op's name (:func:`kind_of`). With
-    ``device``, an op's time is that of the kernels it launched and ``python`` the phase's wall time they leave; and
-    an op belongs to the step and phase whose markers' time span holds its start, whatever its thread (on CUDA
-    autograd runs the backward on a thread of its own, outside the markers' parent chain)."""
+    under a ``comm:`` marker, ``python`` for a marker's own time, else by the op's name (:func:`kind_of`).
+
+    With ``device``, the kinds are device time: each device event (kernel, memcpy) once, its kind by its own name
+    (:func:`kernel_kind`) or else by the host op that launched it (linked by correlation id; under a ``comm:``
+    marker: collectives), its phase that of its launching op, or by its own start where none is linked; ``python`` is
+    the phase's wall time the kernels leave. A phase belongs to the step and phase whose markers' time span holds the
+    op's start, whatever its thread (on CUDA autograd runs the backward on a thread of its own, outside the markers'
+    parent chain). A trace with no device events (an older profiler) falls back to each host op's own device time."""
     out = defaultdict(lambda: defaultdict(float))
     spans = []  # (start, end, phase or None for the step) of the markers, device mode only
     for e in events if device else ():
         if e.name == "step" or e.name.startswith("phase:") and not any(c.startswith("phase:") for c in _chain(e)[:-1]):
             spans.append((e.time_range.start, e.time_range.end, None if e.name == "step" else e.name[6:]))
+    kernels = [e for e in events if _on_device(e)] if device else []
+    launcher = {}
+    if kernels:
+        linked = {getattr(k, "linked_correlation_id", 0) for k in kernels} - {0, None}
+        launcher = {e.id: e for e in events if not _on_device(e) and getattr(e, "id", None) in linked}
+
+    def phase_at(t):
+        where = [ph for a, b, ph in spans if a <= t <= b]
+        return None if not where else next((ph for ph in where if ph is not None), "rest")
+
     for e in events:
+        if _on_device(e):
+            continue
         chain = _chain(e)
         if device:
-            t = e.time_range.start
-            where = [ph for a, b, ph in spans if a <= t <= b]
-            if not where:
+            phase = phase_at(e.time_range.start)
+            if phase is None:
                 continue  # the barriers between steps
-            phase = next((ph for ph in where if ph is not None), "rest")
         elif "step" not in chain:
             continue  # the barriers between steps
         else:
@@ -188,8 +227,18 @@ def phases_of(events, steps: int, step_wall_us: float, device: bool = False) -> 
             kind = kind_of(e.name)
         if not device:
             out[phase][kind] += e.self_cpu_time_total / 1e3
-        elif kind != "python":
+        elif kind != "python" and not kernels:
             out[phase][kind] += e.self_device_time_total / 1e3
+    for k in kernels:
+        op = launcher.get(getattr(k, "linked_correlation_id", None))
+        phase = phase_at((op or k).time_range.start)
+        if phase is None:
+            continue
+        if op is not None and any(c.startswith("comm:") for c in _chain(op)):
+            kind = kernel_kind(k.name) or "collectives"
+        else:
+            kind = kernel_kind(k.name) or (kind_of(op.name) if op is not None else "other ops")
+        out[phase][kind] += (k.time_range.end - k.time_range.start) / 1e3
     out["rest"]["wall_ms"] = step_wall_us / 1e3 * steps - sum(v["wall_ms"] for k, v in out.items() if k != "rest")
     if device:
         for d in out.values():

@@ -226,6 +226,52 @@ def test_profile_on_cuda_takes_the_kernels_time_of_each_op():
     assert cpu == {"wall_ms": 9.0, "matmul": 0.05, "other ops": 0.02, "python": 1.0}
 
 
+def test_profile_on_cuda_counts_each_kernel_once_by_its_own_name_or_its_launching_op():
+    """A CUDA trace lists each kernel as an event of its own as well as inside its launching op's device time: each
+    kernel counts once, by its name where it says (Hopper's nvjet/xmma GEMMs, flash attention's CUTLASS kernels,
+    NCCL, memcpy), else by the op that launched it; the phase is the launching op's. Before, the GEMMs counted twice,
+    the second time as "other ops", and the kinds summed to more than the step."""
+    import types
+
+    from benchmarks import profile_step as PS
+
+    cpu_t, gpu_t = types.SimpleNamespace(name="CPU"), types.SimpleNamespace(name="CUDA")
+
+    def ev(name, parent, start, end, id=0, dev=0.0, linked=0, on=cpu_t):
+        return types.SimpleNamespace(name=name, cpu_parent=parent, cpu_time_total=end - start, id=id,
+                                     self_cpu_time_total=0.0, self_device_time_total=dev, device_type=on,
+                                     linked_correlation_id=linked, time_range=types.SimpleNamespace(start=start, end=end))
+
+    step = ev("step", None, 0, 10000)
+    fb = ev("phase:forward+backward", step, 500, 8000)
+    opt = ev("phase:optimizer", step, 8100, 9900)
+    comm = ev("comm:all_reduce", fb, 7000, 7100)
+    ops = [ev("aten::mm", fb, 600, 700, id=1, dev=3000.0), ev("aten::mul", fb, 800, 900, id=2, dev=500.0),
+           ev("aten::_scaled_dot_product_flash_attention_backward", None, 5000, 5100, id=3, dev=800.0),
+           ev("aten::copy_", fb, 5200, 5300, id=4, dev=100.0), ev("c10d::allreduce_", comm, 7010, 7090, id=5),
+           ev("aten::_fused_adamw_", opt, 8150, 8200, id=6, dev=400.0)]
+    kernels = [ev("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", None, 650, 3650, linked=1, on=gpu_t),
+               ev("void at::native::vectorized_elementwise_kernel<4, MulFunctor>", None, 3700, 4200, linked=2,
+                  on=gpu_t),
+               ev("void pytorch_flash::flash_bwd_kernel<Flash_bwd_kernel_traits, cutlass::half_t>", None, 5100, 5900,
+                  linked=3, on=gpu_t),
+               ev("Memcpy DtoD (Device -> Device)", None, 5900, 6000, linked=4, on=gpu_t),
+               ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", None, 7020, 7620, linked=5, on=gpu_t),
+               ev("triton_poi_fused_0", None, 7700, 7800, linked=0, on=gpu_t),  # launched by no op in the trace
+               ev("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", None, 8300, 8700, linked=6,
+                  on=gpu_t),
+               ev("nvjet_tst_after_the_step", None, 11000, 12000, linked=99, on=gpu_t)]  # outside every step
+    got = PS.phases_of([step, fb, opt, comm, *ops, *kernels], 1, 10000.0, device=True)
+    assert got["forward+backward"] == pytest.approx({"wall_ms": 7.5, "matmul": 3.0, "other ops": 0.6, "attention": 0.8,
+                                                     "copies": 0.1, "collectives": 0.6, "python": 2.4})
+    assert got["optimizer"] == pytest.approx({"wall_ms": 1.8, "other ops": 0.4, "python": 1.4})
+    kinds = sum(v for d in got.values() for k, v in d.items() if k != "wall_ms")
+    assert kinds == pytest.approx(10.0)  # the kinds add up to the step, no kernel counted twice
+    assert PS.kernel_kind("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32") == "matmul"
+    assert PS.kernel_kind("fmha_cutlassB_f32_aligned_64x64_k64_sm80") == "attention"
+    assert PS.kernel_kind("triton_red_fused__to_copy_mul_sum_1") is None
+
+
 def test_lora_benchmark_launches_its_jobs_on_the_resolved_device(monkeypatch, tmp_path):
     """benchmarks/lora.py shares run.launch: its arguments carry the device (a launch without it failed)."""
     import subprocess
