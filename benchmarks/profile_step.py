@@ -198,7 +198,8 @@ def phases_of(events, steps: int, step_wall_us: float, device: bool = False) -> 
     launcher = {}
     if kernels:
         linked = {getattr(k, "linked_correlation_id", 0) for k in kernels} - {0, None}
-        launcher = {e.id: e for e in events if not _on_device(e) and getattr(e, "id", None) in linked}
+        ops = (e for e in events if not _on_device(e) and not getattr(e, "linked_correlation_id", 0))  # (the host's
+        launcher = {e.id: e for e in ops if getattr(e, "id", None) in linked}  # runtime calls are linked to ops too)
 
     def phase_at(t):
         where = [ph for a, b, ph in spans if a <= t <= b]

@@ -249,7 +249,8 @@ def test_profile_on_cuda_counts_each_kernel_once_by_its_own_name_or_its_launchin
     ops = [ev("aten::mm", fb, 600, 700, id=1, dev=3000.0), ev("aten::mul", fb, 800, 900, id=2, dev=500.0),
            ev("aten::_scaled_dot_product_flash_attention_backward", None, 5000, 5100, id=3, dev=800.0),
            ev("aten::copy_", fb, 5200, 5300, id=4, dev=100.0), ev("c10d::allreduce_", comm, 7010, 7090, id=5),
-           ev("aten::_fused_adamw_", opt, 8150, 8200, id=6, dev=400.0)]
+           ev("aten::_fused_adamw_", opt, 8150, 8200, id=6, dev=400.0),
+           ev("cudaLaunchKernel", None, 8160, 8170, id=2, linked=6)]  # a runtime call: its id is not an op's
     kernels = [ev("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", None, 650, 3650, linked=1, on=gpu_t),
                ev("void at::native::vectorized_elementwise_kernel<4, MulFunctor>", None, 3700, 4200, linked=2,
                   on=gpu_t),
