@@ -22,6 +22,7 @@ SIZES = {
     "gpu": dict(hidden=2048, layers=16, heads=16, kv_heads=8, vocab=32000, seq=2048, global_batch=4),
 }
 CPU_SIZES = ("small", "large")  # --size both
+MFU_TARGETS = {("small", "dp2"): 0.65}  # the (#14): funcpar's MFU at dp=2 on the small Llama, fp32 on the CPU
 
 # --precision: fp32 everywhere, or bf16 compute with fp32 master weights and optimizer state (funcpar's
 # param_dtype=torch.bfloat16; the eager loop's forward under torch.autocast), for the implementations listed

@@ -104,6 +104,30 @@ def _compare(size, rows, tol) -> None:
 # ------------------------------------------------------------------------------------------------ the text
 
 
+def mfu_targets(rows: list[dict], size: str, flops: float, peaks: list[float], precision: str = "fp32") -> list[str]:
+    """A line per MFU target of ``size`` (``common.MFU_TARGETS``, fp32 only) whose funcpar row ran: its MFU over the
+    peak used (the largest reading) against the target, and, where the run read the peak more than once and the
+    readings differ, the same step over the lowest reading (the machine's own matmul rate moved during the run)
+    and the per-job medians' range over the peak used."""
+    out = []
+    for (name, mesh), target in C.MFU_TARGETS.items():
+        r = next((r for r in rows if r["mesh"] == mesh and r["impl"] == "funcpar" and r.get("status") == "ok"), None)
+        if name != size or r is None or precision != "fp32" or not peaks:
+            continue
+        hi, lo = max(peaks), min(peaks)
+        line = (f"- MFU target, funcpar {C.mesh_label(mesh)}: {r['mfu']:.1%} of the peak used ({hi / 1e9:.1f} "
+                f"GFLOP/s), target >= {target:.0%} {'met' if r['mfu'] >= target else 'not met'}")
+        jobs = sorted(flops / (t * hi) for t in r.get("job_medians", []))
+        if jobs:
+            line += f"; the per-job medians {jobs[0]:.1%}-{jobs[-1]:.1%}"
+        if lo < hi:
+            line += (f"; over the lowest peak reading ({lo / 1e9:.1f} GFLOP/s, {1 - lo / hi:.0%} below: the "
+                     f"machine's own matmul rate moved during the run) {flops / (r['s_per_step'] * lo):.1%}")
+        out.append(line + ".")
+    return out
+
+
+
 def _agree_cell(r: dict, tol: float) -> str:
     if r["status"] != "ok":
         return "-"
@@ -331,12 +355,15 @@ def document(meta: dict, sizes: dict[str, dict], tol: float) -> str:
         size = C.SIZES[name]
         p = C.param_count(size)
         tokens = size["global_batch"] * size["seq"]
+        targets = mfu_targets(s["rows"], name, C.flops_per_step(size), meta.get("peaks") or [meta["peak_flops"]],
+                              meta.get("precision", "fp32"))
         out += [f"## {name}: Llama hidden {size['hidden']}, {size['layers']} layers, {size['heads']} heads / "
                 f"{size['kv_heads']} kv heads, vocab {size['vocab']}, seq {size['seq']}, global batch "
                 f"{size['global_batch']}", "",
                 f"{p['total'] / 1e6:.2f}M parameters, {tokens} tokens per step, "
                 f"{C.flops_per_step(size) / 1e9:.1f} GFLOP per step.", "",
                 table(s["rows"], tol), "", summary(s["rows"]), "",
+                *targets, *([""] if targets else []),
                 "Bytes one rank sends per step (the most of any rank). *Analytic*: the textbook schemes (formula "
                 "in the row; ring algorithms: an all-reduce of B bytes over n ranks sends 2(n-1)/n·B per rank, a "
                 "reduce-scatter or an all-gather (n-1)/n·B). *Traced*: `funcpar plan --model <the weights> --mesh "

@@ -79,6 +79,23 @@ def test_table_ratios_mfu_memory_and_the_equal_work_check():
     assert "(no peer ran)" in report.summary(rows)
 
 
+def test_the_mfu_target_line_states_the_verdict_and_the_peak_readings():
+    """The issue's MFU target (dp=2, small, fp32) gets a verdict line over the peak used, the per-job range, and the
+    same step over the lowest peak reading where the machine's rate moved; other sizes and bf16 get none."""
+    flops = C.flops_per_step(C.SIZES["small"])
+    rows = report.summarize(_records(), "small", flops, peak_flops=flops / 0.5, tol=1e-4)  # funcpar dp2: 1.1 s
+    met = report.mfu_targets(rows, "small", flops, [flops / 0.5])
+    assert met == [f"- MFU target, funcpar Mesh(dp=2): 45.5% of the peak used ({flops / 0.5 / 1e9:.1f} GFLOP/s), "
+                   "target >= 65% not met; the per-job medians 45.5%-45.5%."]
+    fast = [dict(r, mfu=0.7) for r in rows]
+    two = report.mfu_targets(fast, "small", flops, [flops / 0.5, flops / 0.6])
+    assert "70.0% of the peak used" in two[0] and "target >= 65% met" in two[0]
+    assert f"over the lowest peak reading ({flops / 0.6 / 1e9:.1f} GFLOP/s, 17% below" in two[0]
+    assert two[0].endswith(f" {0.6 / 1.1:.1%}.")  # the timed median over the lower reading
+    assert report.mfu_targets(rows, "large", flops, [flops]) == []
+    assert report.mfu_targets(rows, "small", flops, [flops], precision="bf16") == []
+
+
 def test_document_plot_and_traffic(tmp_path):
     flops = C.flops_per_step(C.SIZES["small"])
     rows = report.summarize(_records(), "small", flops, peak_flops=1e11, tol=1e-4)
