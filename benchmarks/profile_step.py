@@ -91,8 +91,7 @@ def kernel_kind(name: str) -> str | None:
 
 def _on_device(e) -> bool:
     """A kernel, copy or set on the device itself (not an op or runtime call on the host)."""
-    t = getattr(e, "device_type", None)
-    return t is not None and getattr(t, "name", str(t)).upper().split(".")[-1] not in ("CPU",)
+    return getattr(getattr(e, "device_type", None), "name", "CPU") != "CPU"
 
 
 SYNC = [lambda: None]  # the device's synchronize on CUDA (main sets it): phase markers wait for their kernels
@@ -195,11 +194,7 @@ def phases_of(events, steps: int, step_wall_us: float, device: bool = False) -> 
         if e.name == "step" or e.name.startswith("phase:") and not any(c.startswith("phase:") for c in _chain(e)[:-1]):
             spans.append((e.time_range.start, e.time_range.end, None if e.name == "step" else e.name[6:]))
     kernels = [e for e in events if _on_device(e)] if device else []
-    launcher = {}
-    if kernels:
-        linked = {getattr(k, "linked_correlation_id", 0) for k in kernels} - {0, None}
-        ops = (e for e in events if not _on_device(e) and not getattr(e, "linked_correlation_id", 0))  # (the host's
-        launcher = {e.id: e for e in ops if getattr(e, "id", None) in linked}  # runtime calls are linked to ops too)
+    launched = {}  # a launching op's id -> its (phase, kind), for the kernels linked to it
 
     def phase_at(t):
         where = [ph for a, b, ph in spans if a <= t <= b]
@@ -228,18 +223,16 @@ def phases_of(events, steps: int, step_wall_us: float, device: bool = False) -> 
             kind = kind_of(e.name)
         if not device:
             out[phase][kind] += e.self_cpu_time_total / 1e3
-        elif kind != "python" and not kernels:
+        elif kernels:  # (the host's runtime calls are linked to ops too: only ops launch)
+            if not getattr(e, "linked_correlation_id", 0) and kind != "python":
+                launched[e.id] = (phase, kind)
+        elif kind != "python":
             out[phase][kind] += e.self_device_time_total / 1e3
     for k in kernels:
-        op = launcher.get(getattr(k, "linked_correlation_id", None))
-        phase = phase_at((op or k).time_range.start)
-        if phase is None:
-            continue
-        if op is not None and any(c.startswith("comm:") for c in _chain(op)):
-            kind = kernel_kind(k.name) or "collectives"
-        else:
-            kind = kernel_kind(k.name) or (kind_of(op.name) if op is not None else "other ops")
-        out[phase][kind] += (k.time_range.end - k.time_range.start) / 1e3
+        op = getattr(k, "linked_correlation_id", 0) or None  # (0: launched by no op in the trace)
+        phase, kind = launched.get(op, (phase_at(k.time_range.start), "other ops"))
+        if phase is not None:
+            out[phase][kernel_kind(k.name) or kind] += (k.time_range.end - k.time_range.start) / 1e3
     out["rest"]["wall_ms"] = step_wall_us / 1e3 * steps - sum(v["wall_ms"] for k, v in out.items() if k != "rest")
     if device:
         for d in out.values():

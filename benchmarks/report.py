@@ -111,8 +111,10 @@ def mfu_targets(rows: list[dict], size: str, flops: float, peaks: list[float], p
     and the per-job medians' range over the peak used."""
     out = []
     for (name, mesh), target in C.MFU_TARGETS.items():
+        if name != size or precision != "fp32" or not peaks:
+            continue
         r = next((r for r in rows if r["mesh"] == mesh and r["impl"] == "funcpar" and r.get("status") == "ok"), None)
-        if name != size or r is None or precision != "fp32" or not peaks:
+        if r is None:
             continue
         hi, lo = max(peaks), min(peaks)
         line = (f"- MFU target, funcpar {C.mesh_label(mesh)}: {r['mfu']:.1%} of the peak used ({hi / 1e9:.1f} "
@@ -125,7 +127,6 @@ def mfu_targets(rows: list[dict], size: str, flops: float, peaks: list[float], p
                      f"machine's own matmul rate moved during the run) {flops / (r['s_per_step'] * lo):.1%}")
         out.append(line + ".")
     return out
-
 
 
 def _agree_cell(r: dict, tol: float) -> str:
