@@ -21,8 +21,10 @@ import faulthandler
 import gc
 import contextvars
 import datetime
+import importlib
 import math
 import os
+import warnings
 import weakref
 from typing import Any
 
@@ -31,7 +33,7 @@ import torch.distributed as dist
 
 from . import lifeline
 
-__all__ = ["Mesh", "MeshError", "STANDARD_AXES", "default_timeout"]
+__all__ = ["Mesh", "MeshError", "STANDARD_AXES", "DEVICES", "default_timeout", "resolve_device"]
 
 STANDARD_AXES = ("pp", "dp", "tp")  # present on every mesh; pp outermost, tp innermost
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("funcpar_mesh_scope", default=())
@@ -53,6 +55,66 @@ def _as_timedelta(t: float | datetime.timedelta | None) -> datetime.timedelta:
     if isinstance(t, datetime.timedelta):
         return t
     return datetime.timedelta(seconds=float(t))
+
+
+DEVICES = ("auto", "cpu", "cuda")  # the choices of --device; Mesh(device=) also takes "cuda:N" or a torch.device
+
+
+def _local_ranks() -> tuple[int, int]:
+    """This process's rank on its node and the number of ranks there (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE;
+    one rank alone when they are unset)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank, max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
+
+
+def _too_few_gpus(local_world: int, gpus: int) -> str:
+    return (f"{local_world} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible "
+            f"({'CUDA_VISIBLE_DEVICES=' + repr(os.environ['CUDA_VISIBLE_DEVICES']) if 'CUDA_VISIBLE_DEVICES' in os.environ else 'torch.cuda.device_count()'})"
+            f": run at most {gpus} rank{'s' if gpus != 1 else ''} per node (torchrun --nproc-per-node {max(gpus, 1)}, "
+            f"or a mesh of {max(gpus, 1)} rank{'s' if gpus > 1 else ''} here), or run the ranks on the CPU "
+            f"(--device cpu, Mesh(device='cpu'))")
+
+
+def resolve_device(device: "str | torch.device | None" = None, *, local_rank: int | None = None,
+                   local_world: int | None = None) -> tuple[torch.device, str | None]:
+    """Where this rank's tensors live, and why it is not the GPU where ``auto`` chose the CPU beside a GPU.
+
+    ``"cpu"``; ``"cuda"``: ``cuda:$LOCAL_RANK`` (the rank on its node, never the global rank: a two-node job's rank
+    5 on 4-GPU nodes is ``cuda:1``), refused (:class:`MeshError`, both numbers and the ways out) when the node's
+    ranks outnumber its visible GPUs, since NCCL refuses two ranks on one GPU; ``"cuda:N"`` as given; ``"auto"`` or
+    ``None``: ``cuda`` when every rank of the node has a GPU of its own, else ``cpu`` (with the reason returned, for
+    a warning). The same answer on every rank of a node: it reads only the node's environment."""
+    lr, lw = _local_ranks()
+    local_rank = lr if local_rank is None else local_rank
+    local_world = lw if local_world is None else local_world
+    choice = "auto" if device is None else device
+    if isinstance(choice, str) and choice not in ("auto", "cuda"):
+        try:
+            choice = torch.device(choice)
+        except RuntimeError:
+            raise MeshError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}, 'cuda:N' or a "
+                            f"torch.device") from None
+    if isinstance(choice, torch.device) and choice.type != "cuda":
+        return choice, None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "auto":
+        if gpus and gpus >= local_world:
+            return torch.device("cuda", local_rank), None
+        why = _too_few_gpus(local_world, gpus) if gpus else None
+        return torch.device("cpu"), why
+    if not gpus:
+        raise MeshError(f"device {str(device)!r} asked for, but no GPU is visible here (torch {torch.__version__}, "
+                        f"CUDA {'built in' if torch.backends.cuda.is_built() else 'not built in'}): use "
+                        f"device 'cpu' or 'auto', or a CUDA build of torch on a machine with a GPU")
+    if choice == "cuda":
+        if local_world > gpus:
+            raise MeshError(_too_few_gpus(local_world, gpus))
+        return torch.device("cuda", local_rank), None
+    index = choice.index if choice.index is not None else local_rank
+    if index >= gpus:
+        raise MeshError(f"device 'cuda:{index}' asked for, but only {gpus} GPU{'s' if gpus != 1 else ''} visible: "
+                        f"use cuda:0 .. cuda:{gpus - 1}, or device 'cuda' (cuda:$LOCAL_RANK)")
+    return torch.device("cuda", index), None
 
 
 def _destroy_process_groups() -> None:
@@ -102,7 +164,11 @@ class Mesh:
             Their product must equal the world size, unless it is 1.
         timeout: seconds (or a ``timedelta``) any collective of this mesh may wait for a peer before it raises
             instead of hanging; default ``$FUNCPAR_TIMEOUT`` or 600 s.
-        device: where tensors live; default ``cuda:$LOCAL_RANK`` when CUDA is available, else ``cpu``.
+        device: where tensors live: ``"auto"`` (the default: ``cuda:$LOCAL_RANK`` when this node has a GPU for each
+            of its ranks, else ``cpu`` with a warning), ``"cpu"``, ``"cuda"`` (refused when the node's ranks
+            outnumber its GPUs), ``"cuda:N"`` or a ``torch.device`` (:func:`resolve_device`).
+        backend: torch.distributed's backend when this mesh starts the job; default ``gloo`` on the CPU and
+            ``cpu:gloo,cuda:nccl`` on CUDA.
         heartbeat: seconds without progress after which a peer reports a stopped or hung rank and ends the job
             (:mod:`funcpar.lifeline`); default ``$FUNCPAR_HEARTBEAT`` or 60 s; 0 turns it off.
     """
@@ -113,18 +179,16 @@ class Mesh:
         timeout: float | datetime.timedelta | None = None,
         device: str | torch.device | None = None,
         heartbeat: float | None = None,
+        backend: str | None = None,
         **axes: int,
     ):
         self._sizes = _axis_sizes(axes)
         self.size = math.prod(self._sizes.values())
         self.timeout = _as_timedelta(timeout)
-        if device is None:
-            device = (
-                torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-        self.device = torch.device(device)
+        self.device, why_not_gpu = resolve_device(device, local_world=None if self.size > 1 else 1)
+        if why_not_gpu:
+            warnings.warn(f"funcpar: the ranks run on the CPU: {why_not_gpu}", stacklevel=2)
+        self.backend = backend or ("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
         self.simulated = False  # Mesh.abstract: collectives simulated, no processes
         self.traffic: dict[str, float] = {}  # bytes this rank has sent by axis (ring count; funcpar.collectives)
         self._groups: dict[str, Any] = {}
@@ -157,8 +221,14 @@ class Mesh:
         """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). Its collectives are
         simulated as if every rank held rank 0's values: shapes, dtypes and allocations are the real run's, the
         numbers are not (with ``device="meta"`` a whole train step runs on shapes alone; see
-        :func:`funcpar.planning.trace_step`)."""
-        m = cls(device=device)
+        :func:`funcpar.planning.trace_step`). ``device="cuda"`` plans for a GPU whether or not this machine has one;
+        ``"auto"`` (the default) is what a rank here would get."""
+        m = cls(device="cpu")
+        if device in (None, "auto"):
+            m.device = resolve_device("auto", local_rank=0, local_world=1)[0]
+        else:
+            m.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        m.backend = "cpu:gloo,cuda:nccl" if m.device.type == "cuda" else "gloo"
         m._sizes = _axis_sizes(axes)
         m.size = math.prod(m._sizes.values())
         m._coords = {a: 0 for a in m._sizes}
@@ -209,15 +279,14 @@ class Mesh:
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            backend = "cpu:gloo,cuda:nccl"
-        else:
-            backend = "gloo"
         # torch._dynamo (imported by the first torch.func.grad) keeps references to the default group when it is
         # imported after the group exists; they outlive destroy_process_group and keep gloo's threads running into
-        # interpreter finalization, where they abort the rank (issue 16). Imported first, it holds none.
-        import torch._dynamo  # noqa: F401
+        # interpreter finalization, where they abort the rank (issue 16). Imported first, it holds none. (Not an
+        # `import torch._dynamo` statement: that would make `torch` a local name of this whole function, unbound
+        # at the set_device above: issue 40.)
+        importlib.import_module("torch._dynamo")
 
-        dist.init_process_group(backend=backend, timeout=self.timeout)
+        dist.init_process_group(backend=self.backend, timeout=self.timeout)
         atexit.register(_destroy_process_groups)
         _report_fatal_signals()
 

@@ -1,0 +1,116 @@
+"""The code paths only CUDA jobs take, driven on the CPU: ``torch.cuda`` stubbed (device count, ``set_device``), the
+backend gloo. One GPU is all a test machine ever has, so a multi-rank CUDA start-up cannot run for real anywhere
+here; these tests are what guards it (issue 40: every multi-process CUDA job died in ``Mesh._join_world``)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import funcpar as fp
+from funcpar.mesh import resolve_device
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(n)``: this process sees ``n`` CUDA devices (0: none); ``set_device`` calls are recorded."""
+    calls = []
+
+    def see(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(str(torch.device(d))))
+        return calls
+
+    return see
+
+
+def _env(monkeypatch, rank, local_rank, local_world):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_a_rank_takes_the_gpu_of_its_local_rank_not_its_global_rank(gpus, monkeypatch):
+    gpus(4)
+    _env(monkeypatch, rank=5, local_rank=1, local_world=4)  # a two-node job's rank 5 on 4-GPU nodes
+    assert resolve_device("cuda") == (torch.device("cuda", 1), None)
+    assert resolve_device("auto") == (torch.device("cuda", 1), None)
+    assert resolve_device(None) == (torch.device("cuda", 1), None)
+    assert resolve_device("cuda:3") == (torch.device("cuda", 3), None)
+    assert resolve_device("cpu") == (torch.device("cpu"), None)
+
+
+def test_more_ranks_than_gpus_on_a_node_is_refused_in_one_line_naming_both_numbers(gpus, monkeypatch):
+    gpus(1)
+    _env(monkeypatch, rank=3, local_rank=3, local_world=4)
+    with pytest.raises(fp.MeshError) as e:
+        resolve_device("cuda")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "4 ranks on this node but 1 GPU visible" in msg
+    assert "--nproc-per-node 1" in msg and "--device cpu" in msg
+    # auto takes the CPU instead, and says why
+    device, why = resolve_device("auto")
+    assert device == torch.device("cpu") and why == msg
+    with pytest.raises(fp.MeshError, match="only 1 GPU visible: use cuda:0 .. cuda:0"):
+        resolve_device("cuda:2")
+
+
+def test_cuda_without_a_gpu_and_unknown_devices_are_refused(gpus, monkeypatch):
+    gpus(0)
+    _env(monkeypatch, rank=0, local_rank=0, local_world=1)
+    with pytest.raises(fp.MeshError, match="'cuda' asked for, but no GPU is visible"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == (torch.device("cpu"), None)  # no GPU at all: nothing to warn about
+    with pytest.raises(fp.MeshError, match="unknown device 'gpu'"):
+        resolve_device("gpu")
+
+
+def test_a_mesh_refuses_too_few_gpus_before_starting_the_job(gpus, monkeypatch):
+    gpus(1)
+    _env(monkeypatch, rank=1, local_rank=1, local_world=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(fp.MeshError, match="2 ranks on this node but 1 GPU visible"):
+        fp.Mesh(dp=2, device="cuda")  # before any process group: nothing to wait for
+    assert not torch.distributed.is_initialized()
+
+
+_START_SCRIPT = """
+import json, os, sys
+import torch
+calls = []
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 2
+torch.cuda.set_device = lambda d: calls.append(str(torch.device(d)))
+import funcpar as fp
+import torch.distributed as dist
+
+mesh = fp.Mesh(dp=2, device=sys.argv[2] if sys.argv[2] != "default" else None, backend="gloo", heartbeat=0)
+t = torch.tensor([float(mesh.rank + 1)])
+t = fp.collectives.all_reduce(t, mesh, "dp")
+out = {"rank": mesh.rank, "device": str(mesh.device), "set_device": calls, "backend": dist.get_backend(),
+       "sum": t.item()}
+open(os.path.join(sys.argv[1], f"rank{mesh.rank}.json"), "w").write(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("device", ["default", "cuda"])
+def test_a_multi_rank_mesh_on_cuda_starts_its_job(tmp_path, device):
+    # issue 40: `import torch._dynamo` inside _join_world made `torch` local there; set_device raised
+    # UnboundLocalError on every rank of every multi-process CUDA job, before the first collective
+    script = tmp_path / "start.py"
+    script.write_text(_START_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script), str(tmp_path), device], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+
+    for r in (0, 1):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out == {"rank": r, "device": f"cuda:{r}", "set_device": [f"cuda:{r}"], "backend": "gloo",
+                       "sum": 3.0}
