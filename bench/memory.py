@@ -166,7 +166,7 @@ def main() -> None:
         if out.returncode:
             sys.exit(f"{kind} failed:\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"| | peak RSS / parameter bytes | peak MiB | losses |\n|---|---|---|---|")
+    print("| | peak RSS / parameter bytes | peak MiB | losses |\n|---|---|---|---|")
     names = {**RUNS, **DIST_RUNS}
     for r in rows:
         name = names[r["kind"]].replace("=N", f"={r['ranks']}")

@@ -160,7 +160,7 @@ def _check_pieces(meta: dict, file: Path, leaves: dict) -> None:
         a, b = _field(file, pc, "flat", at, (_range, "[start, stop], ints, 0 <= start <= stop"))
         shape = _leaf(tensor, leaves, meta["world"])[0]
         if shape is None and len(block) != 1 or shape is not None and (
-                len(block) != len(shape) or any(e > n for (_, e), n in zip(block, shape))):
+                len(block) != len(shape) or any(e > n for (_, e), n in zip(block, shape, strict=True))):
             raise CheckpointError(f"{file}: {at}block {block} does not lie inside the shape "
                                   f"{shape if shape is not None else '(1-D)'} of '{tensor}'")
         if b > math.prod(e - s for s, e in block):
@@ -257,7 +257,7 @@ class _Source:
             pinner = math.prod(e - s for s, e in blk[1:])
             q0, q1 = pa // pinner, (pb - 1) // pinner + 1
             box = [[blk[0][0] + q0, blk[0][0] + q1]] + blk[1:]
-            inter = [[max(x[0], y[0]), min(x[1], y[1])] for x, y in zip(box, want)]
+            inter = [[max(x[0], y[0]), min(x[1], y[1])] for x, y in zip(box, want, strict=True)]
             if any(s >= e for s, e in inter):
                 continue  # this piece holds nothing this rank needs: not read
             data = self._read(pc).to(dtype)
@@ -266,8 +266,8 @@ class _Source:
             rows[pa - q0 * pinner : pb - q0 * pinner] = data
             valid[pa - q0 * pinner : pb - q0 * pinner] = True
             bshape = [q1 - q0] + [e - s for s, e in blk[1:]]
-            src = tuple(slice(s - x[0], e - x[0]) for (s, e), x in zip(inter, box))
-            dst = tuple(slice(s - y[0], e - y[0]) for (s, e), y in zip(inter, want))
+            src = tuple(slice(s - x[0], e - x[0]) for (s, e), x in zip(inter, box, strict=True))
+            dst = tuple(slice(s - y[0], e - y[0]) for (s, e), y in zip(inter, want, strict=True))
             v = valid.view(bshape)[src]
             buf[dst] = torch.where(v, rows.view(bshape)[src], buf[dst])
             filled[dst] |= v

@@ -45,7 +45,7 @@ class _Reader:
                 if name not in headers[f]:
                     raise HFError(f"index {index} puts tensor '{name}' in {f}, but that file has no such tensor")
                 self.tensors[name] = headers[f][name]
-            for f, h in headers.items():
+            for h in headers.values():
                 for name in h:
                     self.tensors.setdefault(name, h[name])
         elif single.exists():

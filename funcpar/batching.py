@@ -18,7 +18,7 @@ from .tree import path_str
 
 def batch_items(batch: Any) -> list[tuple[str, torch.Tensor]]:
     paths, leaves, _ = optree.tree_flatten_with_path(batch)
-    return [(f"batch[{path_str(p)!r}]", x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
+    return [(f"batch[{path_str(p)!r}]", x) for p, x in zip(paths, leaves, strict=True) if isinstance(x, torch.Tensor)]
 
 
 def rows(batch: Any) -> int:

@@ -50,8 +50,8 @@ class StateBuffers:
             return
         self.params = [lay.flat(b, leaves, self.compute_dtype or leaves[b.leaves[0]].dtype) for b in lay.buckets]
         self.views = [None] * len(lay.shapes)
-        for b, buf in zip(lay.buckets, self.params):
-            for i, v in zip(b.leaves, lay.unpack(b, buf)):
+        for b, buf in zip(lay.buckets, self.params, strict=True):
+            for i, v in zip(b.leaves, lay.unpack(b, buf), strict=True):
                 self.views[i] = v
 
     def own_masters(self, parts: list[torch.Tensor]) -> None:
@@ -71,7 +71,7 @@ class StateBuffers:
         """Buffers for ``params`` (whole local leaves); returns ``(params tree, masters tree or None)``."""
         leaves = self.layout.treedef.flatten_up_to(params)
         if self.mixed:  # the masters from the given (fp32) values, before any rounding to the compute dtype
-            self.own_masters([x.detach().reshape(-1)[a:z] for x, (a, z, _) in zip(leaves, self.layout.leaf_parts())])
+            self.own_masters([x.detach().reshape(-1)[a:z] for x, (a, z, _) in zip(leaves, self.layout.leaf_parts(), strict=True)])
         self.own_params([x.detach() for x in leaves])
         return self.params_tree(), (self.masters_tree() if self.mixed else None)
 
@@ -110,14 +110,14 @@ class StateBuffers:
             return self.masters
         if self.layout.zero == 3:
             return self.params
-        return [buf[b.lo : b.hi] for b, buf in zip(self.layout.buckets, self.params)]
+        return [buf[b.lo : b.hi] for b, buf in zip(self.layout.buckets, self.params, strict=True)]
 
     def publish(self) -> None:
         """After the update: the new parameters in every rank's buffers (compute copies of the masters, gathered)."""
         lay = self.layout
         if lay.zero == 3:
             return  # the parts are the parameters: gathered block by block inside the loss
-        for k, (b, buf) in enumerate(zip(lay.buckets, self.params)):
+        for k, (b, buf) in enumerate(zip(lay.buckets, self.params, strict=True)):
             if self.mixed:
                 buf[b.lo : b.hi].copy_(self.masters[k])
             lay.gather_into(b, buf)

@@ -188,7 +188,7 @@ def _param_pieces(state: TrainState, layout: ZeroLayout, mesh: Mesh, fname: str,
     each rank its part; ``elsewhere[i]``: another pipeline stage writes leaf ``i``) into ``tensors`` as
     ``key -> (flat tensor, [piece])``."""
     meta, parts = [], layout.leaf_parts()
-    for i, (p, x, spec) in enumerate(zip(layout.paths, layout.treedef.flatten_up_to(state.params), layout.specs)):
+    for i, (p, x, spec) in enumerate(zip(layout.paths, layout.treedef.flatten_up_to(state.params), layout.specs, strict=True)):
         gshape = list(global_shape(spec, layout.shapes[i], mesh))
         meta.append({"path": p, "shape": gshape, "dtype": _dtype_name(x.dtype), "spec": list(spec.dims)})
         a, z, copies = parts[i] if layout.zero == 3 else (0, x.numel(), tuple(a for a in mesh.axis_names
@@ -204,7 +204,7 @@ def _opt_pieces(state, layout: ZeroLayout, mesh: Mesh, params_meta: list[dict], 
     """Each optimizer-state leaf's metadata; this rank's ZeRO parts (one replica of each) into ``tensors``."""
     meta, parts = [], layout.leaf_parts()
     index = _opt_param_index(state.opt_state, state.params)
-    for x, op, i in zip(optree.tree_leaves(state.opt_state), _paths(state.opt_state), index):
+    for x, op, i in zip(optree.tree_leaves(state.opt_state), _paths(state.opt_state), index, strict=True):
         key, t = f"opt/{op}", x.detach().reshape(-1).contiguous().cpu()
         if i is None:  # e.g. a step count: the same on every rank
             meta.append({"path": op, "param": None, "shape": list(x.shape), "dtype": _dtype_name(x.dtype)})
@@ -250,7 +250,7 @@ def _check_params(src: _Source, paths: list[str], gshapes: list[list[int]], know
     """The saved parameters' metadata by path, checked against the leaves to load (``paths`` of ``gshapes``) and
     the model's whole set of leaves (``known``, default ``paths``: a pipeline stage loads some of them)."""
     saved = {p["path"]: p for p in src.meta["params"]}
-    for p, g in zip(paths, gshapes):
+    for p, g in zip(paths, gshapes, strict=True):
         if p not in saved:
             raise CheckpointError(
                 f"checkpoint {src.folder} is from another model: it has no leaf '{p}' "
@@ -301,11 +301,11 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     src = _Source(path)
     step.run_id = src.meta.get("run")  # saving on continues this run (keep prunes its checkpoints)
     lay = step.layout
-    gshapes = [list(global_shape(spec, s, mesh)) for s, spec in zip(lay.shapes, lay.specs)]
+    gshapes = [list(global_shape(spec, s, mesh)) for s, spec in zip(lay.shapes, lay.specs, strict=True)]
     known = [p for p, _ in leaves_with_path(step.pipe.plan.shapes)] if getattr(step, "pipe", None) else None
     saved = _check_params(src, list(lay.paths), gshapes, known)
     leaves = []
-    for p, spec, g, s in zip(lay.paths, lay.specs, gshapes, lay.shapes):
+    for p, spec, g, s in zip(lay.paths, lay.specs, gshapes, lay.shapes, strict=True):
         t = src.assemble(f"param/{p}", _block(spec, g, mesh), 0, math.prod(s), getattr(torch, saved[p]["dtype"]))
         leaves.append(t.view(s).to(mesh.device))
     params = lay.unflatten(leaves)
@@ -330,7 +330,9 @@ def _load_opt(src: _Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, m
     # list is in stage order)
     fits = set(o_paths) <= set(saved_opt) if staged else set(o_paths) == set(saved_opt)
     if not fits:
-        first = next((i for i, (x, y) in enumerate(zip(saved_opt, o_paths)) if x != y), min(len(saved_opt), len(o_paths)))
+        # the first difference of two lists that may differ in length
+        first = next((i for i, (x, y) in enumerate(zip(saved_opt, o_paths, strict=False)) if x != y),
+                     min(len(saved_opt), len(o_paths)))
         have = saved_opt[first] if first < len(saved_opt) else "(absent)"
         want = o_paths[first] if first < len(o_paths) else "(absent)"
         raise CheckpointError(
@@ -340,7 +342,7 @@ def _load_opt(src: _Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, m
         )
     parts, new = lay.leaf_parts(), []
     index = _opt_param_index(fresh.opt_state, fresh.params)
-    for x, op, i in zip(optree.tree_leaves(fresh.opt_state), o_paths, index):
+    for x, op, i in zip(optree.tree_leaves(fresh.opt_state), o_paths, index, strict=True):
         if i is None:
             t = src.assemble(f"opt/{op}", [[0, n] for n in x.shape], 0, x.numel(), x.dtype).view(x.shape)
         else:

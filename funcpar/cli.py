@@ -23,6 +23,7 @@ import torch
 import funcpar as fp
 from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, run_and_exit
 from funcpar.atomic import agree
+from funcpar.mesh import resolve_device
 from funcpar.generate import show_arithmetic
 from funcpar.preflight import check_run, claim_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
@@ -70,11 +71,14 @@ class _Run:
 def _setup_run(opts, sizes) -> _Run:
     """Build the mesh, model, data, train step, its initial state and the data loader."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    mesh = fp.Mesh(**sizes, heartbeat=opts["heartbeat"])
+    device, why_not_gpu = resolve_device(opts["device"], local_world=None if sizes else 1)
+    mesh = fp.Mesh(**sizes, heartbeat=opts["heartbeat"], device=device)
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
     warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)  # before any work: refused now or never
+    if why_not_gpu:
+        warnings.insert(0, f"the ranks run on the CPU: {why_not_gpu}")
     lora = base = None
     if opts["lora"]:
         lora, base, step, state = build_lora(opts, model, cfg, mesh, specs)
@@ -244,7 +248,10 @@ def train(argv: list[str]) -> None:
     """Train a model on a mesh (starting the ranks here unless under torchrun), then export it."""
     opts = read_options(argv, "train")
     sizes = parse_mesh(opts["mesh"])
-    if launch_if_needed(["train", *argv], math.prod(sizes.values()) if sizes else 1):
+    nproc = math.prod(sizes.values()) if sizes else 1
+    if "RANK" not in os.environ:  # the ranks start here, all on this node: a device they cannot have is refused now
+        resolve_device(opts["device"], local_rank=0, local_world=nproc)
+    if launch_if_needed(["train", *argv], nproc):
         return
     run = _setup_run(opts, sizes)
     _resume(run)
@@ -260,14 +267,17 @@ def train(argv: list[str]) -> None:
 def plan(argv: list[str]) -> None:
     """Print the sharding table and the traced per-rank memory of the train step for a model on a mesh, without
     starting processes; with ``--devices N --memory GiB``, rank the meshes of N devices that fit."""
-    ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False)
+    ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False, allow_abbrev=False)  # (--device is not --devices)
     ap.add_argument("--devices", type=int)
     ap.add_argument("--memory", type=float, default=float("inf"))
     ranking, rest = ap.parse_known_args(argv)
     opts = read_options(rest, "plan", epilog="plan also takes --devices N --memory GiB: rank the meshes that fit")
 
     def build(axes, zero):
-        mesh = fp.Mesh.abstract(**axes)
+        # the device rank 0 of this mesh would get here (auto: cuda when this node has a GPU for each rank); the
+        # step's small host-side tensors (statistics) are real, so planning for cuda needs a GPU here
+        device = resolve_device(opts["device"], local_rank=0, local_world=math.prod(axes.values()) or 1)[0]
+        mesh = fp.Mesh.abstract(device=device, **axes)
         dp, micro = mesh.axis_size("dp"), opts["micro_batches"]
         if opts["global_batch"] % (dp * micro):
             raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro}")

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .transport import CollectiveError, count as _count, fill, pieces, ring_all_gather, ring_reduce_scatter
+from .transport import note_collective
 from .transport import wait as _wait
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,7 +90,7 @@ def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum", i
         n = _simulated(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
         return y.mul_(n) if op == "sum" else y
     group = None if axis == "world" else mesh.group(axis)
-    _count(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
+    _count(mesh, axis, 2 * y.numel() * y.element_size(), f"all_reduce({op})")  # reduce-scatter + all-gather
     work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=group, async_op=True)
     _wait(work, mesh, f"all_reduce({op})", axis)
     return y
@@ -105,7 +106,7 @@ def all_reduce_start(x: torch.Tensor, mesh: "Mesh", axis: str) -> "Callable[[], 
     if mesh.simulated:
         x.mul_(_simulated(mesh, axis, nbytes))
         return lambda: x
-    _count(mesh, axis, nbytes)
+    _count(mesh, axis, nbytes, "all_reduce(sum)")
     work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=mesh.group(axis), async_op=True)
 
     def done() -> torch.Tensor:
@@ -124,7 +125,7 @@ def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int, out: tor
         for block in out.chunk(_simulated(mesh, axis, out.numel() * out.element_size())):
             block.copy_(xm)
         return out.movedim(0, dim).contiguous() if dim else out
-    _count(mesh, axis, out.numel() * out.element_size())
+    _count(mesh, axis, out.numel() * out.element_size(), "all_gather")
     if out.device.type == "cpu":
         ring_all_gather(xm, out, mesh, axis)
     else:
@@ -139,7 +140,7 @@ def _raw_reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> t
     if mesh.simulated or out.device.type == "cpu":  # the host ring, over the one segment
         _reduce_scatter_segments([(0, xm.view(-1))], xm.numel(), out.view(-1), mesh, axis)
     else:
-        _count(mesh, axis, xm.numel() * xm.element_size())
+        _count(mesh, axis, xm.numel() * xm.element_size(), "reduce_scatter")
         _wait(_reduce_scatter_flat(out, xm, group=mesh.group(axis), async_op=True), mesh, "reduce_scatter", axis)
     return out.movedim(0, dim).contiguous() if dim else out
 
@@ -152,13 +153,13 @@ def _reduce_scatter_segments(segs: "Segments", total: int, out: torch.Tensor, me
         fill(out, pieces(segs, 0, out.numel())).mul_(_simulated(mesh, axis, nbytes))
         staged.clear()  # (held while the ring would run)
     else:
-        _count(mesh, axis, nbytes)
+        _count(mesh, axis, nbytes, "reduce_scatter")
         ring_reduce_scatter(segs, total, out, mesh, axis)
 
 
 def _raw_all_to_all(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
     n, xm = _check_divisible(x, dim, mesh, axis, "all_to_all"), x.detach().movedim(dim, 0).contiguous()
-    _count(mesh, axis, xm.numel() * xm.element_size())  # (n-1)/n of the blocks leave this rank, as in a ring
+    _count(mesh, axis, xm.numel() * xm.element_size(), "all_to_all")  # (n-1)/n of the blocks leave this rank, as in a ring
     out = xm.view(n, -1)[mesh.coord(axis)].repeat(n, 1).view(xm.shape) if mesh.simulated else torch.empty_like(xm)
     if not mesh.simulated:  # (simulated: every rank taken to hold this rank's values, each sends its own block)
         _wait(dist.all_to_all_single(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_to_all", axis)
@@ -394,6 +395,7 @@ def broadcast(x: torch.Tensor, mesh: "Mesh", axis: str, src: int = 0) -> torch.T
     if _trivial(mesh, axis) or mesh.simulated:
         return x.detach().clone()
     y = x.detach().clone(memory_format=torch.contiguous_format)
+    note_collective(mesh, axis, f"broadcast(from {src})", y.numel() * y.element_size())
     work = dist.broadcast(y, src=mesh.group_ranks(axis)[src], group=mesh.group(axis), async_op=True)
     _wait(work, mesh, "broadcast", axis)
     return y

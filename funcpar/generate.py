@@ -65,8 +65,8 @@ def show_arithmetic(folder: str | Path, model: Any) -> None:
     prompts = [tok.encode(f"{a}+{b}=\n") for a, b in facts]
     answers = greedy(lambda ids: model.forward(params, ids, cfg, fp.Mesh()), prompts, tok.eos_id, max_new=4)
     got = [tok.decode(a) for a in answers]
-    correct = sum(g == str(a + b) for g, (a, b) in zip(got, facts))
-    shown = ", ".join(f"{a}+{b}={g}" for g, (a, b) in list(zip(got, facts))[::13][:8])
+    correct = sum(g == str(a + b) for g, (a, b) in zip(got, facts, strict=True))
+    shown = ", ".join(f"{a}+{b}={g}" for g, (a, b) in list(zip(got, facts, strict=True))[::13][:8])
     print(f"greedy answers of the exported model: {shown}; {correct}/{len(facts)} correct", flush=True)
     _show_transformers(Path(folder), tok)
 

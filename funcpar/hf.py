@@ -116,7 +116,7 @@ def _plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
 
 def _check(reader: _Reader, folder: Path, model: ModelSpec, cfg, leaves, plan: list[_Map]) -> None:
     expected: dict[str, tuple[int, ...]] = {}
-    for (_, _, meta), mp in zip(leaves, plan):
+    for (_, _, meta), mp in zip(leaves, plan, strict=True):
         expected.setdefault(mp.hf, mp.hf_shape(tuple(meta.shape)))
     present = set(reader.tensors)
     ignored = [re.compile(p) for p in model.hf.ignored_for(cfg)]
@@ -176,9 +176,9 @@ def load(
     reader = _Reader(folder)
     _check(reader, folder, model, cfg, leaves, plan)
     if dtype is None:
-        check_dtypes(reader, folder, raw, [mp.hf for (p, _, _), mp in zip(leaves, plan) if keep is None or keep(p)])
+        check_dtypes(reader, folder, raw, [mp.hf for (p, _, _), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)])
     out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) if keep is None or keep(p) else None
-           for (p, spec, meta), mp in zip(leaves, plan)]
+           for (p, spec, meta), mp in zip(leaves, plan, strict=True)]
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
     return optree.tree_unflatten(optree.tree_structure(shapes), out), cfg
@@ -272,14 +272,14 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
     limit = _parse_size(max_shard_size)
     specs = model.specs(cfg, mesh) if specs is None else specs
     paths = [p for p, _ in leaves_with_path(model.init(cfg, device="meta"))]
-    plan = dict(zip(paths, _plan(model, paths, cfg)))
+    plan = dict(zip(paths, _plan(model, paths, cfg), strict=True))
 
     def write(tmp: Path) -> None:
         writer = _ShardWriter(tmp, limit) if mesh.rank == 0 else None
         error: BaseException | None = None
         pending: dict[str, dict[int, torch.Tensor]] = {}
         # collective, leaf by leaf: every rank takes part, even after an error
-        for p, spec, g in gathered_leaves(params, specs, mesh, dst=0):
+        for p, _spec, g in gathered_leaves(params, specs, mesh, dst=0):
             mp = plan.get(p)
             if mp is None and error is None:
                 error = HFError(f"leaf '{p}' is not a parameter of model '{model.name}'")

@@ -219,14 +219,14 @@ def column_parallel(
     biases = [None] * len(weights) if biases is None else list(biases)
     if mesh.axis_size(axis) == 1 or not all(isinstance(w, torch.Tensor) for w in weights):
         x = C.copy_to_region(x, mesh, axis)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
     return _ColumnParallel.apply(x, mesh, axis, len(weights), *weights, *biases)
 
 
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(x, mesh, axis, k, *wb):
-        return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:]))
+        return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:], strict=True))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -243,7 +243,7 @@ class _ColumnParallel(torch.autograd.Function):
         done = None
         if need[0]:
             gx = g2[0].mm(ws[0])
-            for g, w in zip(g2[1:], ws[1:]):
+            for g, w in zip(g2[1:], ws[1:], strict=True):
                 gx.addmm_(g, w)  # (N, d): this rank's part of x's gradient
             gx = gx.view(x.shape)
             if torch.is_grad_enabled() or _functorch_wrapped(gx):  # differentiated again: the composable collective
@@ -261,7 +261,7 @@ class _ColumnParallel(torch.autograd.Function):
         if any(d is not None for d in in_dims[1:]):
             raise NotImplementedError("column_parallel under vmap: only the input may be batched, not the weights")
         x = C.copy_to_region(x.movedim(in_dims[0], 0), mesh, axis)
-        return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:])), (0,) * k
+        return tuple(F.linear(x, w, b) for w, b in zip(wb[:k], wb[k:], strict=True)), (0,) * k
 
 
 def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:

@@ -77,7 +77,7 @@ class ZeroLayout:
                        for u in units]
         else:
             groups: dict[tuple, list[int]] = {}
-            for i, (path, spec, x) in enumerate(matched):
+            for i, (_path, spec, x) in enumerate(matched):
                 repl = tuple(a for a in data_axes if a in axes and a not in spec.axes)
                 repl += tuple(a for a in axes if a not in data_axes and a not in spec.axes)
                 groups.setdefault((master_dtype or x.dtype, x.device, repl), []).append(i)
@@ -97,15 +97,15 @@ class ZeroLayout:
         out: list = [None] * len(self.shapes)
         axes = [a for a in self.mesh.axis_names if a != "pp" and self.mesh.axis_size(a) > 1]
         for b in self.buckets:
-            for i, (a, z) in zip(b.leaves, b.ranges):
+            for i, (a, z) in zip(b.leaves, b.ranges, strict=True):
                 out[i] = (a, z, tuple(x for x in axes if x not in self.specs[i].axes and x not in b.zero_axes))
         return out
 
     def views(self, slices: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per leaf, this rank's part of it (1-D), as views into the bucket slices, in leaf order."""
         out: list = [None] * len(self.shapes)
-        for b, s in zip(self.buckets, slices):
-            for i, o, (a, z) in zip(b.leaves, b.offsets, b.ranges):
+        for b, s in zip(self.buckets, slices, strict=True):
+            for i, o, (a, z) in zip(b.leaves, b.offsets, b.ranges, strict=True):
                 out[i] = s[o + a - b.lo : o + z - b.lo] if a < z else s[:0]
         return out
 
@@ -135,7 +135,7 @@ class ZeroLayout:
             leaves[b.leaves[0]] = None  # a bucket of one leaf we own: its own storage is the flat bucket
             return first.view(-1)
         out = torch.empty(b.padded, dtype=dtype, device=first.device)
-        for i, o, n in zip(b.leaves, b.offsets, b.sizes):
+        for i, o, n in zip(b.leaves, b.offsets, b.sizes, strict=True):
             out[o : o + n].copy_(leaves[i].reshape(-1))
             if free:
                 leaves[i] = None
@@ -144,7 +144,7 @@ class ZeroLayout:
 
     def unpack(self, b: Bucket, whole: torch.Tensor) -> list[torch.Tensor]:
         """Views into a whole flat bucket ``whole``: its leaves, in the bucket's order."""
-        return [whole[o : o + n].view(self.shapes[i]) for i, o, n in zip(b.leaves, b.offsets, b.sizes)]
+        return [whole[o : o + n].view(self.shapes[i]) for i, o, n in zip(b.leaves, b.offsets, b.sizes, strict=True)]
 
     def unflatten(self, leaves: list) -> Any:
         return optree.tree_unflatten(self.treedef, leaves)
@@ -172,7 +172,7 @@ class ZeroLayout:
         if len(b.zero_axes) != 1 or b.sum_axes != b.zero_axes or self.mesh.device.type != "cpu" or any(
                 t.dtype != b.dtype or t.device.type not in ("cpu", "meta") for t in ts):
             return self.reduce(b, self.flat(b, leaves, free=True))
-        segs = [(o, t.reshape(-1)) for o, t in zip(b.offsets, ts) if t.numel()]
+        segs = [(o, t.reshape(-1)) for o, t in zip(b.offsets, ts, strict=True) if t.numel()]
         for i in b.leaves:
             leaves[i] = None
         return C.reduce_scatter_segments(segs, b.padded, self.mesh if mesh is None else mesh, b.zero_axes[0])
@@ -229,7 +229,7 @@ def _bucket(dtype, repl, chunk, sizes, mesh: "Mesh", zero: int, data_axes) -> Bu
         part = part * mesh.axis_size(a) + mesh.coord(a)
     n = padded // parts
     lo, hi = part * n, (part + 1) * n
-    ranges = tuple((min(max(lo - o, 0), k), min(max(hi - o, 0), k)) for o, k in zip(offsets, sizes))
+    ranges = tuple((min(max(lo - o, 0), k), min(max(hi - o, 0), k)) for o, k in zip(offsets, sizes, strict=True))
     return Bucket(
         dtype, tuple(zero_axes), tuple(a for a in repl if a in data_axes), tuple(chunk), tuple(offsets), tuple(sizes), length, padded, lo, hi,
         zero >= 1 or all(mesh.coord(a) == 0 for a in repl), ranges,

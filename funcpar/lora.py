@@ -164,7 +164,7 @@ class Lora:
         self.base_specs = self.model.specs(self.cfg, self.mesh) if specs is None else specs
         entries = broadcast_specs(self.base_specs, meta)
         paths = [p for p, _, _ in entries]
-        hf_names = {p: m for p, m in zip(paths, _plan(self.model, paths, self.cfg))}
+        hf_names = {p: m for p, m in zip(paths, _plan(self.model, paths, self.cfg), strict=True)}
         self.targets: dict[str, tuple[P, tuple[int, int], Any]] = {}
         for target in config.targets:
             hit = [(p, s, x) for p, s, x in entries if _matches(target, p, _module_of(hf_names[p].hf))]

@@ -68,11 +68,12 @@ def _local_ranks() -> tuple[int, int]:
 
 
 def _too_few_gpus(local_world: int, gpus: int) -> str:
-    return (f"{local_world} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible "
-            f"({'CUDA_VISIBLE_DEVICES=' + repr(os.environ['CUDA_VISIBLE_DEVICES']) if 'CUDA_VISIBLE_DEVICES' in os.environ else 'torch.cuda.device_count()'})"
-            f": run at most {gpus} rank{'s' if gpus != 1 else ''} per node (torchrun --nproc-per-node {max(gpus, 1)}, "
-            f"or a mesh of {max(gpus, 1)} rank{'s' if gpus > 1 else ''} here), or run the ranks on the CPU "
-            f"(--device cpu, Mesh(device='cpu'))")
+    n, seen = max(gpus, 1), os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f"CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else "torch.cuda.device_count()"
+    return (f"{local_world} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible ({where}): run at "
+            f"most {n} rank{'s' if n > 1 else ''} per node (a mesh of {n} here, e.g. --mesh {'1' if n == 1 else f'dp={n}'}; "
+            f"under torchrun --nproc-per-node {n}), or run the ranks on the CPU (--device cpu; "
+            f"Mesh(device='cpu') in Python)")
 
 
 def resolve_device(device: "str | torch.device | None" = None, *, local_rank: int | None = None,
@@ -221,8 +222,8 @@ class Mesh:
         """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). Its collectives are
         simulated as if every rank held rank 0's values: shapes, dtypes and allocations are the real run's, the
         numbers are not (with ``device="meta"`` a whole train step runs on shapes alone; see
-        :func:`funcpar.planning.trace_step`). ``device="cuda"`` plans for a GPU whether or not this machine has one;
-        ``"auto"`` (the default) is what a rank here would get."""
+        :func:`funcpar.planning.trace_step`). ``device``: as :class:`Mesh` takes it, unchecked (``"cuda"`` is
+        ``cuda:0``); the default ``"auto"`` is what one rank here would get."""
         m = cls(device="cpu")
         if device in (None, "auto"):
             m.device = resolve_device("auto", local_rank=0, local_world=1)[0]

@@ -14,9 +14,10 @@ import torch
 
 import funcpar as fp
 from funcpar.assets import ARITHMETIC
+from funcpar.mesh import DEVICES
 
 DEFAULTS: dict[str, Any] = {  # in the order --help lists them
-    "model": "llama-tiny", "mesh": "tp=2,dp=2", "data": "builtin:arithmetic", "tokenizer": "byte", "seq_len": 64,
+    "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte", "seq_len": 64,
     "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
     "remat": False, "overlap": False, "lora": "", "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
@@ -27,6 +28,8 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
 HELP = {
     "model": "a built-in model (llama-tiny, llama-micro) or an HF folder to fine-tune",
     "mesh": "axis sizes, e.g. tp=2,dp=2 or pp=2,dp=2 ('1': one process); the ranks start here unless under torchrun",
+    "device": "where the ranks run: cuda (one GPU per rank, refused when a node's ranks outnumber its GPUs), cpu, "
+              "or auto: cuda when every rank of the node has a GPU, else cpu with a warning",
     "data": "a .jsonl/.txt file or a folder of them, or builtin:arithmetic (README: the formats and their text)",
     "tokenizer": "byte, or a folder with an HF tokenizer", "seq_len": "tokens per row",
     "pack": "pack samples into rows (--no-pack: one sample per row, padded)",
@@ -106,13 +109,13 @@ def _read_config(path: str) -> dict[str, Any]:
     try:
         cfg = _toml().loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
     except ValueError as e:  # TOMLDecodeError, JSONDecodeError
-        raise SystemExit(f"funcpar: --config {path} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}")
+        raise SystemExit(f"funcpar: --config {path} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
     if not isinstance(cfg, dict):
         raise SystemExit(f"funcpar: --config {path} must hold a table of options, not a {type(cfg).__name__}")
     return cfg
 
 
-_PLAN_FLAGS = ("model", "mesh", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline", "chunks", "parts",
+_PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline", "chunks", "parts",
                "zero", "precision", "remat")  # what shapes the step's memory; the rest keep their defaults
 _ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
           "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
@@ -150,6 +153,7 @@ _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "w
              "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
              "eval_fraction": 0, "lr": 0, "heartbeat": 0}
 _AT_MOST = {"zero": 3, "eval_fraction": 0.5}
+_CHOICES = {"device": DEVICES}
 
 
 def _check_options(opts: dict[str, Any], config: str | None) -> None:
@@ -162,6 +166,8 @@ def _check_options(opts: dict[str, Any], config: str | None) -> None:
             if kind in (int, float) else isinstance(v, str))
         if not ok:
             raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: expected {kind.__name__}")
+        if key in _CHOICES and v not in _CHOICES[key]:
+            raise SystemExit(f"funcpar: --{key} {v!r}{where}: expected one of {', '.join(_CHOICES[key])}")
         if key in _AT_LEAST and not (v >= _AT_LEAST[key] and v <= _AT_MOST.get(key, float("inf"))):
             hi = f" and at most {_AT_MOST[key]}" if key in _AT_MOST else ""
             raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: must be a number at least "

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from . import transport
 from .collectives import CollectiveError, _simulated, _wait
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,6 +31,9 @@ __all__ = ["send", "recv", "sendrecv", "isend", "irecv", "Pending", "gather_bloc
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.int8, torch.int16]
 MAX_DIMS = 8
+# False: every isend/irecv goes under one tag, so gloo pairs messages by posting order between two ranks, as NCCL
+# (which ignores tags) always does: the tests run the pipelines so (transport's note on NCCL's rules)
+USE_TAGS = os.environ.get("FUNCPAR_P2P_TAGS", "1") != "0"
 
 
 def describe(x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +66,11 @@ class Pending:
         return self.tensor
 
 
+def _ranks(mesh: "Mesh", axis: str, channel: int) -> tuple:
+    """The ranks of the communicator a message on ``channel`` goes over (0: the default group, 1: the axis's)."""
+    return tuple(mesh.group_ranks(axis)) if channel else tuple(range(mesh.size))
+
+
 def _peer(mesh: "Mesh", axis: str, coord: int, what: str) -> int:
     n = mesh.axis_size(axis)
     if not 0 <= coord < n:
@@ -86,6 +97,9 @@ def sendrecv(
         return
     ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
     ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
+    for op in ops:
+        transport.note_p2p(mesh, "send" if op.op is dist.isend else "recv", _ranks(mesh, axis, 0), op.peer, 0,
+                           op.tensor.nbytes)
     if not ops:
         return
     for work in dist.batch_isend_irecv(ops):
@@ -141,6 +155,8 @@ def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int, channel:
         _simulated(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
         return Pending(None, x, mesh, axis, "send")
     peer, group = _peer(mesh, axis, dst, "send"), mesh.group(axis) if channel else None
+    tag = tag if USE_TAGS else 0
+    transport.note_p2p(mesh, "send", _ranks(mesh, axis, channel), peer, tag, x.nbytes)
     return Pending(dist.isend(x, peer, group=group, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")
 
 
@@ -150,5 +166,7 @@ def irecv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int, channe
     if mesh.simulated:
         return Pending(None, buf, mesh, axis, "recv")
     peer, group = _peer(mesh, axis, src, "recv"), mesh.group(axis) if channel else None
+    tag = tag if USE_TAGS else 0
+    transport.note_p2p(mesh, "recv", _ranks(mesh, axis, channel), peer, tag, buf.nbytes)
     return Pending(dist.irecv(buf, peer, group=group, tag=tag), buf, mesh, axis,
                    f"receive from {axis}={src} (tag {tag})")

@@ -124,7 +124,7 @@ class StagePlan:
         st, layers = self.stages, self.shapes[self.stages.layers]
         costs = [0.0] * (len(layers) * (1 if self.first is None else 2))
         for i, lp in enumerate(layers):
-            for p, x in zip(optree.tree_paths(lp), optree.tree_leaves(lp)):
+            for p, x in zip(optree.tree_paths(lp), optree.tree_leaves(lp), strict=True):
                 costs[self._units_of(i, _key(p[0]))[0]] += x.numel()
         head = set(st.head_leaves(self.cfg))
         if costs:

@@ -26,7 +26,7 @@ def plot_metrics(metrics_file: str | os.PathLike, out_png: str | os.PathLike, ti
     drawn = {"title": title, "lines": {}}
     for points, label, style in ((train, "train loss", "-"), (evals, "eval loss", "o-")):
         if points:
-            ax.plot(*zip(*points), style, label=label, lw=1)
+            ax.plot(*zip(*points, strict=True), style, label=label, lw=1)
             drawn["lines"][label] = len(points)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -35,7 +35,7 @@ def plot_metrics(metrics_file: str | os.PathLike, out_png: str | os.PathLike, ti
     handles, labels = ax.get_legend_handles_labels()
     if lrs:
         right = ax.twinx()
-        right.plot(*zip(*lrs), ":", color="gray", lw=1, label="learning rate")
+        right.plot(*zip(*lrs, strict=True), ":", color="gray", lw=1, label="learning rate")
         right.set_ylabel("learning rate")
         drawn["lines"]["learning rate"] = len(lrs)
         more = right.get_legend_handles_labels()

@@ -37,14 +37,14 @@ class _Remat(torch.autograd.Function):
 
         def f(*ds):
             ts = list(tensors)
-            for i, d in zip(diff, ds):
+            for i, d in zip(diff, ds, strict=True):
                 ts[i] = d
             return ctx.fn(*ctx.rebuild(ts))
 
         _, vjp = torch.func.vjp(f, *[tensors[i] for i in diff])
         grads = vjp(grad)
         out: list[Any] = [None] * len(tensors)
-        for i, g in zip(diff, grads):
+        for i, g in zip(diff, grads, strict=True):
             out[i] = g
         return (None, None, *out)
 
@@ -56,13 +56,13 @@ def remat(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def wrapped(*args):
         leaves, treedef = optree.tree_flatten(args)
         is_t = [isinstance(x, torch.Tensor) for x in leaves]
-        others = [x for x, t in zip(leaves, is_t) if not t]
+        others = [x for x, t in zip(leaves, is_t, strict=True) if not t]
 
         def rebuild(tensors):
             it_t, it_o = iter(tensors), iter(others)
             return optree.tree_unflatten(treedef, [next(it_t) if t else next(it_o) for t in is_t])
 
-        return _Remat.apply(fn, rebuild, *[x for x, t in zip(leaves, is_t) if t])
+        return _Remat.apply(fn, rebuild, *[x for x, t in zip(leaves, is_t, strict=True) if t])
 
     return wrapped
 

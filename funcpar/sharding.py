@@ -58,7 +58,7 @@ def gather_leaf(
     if blocks is None:
         return None
     out = x.new_empty(gshape)
-    for r, b in zip(sources, blocks):
+    for r, b in zip(sources, blocks, strict=True):
         out[local_slice(spec, gshape, mesh, coords=mesh.coords_of(r))] = b
     return out
 
@@ -107,7 +107,7 @@ def gathered_leaves(tree: Any, specs: Any, mesh: "Mesh", dst: int | None = None)
         if x is not None:
             desc[i, 0], desc[i, 1:] = mesh.coord("pp"), P2P.describe(x)
     desc = C.all_reduce(desc.to(mesh.device), mesh, "pp", "max").cpu()  # the last stage holding a leaf sends it
-    for (p, s, x), d in zip(matched, desc.tolist()):
+    for (p, s, x), d in zip(matched, desc.tolist(), strict=True):
         if d[0] < 0:
             raise ShardingError(f"gather: no pipeline stage holds leaf '{p}'")
         whole = gather_leaf(x, s, mesh, None, p) if x is not None and d[0] == mesh.coord("pp") else None

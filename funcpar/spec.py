@@ -220,11 +220,11 @@ def broadcast_specs(specs: Any, tree: Any) -> list[tuple[str, P, Any]]:
                 detail = f"params has {_node_desc(t)}, specs has {_node_desc(s)}"
             raise SpecError(f"specs do not match params at '{path_str(path)}': {detail}")
         names = getattr(t, "_fields", None) or t_keys  # NamedTuple children by field name
-        for k, sc, tc in zip(names, s_children, t_children):
+        for k, sc, tc in zip(names, s_children, t_children, strict=True):
             walk(sc, tc, path + (k,))
 
     try:
         walk(specs, tree, ())
-    finally:  # `walk` refers to itself: drop it, or the cycle keeps every leaf of `tree` alive until a gc pass
-        del walk
+    finally:  # `walk` refers to itself: break the cycle, or it keeps every leaf of `tree` alive until a gc pass
+        walk = None  # noqa: F841 - (the closure's own cell is what is cleared)
     return out

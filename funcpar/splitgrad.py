@@ -42,7 +42,7 @@ def wanted(ctx, tensors: Sequence[bool]) -> tuple[bool, ...]:
     if not _REQUESTED:
         return tuple(ctx.needs_input_grad)
     edges, out = iter(ctx.next_functions), []
-    for need, is_tensor in zip(ctx.needs_input_grad, tensors):
+    for need, is_tensor in zip(ctx.needs_input_grad, tensors, strict=True):
         node = next(edges)[0] if is_tensor else None
         if not need or node is None:
             out.append(bool(need) and node is not None)

@@ -100,4 +100,4 @@ def assign_units(n_layers: int, stages: int, costs: Sequence[float] | None = Non
         options = range(bounds[-1] + 1, n - (stages - k) + 1)  # units before cut k; later stages keep one each
         bounds.append(min(options, key=lambda c: (abs(cum[c - 1] - target), c)))
     bounds.append(n)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]

@@ -160,7 +160,7 @@ class Step:
         masters_on = torch.device("cpu") if self.offload else (first.device if mixed and first is not None else None)
         self._counted = [all(self.mesh.coord(a) == 0 for a in copies) for _, _, copies in lay.leaf_parts()]
         if self.pipe is not None:  # a tied leaf's gradient is counted on the first stage only
-            self._counted = [c and not u for c, u in zip(self._counted, self.pipe.uncounted(params))]
+            self._counted = [c and not u for c, u in zip(self._counted, self.pipe.uncounted(params), strict=True)]
         self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
         tree, masters = bufs.init(params)
         opt_state = self.optimizer.init(masters if bufs.mixed else lay.unflatten(lay.views(bufs.part_slices())))
@@ -184,7 +184,7 @@ class Step:
         if skip is not None:
             return skip
         lay, slices = self.layout, self.buffers.part_slices()
-        parts = [p.to(s.device) for p, s in zip(parts, slices)]  # offload: the gradient parts to the host
+        parts = [p.to(s.device) for p, s in zip(parts, slices, strict=True)]  # offload: the gradient parts to the host
         g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
         extra, fused = {"global_norm": grad_norm.to(parts[0].device)}, self.optimizer.fused
         extra |= {"finite": finite} if self.loss_scale is not None else {}
@@ -259,7 +259,7 @@ class Step:
         if self.pipe is not None:  # every micro-batch through the pipeline, then one reduction per bucket
             g_leaves, loss_sum = self.pipe.run(params, micro, [wm / total for wm in w.tolist()], scale)
             return [lay.reduce_leaves(b, g_leaves) for b in lay.buckets], loss_sum, auxes
-        for mb, wm in zip(micro, w.tolist()):
+        for mb, wm in zip(micro, w.tolist(), strict=True):
             red = self._overlap.reducer(lay) if eager and self._overlap else None  # (eager: ZeRO-1/2)
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
             try:
@@ -273,14 +273,14 @@ class Step:
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
             if self.zero == 3:  # the gradients of the parts, summed over the data axes by the gathers' backward
-                acc = grads if acc[0] is None else [a.add_(g) for a, g in zip(acc, grads)]
+                acc = grads if acc[0] is None else [a.add_(g) for a, g in zip(acc, grads, strict=True)]
                 continue
             g_leaves = lay.treedef.flatten_up_to(grads)
             del grads  # each leaf's gradient is dropped once copied into its bucket
             flats = red.finish(g_leaves) if red else [  # (reduced from the leaves where they lie: no flat copy on host)
                 lay.reduce_leaves(b, g_leaves) if eager else lay.flat(b, g_leaves, free=True) for b in lay.buckets]
-            acc = [f if a is None else a.add_(f) for a, f in zip(acc, flats)]
-        parts = acc if self.zero == 3 or eager else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc)]
+            acc = [f if a is None else a.add_(f) for a, f in zip(acc, flats, strict=True)]
+        parts = acc if self.zero == 3 or eager else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc, strict=True)]
         return parts, loss_sum, auxes
 
     def _statistics(self, parts: list[torch.Tensor], loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
@@ -288,9 +288,9 @@ class Step:
         mesh, buckets = self.mesh, self.layout.buckets
         if self.zero == 3 or self.pipe is not None:  # count per leaf (a zero=3 unit mixes leaves sharded and
             # replicated over the model axes; a pipeline's tied leaf counts on one stage)
-            sq = sums_of_squares([v for v, c in zip(self.layout.views(parts), self._counted) if c]).sum()
+            sq = sums_of_squares([v for v, c in zip(self.layout.views(parts), self._counted, strict=True) if c]).sum()
         else:  # (float64 on the host, one device sync)
-            sq = sums_of_squares([p for b, p in zip(buckets, parts) if b.counted]).sum()
+            sq = sums_of_squares([p for b, p in zip(buckets, parts, strict=True) if b.counted]).sum()
         # the loss is replicated over the model axes: count it on one rank of each
         loss_owner = all(mesh.coord(a) == 0 for a in self.model_axes) and mesh.coord("pp") == mesh.axis_size("pp") - 1
         # the finiteness check only under loss scaling (it costs a pass over the gradients)
@@ -305,8 +305,10 @@ class Step:
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
         """Update: this rank's parts += updates, in place in the step's buffers (``None``: a fused optimizer did)."""
-        us = [] if updates is None else self.layout.treedef.flatten_up_to(updates)
-        pairs = [(v, u) for v, u in zip(self.layout.views(slices), us) if u is not None and v.numel()]
+        if updates is None:
+            return
+        us = self.layout.treedef.flatten_up_to(updates)
+        pairs = [(v, u) for v, u in zip(self.layout.views(slices), us, strict=True) if u is not None and v.numel()]
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
 

@@ -17,8 +17,9 @@ ring sends and adds each block's pieces where they lie, with no bucket-sized cop
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,14 +59,97 @@ def wait(work, mesh: "Mesh", what: str, axis: str) -> None:
         )
 
 
-def count(mesh: "Mesh", axis: str, nbytes: float) -> int:
+def count(mesh: "Mesh", axis: str, nbytes: float, op: str = "collective") -> int:
     """Add to ``mesh.traffic[axis]`` what a ring algorithm sends from this rank for a collective moving ``nbytes``
     ((n-1)/n of them); returns the group's size. Real and simulated meshes count alike, so a run's measured bytes
-    per axis can be set beside the plan's and the analytic figure."""
+    per axis can be set beside the plan's and the analytic figure. Every real collective is counted as it is
+    posted, so this is also where :func:`recording` sees it (``op``: its name)."""
     n = mesh.size if axis == "world" else mesh.axis_size(axis)
     with _COUNTING:  # (funcpar.overlap's worker thread counts too)
         mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
+    note_collective(mesh, axis, op, nbytes)
     return n
+
+
+# ------------------------------------------------------------------ NCCL's rules, recorded and checked on gloo
+# NCCL matches a collective by its position in each communicator's sequence (every member must post the same ones
+# in the same order) and a point-to-point message by its position among those between the same two ranks on the
+# same communicator: it ignores tags. gloo matches messages by tag, so a schedule whose correctness leans on tags
+# runs here and fails on GPUs. ``recording()`` logs what this process posts; :func:`check_sequences` holds every
+# rank's log to NCCL's rules; ``USE_TAGS = False`` (or FUNCPAR_P2P_TAGS=0) posts every message of funcpar.p2p under
+# one tag, so gloo too matches them in posting order, as NCCL does.
+_RECORD: list | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Log what this process posts while inside: ``("collective", group ranks, op, bytes)`` and ``("p2p", "send" or
+    "recv", group ranks, this rank, peer rank, tag, bytes)``, in posting order. Plain tuples: they pickle."""
+    global _RECORD
+    old, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = old
+
+
+def _group_key(mesh: "Mesh", axis: str | None) -> tuple:
+    return tuple(range(mesh.size)) if axis in (None, "world") else tuple(mesh.group_ranks(axis))
+
+
+def note_collective(mesh: "Mesh", axis: str, op: str, nbytes: float) -> None:
+    """Record a collective as it is posted (see :func:`recording`)."""
+    if _RECORD is not None and not mesh.simulated:
+        with _COUNTING:
+            _RECORD.append(("collective", _group_key(mesh, axis), op, int(nbytes)))
+
+
+def note_p2p(mesh: "Mesh", kind: str, group_ranks: tuple, peer: int, tag: int, nbytes: int) -> None:
+    """Record a point-to-point send or receive as it is posted (see :func:`recording`)."""
+    if _RECORD is not None and not mesh.simulated:
+        with _COUNTING:
+            _RECORD.append(("p2p", kind, tuple(group_ranks), mesh.rank, peer, tag, int(nbytes)))
+
+
+def check_sequences(logs: list[list[tuple]]) -> None:
+    """Raise :class:`CollectiveError` unless the ranks' logs (``logs[rank]``, from :func:`recording` over the same
+    stretch of work) keep NCCL's rules: on every group, each member posted the same collectives (op and bytes) in
+    the same order; between every two ranks on every group, the k-th message one sent is the k-th the other
+    received, with the same tag and size (so matching by posting order pairs them as their tags do)."""
+    colls: dict[tuple, dict[int, list]] = {}
+    sends: dict[tuple, list] = {}
+    recvs: dict[tuple, list] = {}
+    for rank, log in enumerate(logs):
+        for e in log:
+            if e[0] == "collective":
+                colls.setdefault(e[1], {}).setdefault(rank, []).append(e[2:])
+            else:
+                _, kind, group, me, peer, tag, nbytes = e
+                pair = (group, me, peer) if kind == "send" else (group, peer, me)
+                (sends if kind == "send" else recvs).setdefault(pair, []).append((tag, nbytes))
+    for group, by_rank in colls.items():
+        seqs = {r: by_rank.get(r, []) for r in group}
+        first = group[0]
+        for r, seq in seqs.items():
+            if seq != seqs[first]:
+                k = next((i for i, (a, b) in enumerate(zip(seq, seqs[first], strict=False)) if a != b),
+                         min(len(seq), len(seqs[first])))
+                raise CollectiveError(
+                    f"ranks {first} and {r} of group {list(group)} post different collectives: #{k} is "
+                    f"{_entry(seqs[first], k)} on rank {first} and {_entry(seq, k)} on rank {r} (NCCL would hang "
+                    f"or mix their data)")
+    for pair in sorted(set(sends) | set(recvs)):
+        s, r = sends.get(pair, []), recvs.get(pair, [])
+        if s != r:
+            k = next((i for i, (a, b) in enumerate(zip(s, r, strict=False)) if a != b), min(len(s), len(r)))
+            group, src, dst = pair
+            raise CollectiveError(
+                f"messages from rank {src} to rank {dst} (group {list(group)}): send #{k} is {_entry(s, k)} but "
+                f"receive #{k} is {_entry(r, k)}: NCCL pairs them by posting order, not by tag")
+
+
+def _entry(seq: list, k: int) -> str:
+    return "(none)" if k >= len(seq) else " ".join(map(str, seq[k]))
 
 
 def pieces(segs: Segments, lo: int, hi: int) -> Segments:

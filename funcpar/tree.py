@@ -42,14 +42,14 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
 def leaves_with_path(tree: Any) -> list[tuple[str, Any]]:
     """``[(dotted_path, leaf), ...]`` in optree's canonical leaf order (NamedTuple fields by name)."""
     paths, leaves, _ = _flatten(tree)
-    return list(zip(paths, leaves))
+    return list(zip(paths, leaves, strict=True))
 
 
 def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """``fn(path, leaf, *rest_leaves)`` for every leaf; ``rest`` trees must have ``tree``'s structure."""
     paths, leaves, treedef = _flatten(tree)
     rests = [treedef.flatten_up_to(r) for r in rest]
-    return optree.tree_unflatten(treedef, [fn(p, x, *r) for p, x, *r in zip(paths, leaves, *rests)])
+    return optree.tree_unflatten(treedef, [fn(p, x, *r) for p, x, *r in zip(paths, leaves, *rests, strict=True)])
 
 
 def partition(tree: Any, pred: Callable[[str, Any], bool]) -> tuple[Any, Any]:
@@ -58,9 +58,9 @@ def partition(tree: Any, pred: Callable[[str, Any], bool]) -> tuple[Any, Any]:
     ``pred(path, leaf)`` decides. ``combine(selected, rest)`` gives the original tree back.
     """
     paths, leaves, treedef = _flatten(tree)
-    keep = [bool(pred(p, x)) for p, x in zip(paths, leaves)]
-    a = [x if k else None for x, k in zip(leaves, keep)]
-    b = [None if k else x for x, k in zip(leaves, keep)]
+    keep = [bool(pred(p, x)) for p, x in zip(paths, leaves, strict=True)]
+    a = [x if k else None for x, k in zip(leaves, keep, strict=True)]
+    b = [None if k else x for x, k in zip(leaves, keep, strict=True)]
     return optree.tree_unflatten(treedef, a), optree.tree_unflatten(treedef, b)
 
 
@@ -79,6 +79,6 @@ def combine(*trees: Any) -> Any:
         if d != treedef:
             raise ValueError(f"combine(): tree {i} has structure {d}, tree 0 has {treedef}")
     out = []
-    for items in zip(*(leaves for leaves, _ in flat)):
+    for items in zip(*(leaves for leaves, _ in flat), strict=True):
         out.append(next((x for x in items if x is not None), None))
     return optree.tree_unflatten(treedef, out)

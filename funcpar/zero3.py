@@ -63,7 +63,7 @@ class Zero3Loss:
     def _tree(self, units: dict[int, list[torch.Tensor]]) -> Any:
         leaves: list = [None] * len(self.layout.shapes)
         for k, xs in units.items():
-            for i, x in zip(self.layout.buckets[k].leaves, xs):
+            for i, x in zip(self.layout.buckets[k].leaves, xs, strict=True):
                 leaves[i] = x
         return self.layout.unflatten(leaves)
 
@@ -88,9 +88,9 @@ class Zero3Loss:
 def gather_params(layout: ZeroLayout, parts: list[torch.Tensor]) -> Any:
     """Whole local leaves (a params tree) from the zero=3 parts: all-gathered over the ZeRO axes, no autograd."""
     leaves: list = [None] * len(layout.shapes)
-    for b, part in zip(layout.buckets, parts):
+    for b, part in zip(layout.buckets, parts, strict=True):
         for a in reversed(b.zero_axes):
             part = C.all_gather_nograd(part, layout.mesh, a, 0)
-        for i, x in zip(b.leaves, layout.unpack(b, part)):
+        for i, x in zip(b.leaves, layout.unpack(b, part), strict=True):
             leaves[i] = x
     return layout.unflatten(leaves)

@@ -354,7 +354,7 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
     recompute the layer in the backward pass (activation checkpointing)."""
     x = _embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
     cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
-    for lp, window in zip(params["layers"], cfg.sliding_windows):
+    for lp, window in zip(params["layers"], cfg.sliding_windows, strict=True):
         layer = functools.partial(_layer, window=window, cfg=cfg, mesh=mesh)
         x = fp.remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
     return x

@@ -114,3 +114,80 @@ def test_a_multi_rank_mesh_on_cuda_starts_its_job(tmp_path, device):
         out = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert out == {"rank": r, "device": f"cuda:{r}", "set_device": [f"cuda:{r}"], "backend": "gloo",
                        "sum": 3.0}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CLI_WITH_GPUS = """
+import sys, torch
+n = int(sys.argv[1])
+torch.cuda.is_available = lambda: n > 0
+torch.cuda.device_count = lambda: n
+from funcpar.cli import entry
+sys.argv = ["funcpar", *sys.argv[2:]]
+entry()
+"""
+
+
+def _cli(gpus, *args, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                           "CUDA_VISIBLE_DEVICES")}
+    return subprocess.run([sys.executable, "-c", _CLI_WITH_GPUS, str(gpus), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_train_on_cuda_with_fewer_gpus_than_ranks_prints_one_line_before_starting_any(gpus, tmp_path):
+    p = _cli(gpus, "train", "--mesh", "tp=2,dp=2", "--device", "cuda", "--out", str(tmp_path / "out"))
+    assert p.returncode == 1
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and p.stdout == "", p.stderr
+    if gpus:
+        assert lines[0].startswith("funcpar: 4 ranks on this node but 1 GPU visible"), lines
+        assert "--mesh 1" in lines[0] and "--device cpu" in lines[0]
+    else:
+        assert lines[0].startswith("funcpar: device 'cuda' asked for, but no GPU is visible"), lines
+    assert not (tmp_path / "out").exists()  # no rank started, nothing written
+
+
+def test_device_option_is_checked_and_plan_takes_it(capsys):
+    p = _cli(0, "train", "--device", "gpu")
+    assert p.returncode != 0 and "funcpar: --device 'gpu'" in p.stderr and "auto, cpu, cuda" in p.stderr
+    from funcpar import cli
+
+    p = _cli(0, "plan", "--mesh", "dp=2", "--model", "llama-micro", "--device", "cuda")
+    assert p.returncode == 1 and p.stderr.startswith("funcpar: device 'cuda' asked for, but no GPU is visible")
+    cli.main(["plan", "--mesh", "dp=2", "--model", "llama-micro", "--device", "cpu"])
+    assert "+ runtime" in capsys.readouterr().out  # the host's resident set is added on the CPU
+
+
+def test_the_plan_of_a_step_auto_compiles_says_its_peak_is_not_modelled(capsys):
+    # compile="auto" compiles the gradient on a CUDA mesh of data axes only, where inductor plans the buffers: the
+    # eager trace is an upper bound there, and the plan prints no peak for it (issue 40: +56-75% on one H100)
+    from funcpar import planning
+    from funcpar.options import BUILTIN_MODELS, DEFAULTS, build_step
+
+    model = fp.get_model("llama")
+    mesh = fp.Mesh.abstract(device="cpu", dp=2)
+    cfg = model.config(BUILTIN_MODELS["llama-micro"]).with_mesh(mesh)
+    plain = build_step(dict(DEFAULTS), model, cfg, mesh, model.specs(cfg, mesh))
+    auto = build_step(dict(DEFAULTS), model, cfg, mesh, model.specs(cfg, mesh))
+    auto.compiled = "auto"  # what resolve_compile gives on a CUDA mesh of data axes only
+    t_plain = planning.trace_plan(model, cfg, plain, 4, 32)
+    t_auto = planning.trace_plan(model, cfg, auto, 4, 32)
+    assert not t_plain["bound"] and t_auto["bound"] and auto.compiled is False
+    assert t_auto["peak"] == t_plain["peak"]  # the eager step's trace, as the bound
+    planning.print_plan(model, cfg, auto, 1, "adamw", 4, 32)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "peak not modelled" in line and "upper bound" in line and " = " not in line
+
+
+def test_auto_runs_the_ranks_on_the_cpu_beside_too_few_gpus_and_says_why(tmp_path):
+    # one GPU, the README's 4-rank main job: auto takes the CPU for every rank (the same run), with one warning
+    out = tmp_path / "out"
+    p = _cli(1, "train", "--model", "llama-micro", "--mesh", "dp=2", "--global-batch", "4", "--seq-len", "16",
+             "--steps", "2", "--eval-every", "0", "--out", str(out), timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    warned = [line for line in p.stdout.splitlines() if "the ranks run on the CPU" in line]
+    assert len(warned) == 1 and "2 ranks on this node but 1 GPU visible" in warned[0], p.stdout
+    assert "(2 process(es), cpu)" in p.stdout
+    assert (out / "hf" / "config.json").exists()

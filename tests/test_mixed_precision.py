@@ -2,7 +2,6 @@
 skips an overflowing step on every rank at once, and checkpoints that carry all of it."""
 
 import functools
-import os
 
 import torch
 

@@ -53,7 +53,7 @@ def mask_list(mask: Any, tree: Any) -> list[bool]:
         ms = [True if mask is None else mask] * len(vals)
     else:
         ms = treedef.flatten_up_to(mask)
-    return [bool(m) for v, m in zip(vals, ms) if v is not None]
+    return [bool(m) for v, m in zip(vals, ms, strict=True) if v is not None]
 
 
 def decay_mask(params: Any) -> Any:
@@ -102,7 +102,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update(grads, state, params=None, _fresh=False, **extra):
         new = []
-        for t, s in zip(transforms, state):
+        for t, s in zip(transforms, state, strict=True):
             (grads, s), _fresh = _call(t, grads, s, params, _fresh, extra)
             new.append(s)
         return grads, tuple(new)
@@ -125,7 +125,7 @@ def _chain_fused(transforms: tuple) -> Fused | None:
 
     def apply(grads, state, params=None, coef=None, **extra):
         new, fresh = [], True
-        for t, s in zip(transforms[:-1], state):
+        for t, s in zip(transforms[:-1], state[:-1], strict=True):
             factor = getattr(t.update, "_factor", None)
             if factor is not None:  # a scalar: folded into the product, the gradients untouched
                 c, s = factor(grads, s, params, **extra)
@@ -160,7 +160,7 @@ def _scaled(grads: Any, coef, fresh: bool) -> Any:
 def _select(tree: Any, keep: list[bool]) -> Any:
     treedef = optree.tree_structure(tree, none_is_leaf=True)
     vals = optree.tree_leaves(tree, none_is_leaf=True)
-    return optree.tree_unflatten(treedef, [v if k else None for v, k in zip(vals, keep)])
+    return optree.tree_unflatten(treedef, [v if k else None for v, k in zip(vals, keep, strict=True)])
 
 
 def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
@@ -187,6 +187,6 @@ def apply_updates(params: Any, updates: Any) -> Any:
     treedef = optree.tree_structure(params, none_is_leaf=True)
     ps = optree.tree_leaves(params, none_is_leaf=True)
     us = treedef.flatten_up_to(updates) if updates is not None else [None] * len(ps)
-    out = [p if u is None else p + u for p, u in zip(ps, us)]
+    out = [p if u is None else p + u for p, u in zip(ps, us, strict=True)]
     return optree.tree_unflatten(treedef, out)
 

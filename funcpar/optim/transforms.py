@@ -85,7 +85,7 @@ def _to_host(ts: list) -> list:
     out = [None] * len(ts)
     for dev in dict.fromkeys(t.device for t in ts if t is not None):
         idx = [i for i, t in enumerate(ts) if t is not None and t.device == dev]
-        for i, v in zip(idx, torch.stack([ts[i] for i in idx]).cpu().tolist()):
+        for i, v in zip(idx, torch.stack([ts[i] for i in idx]).cpu().tolist(), strict=True):
             out[i] = v
     return out
 
@@ -106,9 +106,9 @@ def sums_of_squares(xs: list[torch.Tensor], chunk: int = 1 << 20, row: int = 128
     xs = [x.detach().reshape(-1) for x in xs]
     fast = _to_host([_row_sum_of_squares(x, row) if x.numel() and x.dtype in _FLOATS else None for x in xs])
     redo = [_exact_sum_of_squares(x, chunk) if x.numel() and (f is None or _needs_exact(f, x.numel())) else None
-            for x, f in zip(xs, fast)]
+            for x, f in zip(xs, fast, strict=True)]
     exact = _to_host(redo)
-    return torch.tensor([0.0 if not x.numel() else e if e is not None else f for x, f, e in zip(xs, fast, exact)],
+    return torch.tensor([0.0 if not x.numel() else e if e is not None else f for x, f, e in zip(xs, fast, exact, strict=True)],
                         dtype=torch.float64)
 
 
@@ -242,7 +242,7 @@ def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransf
             torch._foreach_add_(sub_u, sub_p, alpha=weight_decay)
             return grads, state
         out = list(us)
-        for i, u in zip(idx, torch._foreach_add(sub_u, sub_p, alpha=weight_decay)):
+        for i, u in zip(idx, torch._foreach_add(sub_u, sub_p, alpha=weight_decay), strict=True):
             out[i] = u
         return unflatten_like(grads, out), state
 
@@ -293,7 +293,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         torch._foreach_mul_(denom, bc1 / math.sqrt(bc2))
         torch._foreach_add_(denom, eps * bc1)
         if _fresh:
-            for m, d in zip(mu, denom):
+            for m, d in zip(mu, denom, strict=True):
                 torch.div(m, d, out=d)  # element-wise, so writing over the divisor is safe: no temporary
             upd = g
         else:
