@@ -66,6 +66,33 @@ def test_torchrun_and_bare_give_the_same_losses(bare_run, tmp_path):
     assert losses(out2) == losses(out)
 
 
+def test_two_torchrun_agents_train_as_one_node_and_resume_on_one_node(bare_run, tmp_path):
+    # multi-node as torchrun runs it: two agents (--nnodes 2, c10d rendezvous) of 2 ranks each on localhost; the
+    # ranks on the second agent are global ranks 2-3 but local ranks 0-1 (each node's own devices)
+    import socket
+
+    out, _ = bare_run
+    out2 = str(tmp_path / "two-nodes")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("RANK", None)
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two",
+                                "-m", "funcpar", "train", *TINY, "--steps", "3", "--out", out2],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    done = [a.communicate(timeout=300) for a in agents]
+    for a, (o, e) in zip(agents, done, strict=True):
+        assert a.returncode == 0, o[-2000:] + e[-3000:]
+    assert "funcpar train: llama on Mesh(pp=1, dp=2, tp=2) (4 process(es), cpu)" in "".join(o for o, _ in done)
+    assert losses(out2) == losses(out)[:3]  # the same global ranks, the same numbers, bit for bit
+    stdout = run(["-m", "funcpar", "train", *TINY, "--steps", "6", "--out", out2, "--resume"])  # one node now
+    assert "resumed from" in stdout and "at step 3" in stdout
+    assert losses(out2) == losses(out)
+
+
 def test_resume_continues_exactly(bare_run, tmp_path):
     out, _ = bare_run
     out2 = str(tmp_path / "resumed")
