@@ -46,7 +46,11 @@ def wait(work, mesh: "Mesh", what: str, axis: str) -> None:
         else f"{mesh!r} (rank {mesh.rank})"
     )
     try:
-        ok = work.wait(timeout=mesh.timeout)
+        # On a CUDA mesh the wait is the stream's, not the host's: NCCL's work.wait(timeout=...) blocks the host
+        # until the collective is done, so the host could not queue the next kernels meanwhile. The bound is then
+        # the process group's own timeout (the mesh's, given at init_process_group and new_group): NCCL's watchdog
+        # ends a collective stuck past it and the rank with it, and gloo's host work raises as below.
+        ok = work.wait() if mesh.device.type == "cuda" else work.wait(timeout=mesh.timeout)
     except Exception as e:  # gloo/nccl raise on a dead peer or on the timeout
         raise CollectiveError(
             f"{what} over {where} failed: a peer rank has died or stopped responding "

@@ -191,3 +191,23 @@ def test_auto_runs_the_ranks_on_the_cpu_beside_too_few_gpus_and_says_why(tmp_pat
     assert len(warned) == 1 and "2 ranks on this node but 1 GPU visible" in warned[0], p.stdout
     assert "(2 process(es), cpu)" in p.stdout
     assert (out / "hf" / "config.json").exists()
+
+
+class _Work:
+    def __init__(self):
+        self.calls = []
+
+    def wait(self, **kw):
+        self.calls.append(kw)
+        return True
+
+
+def test_a_cuda_mesh_waits_on_the_stream_and_a_host_mesh_with_its_timeout():
+    # NCCL's work.wait(timeout=) blocks the host until the collective ends (no kernels queued meanwhile); a CUDA
+    # mesh leaves the bound to the process group's own timeout (NCCL's watchdog)
+    from funcpar import transport
+
+    for device, expected in (("cuda", {}), ("cpu", {"timeout": fp.mesh.default_timeout()})):
+        work = _Work()
+        transport.wait(work, fp.Mesh.abstract(device=device, dp=2), "all_reduce", "dp")
+        assert work.calls == [expected], device
