@@ -193,7 +193,7 @@ class Mesh:
         self.simulated = False  # Mesh.abstract: collectives simulated, no processes
         self.traffic: dict[str, float] = {}  # bytes this rank has sent by axis (ring count; funcpar.collectives)
         self._groups: dict[str, Any] = {}
-        self._lanes: dict[str, Any] = {}  # a second group per axis, built on first use (see lane)
+        self._lanes: dict[tuple, Any] = {}  # (axis, k) -> extra groups over an axis, built on first use (see lane)
         self._group_ranks: dict[str, list[int]] = {}
         self.device_mesh = None
 
@@ -352,17 +352,21 @@ class Mesh:
         self._check_axis(axis)
         return self._groups.get(axis)
 
-    def lane(self, axis: str):
-        """A second ProcessGroup over this rank's ``axis`` group, for communication that runs beside the main
-        thread's (:mod:`funcpar.overlap`). Built on first use, by every rank of the mesh, collectively: call it on
-        all ranks at the same point of the program."""
+    def lane(self, axis: str, k: int = 0):
+        """The ``k``-th extra ProcessGroup over this rank's ``axis`` group: another communicator over the same
+        ranks, for communication that must not share an order with the axis's own (:mod:`funcpar.overlap`'s worker
+        thread; the pipeline's wrap-around streams, :mod:`funcpar.p2p`'s channels). Built on first use, by every
+        rank of the mesh, collectively: call it on all ranks at the same point of the program."""
         self._check_axis(axis)
-        if axis not in self._lanes and self._groups:
-            for line in self._lines(axis):
-                g = dist.new_group(line, timeout=self.timeout)
-                if self.rank in line:
-                    self._lanes[axis] = g
-        return self._lanes.get(axis)
+        if (axis, k) not in self._lanes and self._groups:
+            for j in range(k + 1):  # (lanes before k first, so every rank builds them in one order)
+                if (axis, j) in self._lanes:
+                    continue
+                for line in self._lines(axis):
+                    g = dist.new_group(line, timeout=self.timeout)
+                    if self.rank in line:
+                        self._lanes[(axis, j)] = g
+        return self._lanes.get((axis, k))
 
     def group_ranks(self, axis: str) -> list[int]:
         """The global ranks of this rank's group along ``axis``, in coordinate order."""

@@ -66,9 +66,19 @@ class Pending:
         return self.tensor
 
 
+CHANNELS = 4  # communicators a message may take between two pp ranks (isend's channel)
+
+
+def _group(mesh: "Mesh", axis: str, channel: int):
+    """The communicator of ``channel``: 0 the default group, 1 the axis's group, 2 and 3 its lanes 0 and 1."""
+    if not 0 <= channel < CHANNELS:
+        raise CollectiveError(f"p2p channel {channel} does not exist (0 .. {CHANNELS - 1})")
+    return None if channel == 0 else mesh.group(axis) if channel == 1 else mesh.lane(axis, channel - 2)
+
+
 def _ranks(mesh: "Mesh", axis: str, channel: int) -> tuple:
-    """The ranks of the communicator a message on ``channel`` goes over (0: the default group, 1: the axis's)."""
-    return tuple(mesh.group_ranks(axis)) if channel else tuple(range(mesh.size))
+    """The recorded name of a message's communicator: its channel, then its ranks."""
+    return (f"channel {channel}", *(mesh.group_ranks(axis) if channel else range(mesh.size)))
 
 
 def _peer(mesh: "Mesh", axis: str, coord: int, what: str) -> int:
@@ -148,13 +158,15 @@ def gather_blocks_to(
 def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int, channel: int = 0) -> Pending:
     """Start sending ``x`` to coordinate ``dst`` along ``axis`` under ``tag``; ``x`` must not change until the
     returned :class:`Pending` has been waited for (it keeps a reference). ``channel`` 0 goes over the default
-    group, 1 over the axis's own group: two communicators, so that two streams of messages between the same ranks
-    keep their own order where the backend matches by order rather than by tag (NCCL)."""
+    group, 1 over the axis's own group, 2 and 3 over its lanes: separate communicators, so that each stream of
+    messages between the same ranks keeps its own order where the backend matches by order rather than by tag
+    (NCCL), and flows one way only (two ranks sending to each other on one NCCL communicator can wait on each
+    other's receive forever)."""
     x = x.detach().contiguous()
     if mesh.simulated:
         _simulated(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
         return Pending(None, x, mesh, axis, "send")
-    peer, group = _peer(mesh, axis, dst, "send"), mesh.group(axis) if channel else None
+    peer, group = _peer(mesh, axis, dst, "send"), _group(mesh, axis, channel)
     tag = tag if USE_TAGS else 0
     transport.note_p2p(mesh, "send", _ranks(mesh, axis, channel), peer, tag, x.nbytes)
     return Pending(dist.isend(x, peer, group=group, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")
@@ -165,7 +177,7 @@ def irecv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int, channe
     ``tag``, on ``channel`` (see :func:`isend`)."""
     if mesh.simulated:
         return Pending(None, buf, mesh, axis, "recv")
-    peer, group = _peer(mesh, axis, src, "recv"), mesh.group(axis) if channel else None
+    peer, group = _peer(mesh, axis, src, "recv"), _group(mesh, axis, channel)
     tag = tag if USE_TAGS else 0
     transport.note_p2p(mesh, "recv", _ranks(mesh, axis, channel), peer, tag, buf.nbytes)
     return Pending(dist.irecv(buf, peer, group=group, tag=tag), buf, mesh, axis,

@@ -162,6 +162,19 @@ class Executor:
         self.plan, self.mesh, self.remat = plan, plan.mesh, remat_blocks
         self._shapes: dict[tuple, tuple[torch.dtype, tuple[int, ...]]] = {}  # (v, batch signature) -> input
         self.metrics: dict[str, float] = {}
+        if plan.V > plan.pp:  # wrap-around streams (see _channel): their communicators built now, on every rank
+            self.mesh.lane("pp", 1)
+
+    def _channel(self, kind: int, v: int) -> int:
+        """The communicator of the message virtual stage ``v`` sends (``kind`` 0 and 1: activations, 2: gradients):
+        activations to the next rank on 0, gradients to the previous on 1, and where an interleaved schedule wraps
+        around (the last rank's activations to rank 0, rank 0's gradients to the last) on 2 and 3. So every
+        communicator carries messages one way between two ranks, each stream in one order on both ends: what
+        NCCL, which ignores tags, needs (tests/test_nccl_rules.py)."""
+        pp = self.plan.pp
+        if kind < 2:
+            return 2 if v % pp == pp - 1 else 0
+        return 3 if v % pp == 0 else 1
 
     # ------------------------------------------------------------------------------------------- chunk passes
     def _blocks(self, params: Any, x: torch.Tensor, v: int) -> torch.Tensor:
@@ -187,19 +200,22 @@ class Executor:
             self._shapes[key] = self._shapes[(self.plan.virtual[0] + 1, sig)]
         if key not in self._shapes:
             head = torch.empty(2 + p2p.MAX_DIMS, dtype=torch.int64)
-            self._wait(p2p.irecv(head, self.mesh, "pp", self._peer(v - 1), self._tag(1, m, v - 1)))
+            self._wait(p2p.irecv(head, self.mesh, "pp", self._peer(v - 1), self._tag(1, m, v - 1),
+                                 self._channel(1, v - 1)))
             self._shapes[key] = p2p.described(head)
         dtype, shape = self._shapes[key]
         buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
-        return self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v - 1), self._tag(0, m, v - 1)))
+        return self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v - 1), self._tag(0, m, v - 1),
+                                    self._channel(0, v - 1)))
 
     def _send_output(self, y: torch.Tensor, v: int, m: int, sig: tuple) -> None:
         key = (v + 1, sig)
         if key not in self._shapes:
             head = p2p.describe(y)
-            self._sends.append(p2p.isend(head, self.mesh, "pp", self._peer(v + 1), self._tag(1, m, v)))
+            self._sends.append(p2p.isend(head, self.mesh, "pp", self._peer(v + 1), self._tag(1, m, v),
+                                         self._channel(1, v)))
             self._shapes[key] = (y.dtype, tuple(y.shape))
-        self._sends.append(p2p.isend(y, self.mesh, "pp", self._peer(v + 1), self._tag(0, m, v)))
+        self._sends.append(p2p.isend(y, self.mesh, "pp", self._peer(v + 1), self._tag(0, m, v), self._channel(0, v)))
 
     def _wait(self, pending: p2p.Pending) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -234,7 +250,8 @@ class Executor:
             grad = None
         else:
             buf = torch.empty_like(y)
-            grad = self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v + 1), self._tag(2, m, v + 1), channel=1))
+            grad = self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v + 1), self._tag(2, m, v + 1),
+                                        self._channel(2, v + 1)))
         later = None
         if y.requires_grad and weights is not None:
             rest = splitgrad.backward_input([y], [grad], [x_in], weights)
@@ -243,7 +260,8 @@ class Executor:
             torch.autograd.backward(y, grad)
         g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
         if embedded is None:
-            self._sends.append(p2p.isend(g, self.mesh, "pp", self._peer(v - 1), self._tag(2, m, v), channel=1))
+            self._sends.append(p2p.isend(g, self.mesh, "pp", self._peer(v - 1), self._tag(2, m, v),
+                                         self._channel(2, v)))
         elif embedded.requires_grad:
             embed = functools.partial(torch.autograd.backward, embedded, g)
             if weights is None:
