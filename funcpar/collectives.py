@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .transport import CollectiveError, count as _count, fill, pieces, ring_all_gather, ring_reduce_scatter
-from .transport import note_collective
-from .transport import wait as _wait
+from .transport import note_collective, wait as _wait
 
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh

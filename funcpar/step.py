@@ -305,9 +305,7 @@ class Step:
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
         """Update: this rank's parts += updates, in place in the step's buffers (``None``: a fused optimizer did)."""
-        if updates is None:
-            return
-        us = self.layout.treedef.flatten_up_to(updates)
+        us = [None] * len(self.layout.shapes) if updates is None else self.layout.treedef.flatten_up_to(updates)
         pairs = [(v, u) for v, u in zip(self.layout.views(slices), us, strict=True) if u is not None and v.numel()]
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
