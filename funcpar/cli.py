@@ -249,8 +249,13 @@ def train(argv: list[str]) -> None:
     opts = read_options(argv, "train")
     sizes = parse_mesh(opts["mesh"])
     nproc = math.prod(sizes.values()) if sizes else 1
-    if "RANK" not in os.environ:  # the ranks start here, all on this node: a device they cannot have is refused now
-        resolve_device(opts["device"], local_rank=0, local_world=nproc)
+    if "RANK" not in os.environ and nproc > 1:
+        # the ranks start here, all on this node: a device they cannot have is refused now, auto's choice is made
+        # (and said) once, and the ranks are told it
+        device, why_not_gpu = resolve_device(opts["device"], local_rank=0, local_world=nproc)
+        if why_not_gpu:
+            print(f"funcpar: warning: the ranks run on the CPU: {why_not_gpu}", flush=True)
+        argv = [*argv, "--device", device.type]
     if launch_if_needed(["train", *argv], nproc):
         return
     run = _setup_run(opts, sizes)
