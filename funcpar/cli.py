@@ -68,10 +68,13 @@ class _Run:
                        overwrite=self.opts["overwrite"])
 
 
+CHOSEN_DEVICE = "FUNCPAR_CHOSEN_DEVICE"  # funcpar's launcher tells the ranks it starts the device it chose for them
+
+
 def _setup_run(opts, sizes) -> _Run:
     """Build the mesh, model, data, train step, its initial state and the data loader."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    device, why_not_gpu = resolve_device(opts["device"], local_world=None if sizes else 1)
+    device, why_not_gpu = resolve_device(os.environ.get(CHOSEN_DEVICE, opts["device"]), local_world=None if sizes else 1)
     mesh = fp.Mesh(**sizes, heartbeat=opts["heartbeat"], device=device)
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
@@ -255,8 +258,11 @@ def train(argv: list[str]) -> None:
         device, why_not_gpu = resolve_device(opts["device"], local_rank=0, local_world=nproc)
         if why_not_gpu:
             print(f"funcpar: warning: the ranks run on the CPU: {why_not_gpu}", flush=True)
-        argv = [*argv, "--device", device.type]
-    if launch_if_needed(["train", *argv], nproc):
+        os.environ[CHOSEN_DEVICE] = device.type  # (not in argv: the resume command a rank prints is the user's)
+        try:
+            launch_if_needed(["train", *argv], nproc)
+        finally:
+            os.environ.pop(CHOSEN_DEVICE, None)
         return
     run = _setup_run(opts, sizes)
     _resume(run)
