@@ -119,7 +119,8 @@ def read_block(t: _Tensor, region: tuple[slice, ...], error: type[Exception] = V
         with open(t.file, "rb") as fh:
             fd = fh.fileno()
             for idx in _product([range(a, b) for a, b in bounds[:k]]):
-                elem = sum(i * s for i, s in zip(idx, strides[:k], strict=True)) + (bounds[k][0] * strides[k] if shape else 0)
+                elem = sum(i * s for i, s in zip(idx, strides[:k], strict=True))
+                elem += bounds[k][0] * strides[k] if shape else 0
                 got = os.preadv(fd, [buf[pos : pos + run]], t.start + elem * item)
                 if got != run:
                     raise error(f"corrupt safetensors file {t.file}: short read")

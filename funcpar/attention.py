@@ -100,5 +100,6 @@ def _again(ctx, q, k, v, go):
         s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         o = s.softmax(-1) @ v.repeat_interleave(g, 1)
-        got = iter(torch.autograd.grad(o, [t for t, n in zip((q, k, v), need, strict=True) if n], go, create_graph=True))
+        wanted = [t for t, n in zip((q, k, v), need, strict=True) if n]
+        got = iter(torch.autograd.grad(o, wanted, go, create_graph=True))
     return [next(got) if n else None for n in need]

@@ -71,7 +71,8 @@ class StateBuffers:
         """Buffers for ``params`` (whole local leaves); returns ``(params tree, masters tree or None)``."""
         leaves = self.layout.treedef.flatten_up_to(params)
         if self.mixed:  # the masters from the given (fp32) values, before any rounding to the compute dtype
-            self.own_masters([x.detach().reshape(-1)[a:z] for x, (a, z, _) in zip(leaves, self.layout.leaf_parts(), strict=True)])
+            parts = zip(leaves, self.layout.leaf_parts(), strict=True)
+            self.own_masters([x.detach().reshape(-1)[a:z] for x, (a, z, _) in parts])
         self.own_params([x.detach() for x in leaves])
         return self.params_tree(), (self.masters_tree() if self.mixed else None)
 

@@ -9,12 +9,12 @@ Layout of ``path/``:
   to, the flat range of that block it covers, a CRC-32 of its bytes), the user's ``extra``, and
   ``"complete": true``; ``meta.json.sha256``: the SHA-256 of its bytes.
 
-A piece is described in global coordinates, so a checkpoint loads onto any mesh: a rank reads only the pieces
-whose rows overlap the block (or, for ZeRO-partitioned optimizer state, the flat part of the block) it now owns.
-Saving writes into ``.NAME.tmp`` and renames it to ``NAME`` only once every rank's file is complete
-(:func:`funcpar.atomic.write_folder`), then points ``latest`` (a text file beside it) at it and applies ``keep``. A crash mid-save leaves the previous checkpoint and
-``latest`` as they were. Loading reads JSON and raw tensor bytes only; nothing is unpickled or executed, and
-nothing is sized from the metadata before it has passed its schema and its checksum (``funcpar._ckpt_source``).
+A piece is described in global coordinates, so a checkpoint loads onto any mesh: a rank reads only the pieces whose rows
+overlap the block (or, for ZeRO-partitioned optimizer state, the flat part of the block) it now owns. Saving writes into
+``.NAME.tmp`` and renames it to ``NAME`` only once every rank's file is complete (:func:`funcpar.atomic.write_folder`),
+then points ``latest`` (a text file beside it) at it and applies ``keep``. A crash mid-save leaves the previous
+checkpoint and ``latest`` as they were. Loading reads JSON and raw tensor bytes only; nothing is unpickled or executed,
+and nothing is sized from the metadata before it has passed its schema and its checksum (``funcpar._ckpt_source``).
 
 Why not ``torch.distributed.checkpoint``: its metadata file is a pickle (loading it would unpickle), and its
 resharding works on DTensors, while funcpar's ZeRO state is flat parts of local shards; describing pieces in
@@ -145,8 +145,8 @@ def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: 
     def finalize(tmp: Path) -> None:
         all_pieces, opt_meta, params_meta = _merge_sides(tmp, mesh)
         write_meta(tmp, {  # with its checksum
-            "format": FORMAT, "complete": True, "step": int(state.step), "run": run, "mesh": mesh.shape, "zero": layout.zero,
-            "world": mesh.size, "params": params_meta, "opt": opt_meta,
+            "format": FORMAT, "complete": True, "step": int(state.step), "run": run, "mesh": mesh.shape,
+            "zero": layout.zero, "world": mesh.size, "params": params_meta, "opt": opt_meta,
             "optimizer": _state_types(state.opt_state), "pieces": all_pieces, "extra": extra,
         })
 
@@ -188,7 +188,8 @@ def _param_pieces(state: TrainState, layout: ZeroLayout, mesh: Mesh, fname: str,
     each rank its part; ``elsewhere[i]``: another pipeline stage writes leaf ``i``) into ``tensors`` as
     ``key -> (flat tensor, [piece])``."""
     meta, parts = [], layout.leaf_parts()
-    for i, (p, x, spec) in enumerate(zip(layout.paths, layout.treedef.flatten_up_to(state.params), layout.specs, strict=True)):
+    leaves = layout.treedef.flatten_up_to(state.params)
+    for i, (p, x, spec) in enumerate(zip(layout.paths, leaves, layout.specs, strict=True)):
         gshape = list(global_shape(spec, layout.shapes[i], mesh))
         meta.append({"path": p, "shape": gshape, "dtype": _dtype_name(x.dtype), "spec": list(spec.dims)})
         a, z, copies = parts[i] if layout.zero == 3 else (0, x.numel(), tuple(a for a in mesh.axis_names
@@ -263,7 +264,8 @@ def _check_params(src: _Source, paths: list[str], gshapes: list[list[int]], know
             )
     extra = [p for p in saved if p not in set(known or paths)]
     if extra:
-        raise CheckpointError(f"checkpoint {src.folder} is from another model: it has leaf '{extra[0]}', which the model lacks")
+        raise CheckpointError(f"checkpoint {src.folder} is from another model: it has leaf '{extra[0]}', which the "
+                              f"model lacks")
     return saved
 
 

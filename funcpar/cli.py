@@ -74,12 +74,14 @@ CHOSEN_DEVICE = "FUNCPAR_CHOSEN_DEVICE"  # funcpar's launcher tells the ranks it
 def _setup_run(opts, sizes) -> _Run:
     """Build the mesh, model, data, train step, its initial state and the data loader."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    device, why_not_gpu = resolve_device(os.environ.get(CHOSEN_DEVICE, opts["device"]), local_world=None if sizes else 1)
+    choice = os.environ.get(CHOSEN_DEVICE, opts["device"])  # (funcpar's launcher chose already)
+    device, why_not_gpu = resolve_device(choice, local_world=None if sizes else 1)
     mesh = fp.Mesh(**sizes, heartbeat=opts["heartbeat"], device=device)
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
-    warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)  # before any work: refused now or never
+    # before any work: refused now or never
+    warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)
     if why_not_gpu:
         warnings.insert(0, f"the ranks run on the CPU: {why_not_gpu}")
     lora = base = None
@@ -241,7 +243,8 @@ def _finish(run: _Run) -> None:
         if run.state.step >= ANSWER_CHECK_STEPS:  # (before that the model has not learnt the task: 0/100 says nothing)
             show_arithmetic(run.out / "hf", run.model)
         else:
-            print(f"(the answers to the built-in task are checked after {ANSWER_CHECK_STEPS} steps or more)", flush=True)
+            print(f"(the answers to the built-in task are checked after {ANSWER_CHECK_STEPS} steps or more)",
+                  flush=True)
 
 
 ANSWER_CHECK_STEPS = 100

@@ -115,7 +115,8 @@ def all_reduce_start(x: torch.Tensor, mesh: "Mesh", axis: str) -> "Callable[[], 
     return done
 
 
-def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     n = mesh.axis_size(axis)
     xm = x.detach().movedim(dim, 0).contiguous()
     if out is None or dim:
@@ -158,7 +159,8 @@ def _reduce_scatter_segments(segs: "Segments", total: int, out: torch.Tensor, me
 
 def _raw_all_to_all(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
     n, xm = _check_divisible(x, dim, mesh, axis, "all_to_all"), x.detach().movedim(dim, 0).contiguous()
-    _count(mesh, axis, xm.numel() * xm.element_size(), "all_to_all")  # (n-1)/n of the blocks leave this rank, as in a ring
+    # (n-1)/n of the blocks leave this rank, as in a ring
+    _count(mesh, axis, xm.numel() * xm.element_size(), "all_to_all")
     out = xm.view(n, -1)[mesh.coord(axis)].repeat(n, 1).view(xm.shape) if mesh.simulated else torch.empty_like(xm)
     if not mesh.simulated:  # (simulated: every rank taken to hold this rank's values, each sends its own block)
         _wait(dist.all_to_all_single(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_to_all", axis)
@@ -210,7 +212,8 @@ _FUNCTIONS: dict[str, type] = {}
 # (name, forward, conjugate): each collective's backward is its conjugate collective (itself a Function, so
 # higher-order derivatives stay correct)
 _CopyToRegion = _function("_CopyToRegion", lambda x, mesh, axis: x.view_as(x), "_ReduceFromRegion")
-_ReduceFromRegion = _function("_ReduceFromRegion", lambda x, mesh, axis: _raw_all_reduce(x, mesh, axis), "_CopyToRegion")
+_ReduceFromRegion = _function("_ReduceFromRegion", lambda x, mesh, axis: _raw_all_reduce(x, mesh, axis),
+                              "_CopyToRegion")
 _AllGather = _function("_AllGather", lambda x, mesh, axis, dim: _raw_all_gather(x, mesh, axis, dim), "_ReduceScatter")
 _ReduceScatter = _function("_ReduceScatter", lambda x, mesh, axis, dim: _raw_reduce_scatter(x, mesh, axis, dim),
                            "_AllGather")

@@ -321,9 +321,11 @@ class Loader:
         return {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("global_batch", self.global_batch) != self.global_batch or state.get("seed", self.seed) != self.seed:
+        same = state.get("global_batch", self.global_batch) == self.global_batch
+        if not same or state.get("seed", self.seed) != self.seed:
             raise DataError(
-                f"cannot resume data order: saved with global_batch={state.get('global_batch')} seed={state.get('seed')}, "
+                f"cannot resume data order: saved with global_batch={state.get('global_batch')} "
+                f"seed={state.get('seed')}, "
                 f"now global_batch={self.global_batch} seed={self.seed}"
             )
         self.position = int(state["position"])

@@ -176,7 +176,8 @@ def load(
     reader = _Reader(folder)
     _check(reader, folder, model, cfg, leaves, plan)
     if dtype is None:
-        check_dtypes(reader, folder, raw, [mp.hf for (p, _, _), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)])
+        kept = [mp.hf for (p, _, _), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)]
+        check_dtypes(reader, folder, raw, kept)
     out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) if keep is None or keep(p) else None
            for (p, spec, meta), mp in zip(leaves, plan, strict=True)]
     if stats is not None:
@@ -233,7 +234,8 @@ class _ShardWriter:
 
     def flush(self) -> None:
         if self.current:
-            self._save(self.current, str(self.folder / f"part-{len(self.files)}.safetensors"), metadata={"format": "pt"})
+            name = str(self.folder / f"part-{len(self.files)}.safetensors")
+            self._save(self.current, name, metadata={"format": "pt"})
             self.files.append(list(self.current))
             self.current, self.size = {}, 0
 

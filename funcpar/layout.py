@@ -231,6 +231,7 @@ def _bucket(dtype, repl, chunk, sizes, mesh: "Mesh", zero: int, data_axes) -> Bu
     lo, hi = part * n, (part + 1) * n
     ranges = tuple((min(max(lo - o, 0), k), min(max(hi - o, 0), k)) for o, k in zip(offsets, sizes, strict=True))
     return Bucket(
-        dtype, tuple(zero_axes), tuple(a for a in repl if a in data_axes), tuple(chunk), tuple(offsets), tuple(sizes), length, padded, lo, hi,
+        dtype, tuple(zero_axes), tuple(a for a in repl if a in data_axes), tuple(chunk), tuple(offsets),
+        tuple(sizes), length, padded, lo, hi,
         zero >= 1 or all(mesh.coord(a) == 0 for a in repl), ranges,
     )

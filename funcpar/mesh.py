@@ -70,8 +70,9 @@ def _local_ranks() -> tuple[int, int]:
 def _too_few_gpus(local_world: int, gpus: int) -> str:
     n, seen = max(gpus, 1), os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f"CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else "torch.cuda.device_count()"
+    example = "1" if n == 1 else f"dp={n}"
     return (f"{local_world} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible ({where}): run at "
-            f"most {n} rank{'s' if n > 1 else ''} per node (a mesh of {n} here, e.g. --mesh {'1' if n == 1 else f'dp={n}'}; "
+            f"most {n} rank{'s' if n > 1 else ''} per node (a mesh of {n} here, e.g. --mesh {example}; "
             f"under torchrun --nproc-per-node {n}), or run the ranks on the CPU (--device cpu; "
             f"Mesh(device='cpu') in Python)")
 
@@ -386,10 +387,6 @@ class Mesh:
         for axis in self.axis_names:
             rank = rank * self._sizes[axis] + coords.get(axis, 0)
         return rank
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.size > 1
 
     def __repr__(self) -> str:
         extra = [a for a in self._sizes if a not in STANDARD_AXES]

@@ -17,10 +17,11 @@ from funcpar.assets import ARITHMETIC
 from funcpar.mesh import DEVICES
 
 DEFAULTS: dict[str, Any] = {  # in the order --help lists them
-    "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte", "seq_len": 64,
-    "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
-    "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01, "zero": 1, "clip": 1.0, "precision": "fp32",
-    "remat": False, "overlap": False, "lora": "", "steps": 300, "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
+    "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte",
+    "seq_len": 64, "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
+    "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
+    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "overlap": False, "lora": "", "steps": 300,
+    "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
     "heartbeat": 60.0, "chat_template": "auto",
 }
@@ -48,7 +49,8 @@ HELP = {
     "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
             "model to hf/ and a PEFT adapter folder to adapter/",
     "eval_every": "held-out loss every N steps and at the end (0: never)",
-    "eval_fraction": "share of the rows held out for evaluation", "save_every": "checkpoint every N steps (0: only at the end)",
+    "eval_fraction": "share of the rows held out for evaluation",
+    "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints of this run to keep", "log_every": "a log line every N steps",
     "out": "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/",
     "resume": "continue the run in --out from its latest checkpoint",
@@ -109,14 +111,15 @@ def _read_config(path: str) -> dict[str, Any]:
     try:
         cfg = _toml().loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
     except ValueError as e:  # TOMLDecodeError, JSONDecodeError
-        raise SystemExit(f"funcpar: --config {path} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+        kind = "TOML" if p.suffix == ".toml" else "JSON"
+        raise SystemExit(f"funcpar: --config {path} is not valid {kind}: {e}") from None
     if not isinstance(cfg, dict):
         raise SystemExit(f"funcpar: --config {path} must hold a table of options, not a {type(cfg).__name__}")
     return cfg
 
 
-_PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline", "chunks", "parts",
-               "zero", "precision", "remat")  # what shapes the step's memory; the rest keep their defaults
+_PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline",
+               "chunks", "parts", "zero", "precision", "remat")  # what shapes the step's memory; the rest: defaults
 _ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
           "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
 

@@ -72,7 +72,8 @@ class StagePlan:
         if top == self.stages.layers:
             units = self._units_of(_key(path[1]), _key(path[2]) if len(path) > 2 else None)
             return any(u in self.ranges[v] for v in self.virtual for u in units)
-        return (top in self.embed_names and 0 in self.virtual) or (top in self.head_names and self.V - 1 in self.virtual)
+        return ((top in self.embed_names and 0 in self.virtual)
+                or (top in self.head_names and self.V - 1 in self.virtual))
 
     def holds_path(self, path: str) -> bool:
         """:meth:`holds` for a dotted path string (``"layers.3.wq"``)."""

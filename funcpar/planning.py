@@ -91,7 +91,8 @@ def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None) -> d
 
     A step whose gradient ``compile="auto"`` compiles (a CUDA mesh of data axes only) is traced with its eager
     gradient, and ``bound`` is True: inductor plans the compiled graph's buffers itself (measured on one H100,
-    issue 40: 44-57% below the eager trace), so the traced peak is an upper bound for it, not its figure."""
+    issue 40: the eager trace 56-75% above the measured peak), so the traced peak is an upper bound for it, not its
+    figure."""
     like = params_like(model, cfg) if like is None else like
     ids = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
     if step.compiled is True:
@@ -130,11 +131,12 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     if t["bound"]:
         print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): peak not "
               f"modelled: compile='auto' compiles this step's gradient (a CUDA mesh of data axes only) and inductor "
-              f"plans its buffers; the eager step's peak, {_mib(t['peak'])}, is an upper bound (measured 44-57% "
+              f"plans its buffers; the eager step's peak, {_mib(t['peak'])}, is an upper bound (measured 56-75% "
               f"above the compiled step's on one H100); sends {_traffic(t['traffic'])} per step")
         return
-    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): {acts}peak {_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])}"
-          f" per rank; sends {_traffic(t['traffic'])} per step")
+    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): {acts}peak "
+          f"{_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])} per rank; "
+          f"sends {_traffic(t['traffic'])} per step")
 
 
 def candidate_meshes(devices: int) -> list[dict[str, int]]:

@@ -104,7 +104,8 @@ def _kernel(fn):
                 raise
             _failed.append(_compile_error_text(cause))
             warnings.warn(f"funcpar.pointwise: torch.compile of the fused {fn.__name__} failed ({_failed[0]}); "
-                          "running torch's eager kernels from now on (FUNCPAR_FUSE=off skips the attempt)", stacklevel=2)
+                          "running torch's eager kernels from now on (FUNCPAR_FUSE=off skips the attempt)",
+                          stacklevel=2)
             return fn(*args)
 
     run.__name__ = fn.__name__

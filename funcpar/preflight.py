@@ -12,10 +12,6 @@ from typing import Any
 __all__ = ["check_run", "claim_out"]
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _seq_len_that_fits(opts: dict[str, Any], tokens: int | None) -> int:
     """The longest ``--seq-len`` whose packed rows make one global batch after the held-out split; 0 if none."""
     if not tokens or not opts["pack"]:
@@ -71,7 +67,8 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
     return warnings
 
 
-_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard")  # what a run writes in --out
+# what a run writes in --out
+_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard")
 
 
 def claim_out(out: Path, resume: bool, overwrite: bool) -> None:

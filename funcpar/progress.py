@@ -68,7 +68,8 @@ class Progress:
                  flops_token: float, peak_flops: float, device: torch.device):
         self.rank0, self.metrics_file, self.steps, self.log_every = rank0, metrics_file, steps, log_every
         self.start_step, self.flops_token, self.peak, self.device = start_step, flops_token, peak_flops, device
-        self.t_start, self.bar, self.board = time.time(), None, _board(metrics_file.parent, start_step) if rank0 else None
+        self.t_start, self.bar = time.time(), None
+        self.board = _board(metrics_file.parent, start_step) if rank0 else None
         if rank0 and sys.stdout.isatty():
             from tqdm import tqdm
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import torch
 
 __all__ = ["TrainState", "MixedState", "StepError"]
 
@@ -26,6 +25,3 @@ class MixedState(NamedTuple):
     master: Any
     inner: Any
 
-
-def _scalar(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(value, dtype=dtype)

@@ -5,10 +5,10 @@ The state lives in the step's flat buffers and a call consumes the state it is g
 
 A step reads as accumulate -> reduce -> update -> gather:
 
-- **accumulate**: gradients (:func:`funcpar.remat.grad_and_value`) over ``accum_steps`` micro-batches, each micro-batch's
-  loss weighted by its share of the global batch's weight (``weight_fn``: by default the weight the loss function
-  carries, e.g. a language model's target-token count, else rows), so the result is exactly the loss of the global
-  batch as one process would compute it;
+- - **accumulate**: gradients (:func:`funcpar.remat.grad_and_value`) over ``accum_steps`` micro-batches, each
+  micro-batch's loss weighted by its share of the global batch's weight (``weight_fn``: by default the weight the loss
+  function carries, e.g. a language model's target-token count, else rows), so the result is exactly the loss of the
+  global batch as one process would compute it;
 - **reduce**: per ZeRO bucket (:mod:`funcpar.layout`), the sum over the data axes; the global gradient norm over
   every shard, each element counted once;
 - **update**: the optimizer (clipping, loss scaling as wrappers) on this rank's part, fused where it can be (AdamW);
@@ -359,38 +359,37 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
     ``optimizer``: default :func:`default_optimizer` (``adamw(1e-3, weight_decay=0.01)``, torch's AdamW defaults).
     ``zero`` (0, 1, 2); ``accum_steps`` (micro-batches per step); ``clip_norm`` (clip by the global gradient norm);
-    ``has_aux`` (``loss_fn`` returns ``(loss, aux)``); ``check`` (default True: verify on the first step that the
-    batch and the replicated leaves agree across ranks; a model's ``check_batch`` runs on every batch regardless); ``weight_fn`` (a micro-batch's weight in the global mean; default the
-    ``batch_weight`` the loss function carries, as ``ModelSpec.loss_fn`` and the models' ``loss`` do: target tokens,
-    else rows); ``data_axes`` (the mesh axes the batch is split over: gradients are summed and ZeRO-partitioned over
-    them); ``bucket_mb`` (largest gradient bucket); ``compile`` (``torch.compile`` the per-micro-batch gradient:
-    ``True``, ``False``, or ``"auto"``, the default: compiled on a CUDA mesh of data axes only, without pipeline
-    stages, ZeRO-3, offload, overlap or remat, where it was measured 18-32% faster on one GPU, eager elsewhere (on
-    the CPU it did not pay); under ``"auto"`` a compiler failure warns once and the eager gradient takes over; ``step.compiled``
-    and ``step.compile_reason`` say what was chosen, :func:`funcpar.step_options.resolve_compile`);
-    ``param_dtype`` (mixed precision: compute copies in this dtype, fp32 masters as ZeRO parts in the optimizer
-    state); ``loss_scale`` (``"dynamic"``, the default for float16, or a constant: the optimizer is wrapped in
-    :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on any rank and adapts the scale);
-    ``donate`` (default True: the state passed to the step is consumed, its buffers updated in place, as JAX's
-    ``donate_argnums``; a consumed state passed again raises. False: every call copies the state first and leaves
-    the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`); ``offload`` (``"cpu"``: this rank's
-    optimizer state and master parts live in host memory, pinned on CUDA, and the update runs there, as
-    ZeRO-Offload does; the gradient parts go to the host, the updated parts come back. On a CPU-only machine the
-    host is the device: the same code path). On a mesh with ``pp > 1`` the model's staged form is cut into
-    pipeline stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline``
-    (``"1f1b"``, ``"gpipe"``, ``"interleaved"`` or ``"zb"``: zero-bubble, each backward split into the input's
-    gradient and the weights', the latter filling the bubble; not with remat), ``chunks`` (virtual stages per rank,
-    interleaved (default 2) or zb (default 1)),
-    ``parts`` (layers per virtual stage, in halves where the model's staged form has them: ``[2.5, 1.5]``; default:
-    cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step whose loss or gradient
-    norm is not finite raises (``"error"``, the default; nothing updated, the state kept as the error's ``.state``)
-    or is skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or by loss scaling.
-    ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker thread
-    (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, fp32, not with ``compile``); off by
-    default: on the 2-core CPU the ring's copies and sums take the core the backward runs on, and it did not pay.
+    ``has_aux`` (``loss_fn`` returns ``(loss, aux)``); ``check`` (default True: verify on the first step that the batch
+    and the replicated leaves agree across ranks; a model's ``check_batch`` runs on every batch regardless);
+    ``weight_fn`` (a micro-batch's weight in the global mean; default the ``batch_weight`` the loss function carries, as
+    ``ModelSpec.loss_fn`` and the models' ``loss`` do: target tokens, else rows); ``data_axes`` (the mesh axes the batch
+    is split over: gradients are summed and ZeRO-partitioned over them); ``bucket_mb`` (largest gradient bucket);
+    ``compile`` (``torch.compile`` the per-micro-batch gradient: ``True``, ``False``, or ``"auto"``, the default:
+    compiled on a CUDA mesh of data axes only, without pipeline stages, ZeRO-3, offload, overlap or remat, where it was
+    measured 18-32% faster on one GPU, eager elsewhere (on the CPU it did not pay); under ``"auto"`` a compiler failure
+    warns once and the eager gradient takes over; ``step.compiled`` and ``step.compile_reason`` say what was chosen,
+    :func:`funcpar.step_options.resolve_compile`); ``param_dtype`` (mixed precision: compute copies in this dtype, fp32
+    masters as ZeRO parts in the optimizer state); ``loss_scale`` (``"dynamic"``, the default for float16, or a
+    constant: the optimizer is wrapped in :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on
+    any rank and adapts the scale); ``donate`` (default True: the state passed to the step is consumed, its buffers
+    updated in place, as JAX's ``donate_argnums``; a consumed state passed again raises. False: every call copies the
+    state first and leaves the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`); ``offload``
+    (``"cpu"``: this rank's optimizer state and master parts live in host memory, pinned on CUDA, and the update runs
+    there, as ZeRO-Offload does; the gradient parts go to the host, the updated parts come back. On a CPU-only machine
+    the host is the device: the same code path). On a mesh with ``pp > 1`` the model's staged form is cut into pipeline
+    stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline`` (``"1f1b"``,
+    ``"gpipe"``, ``"interleaved"`` or ``"zb"``: zero-bubble, each backward split into the input's gradient and the
+    weights', the latter filling the bubble; not with remat), ``chunks`` (virtual stages per rank, interleaved (default
+    2) or zb (default 1)), ``parts`` (layers per virtual stage, in halves where the model's staged form has them:
+    ``[2.5, 1.5]``; default: cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step
+    whose loss or gradient norm is not finite raises (``"error"``, the default; nothing updated, the state kept as the
+    error's ``.state``) or is skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or
+    by loss scaling. ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker
+    thread (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, fp32, not with ``compile``);
+    off by default: on the 2-core CPU the ring's copies and sums take the core the backward runs on, and it did not pay.
     ``host_malloc``: on a CPU mesh, ``"keep"`` (default) has glibc keep the memory a step frees for the next step
-    instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`; process-wide, left
-    alone where the environment configures malloc); ``"system"`` leaves malloc as it is.
+    instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`; process-wide, left alone
+    where the environment configures malloc); ``"system"`` leaves malloc as it is.
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,

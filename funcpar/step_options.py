@@ -51,7 +51,8 @@ def pipeline_executor(loss_fn: Callable, mesh: Mesh, zero, accum_steps, has_aux,
                         "but remat recomputes a block and forms both in one pass: use remat=False with 'zb', or "
                         "pipeline='1f1b' / 'interleaved' with remat")
     try:
-        sched = make_schedule(name, pp, accum_steps, chunks if chunks is not None else (2 if name == "interleaved" else 1))
+        chunks = chunks if chunks is not None else (2 if name == "interleaved" else 1)
+        sched = make_schedule(name, pp, accum_steps, chunks)
         plan = StagePlan(model, cfg, mesh, sched.validate(), parts)
     except PipelineError as e:
         raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None

@@ -1,10 +1,10 @@
 """The Llama family as transformers defines it: Llama (GQA, rope_theta, llama3/linear rope scaling), Mistral
 (sliding-window attention), Qwen2 (q/k/v bias), with or without tied embeddings.
 
-Per-shard code (docs/ARCHITECTURE.md, Conventions): q/k/v and gate/up are column-parallel (output rows split over tp), o and down are
-row-parallel (input columns split), the embedding and the LM head are vocab-parallel, and the loss is a
-vocab-parallel cross-entropy, so full-vocabulary logits never exist during training. Weights keep transformers'
-``(out, in)`` layout, so this model's HF table needs no transposes. Local head counts are read from the shards.
+Per-shard code (docs/ARCHITECTURE.md, Conventions): q/k/v and gate/up are column-parallel (output rows split over tp), o
+and down are row-parallel (input columns split), the embedding and the LM head are vocab-parallel, and the loss is a
+vocab-parallel cross-entropy, so full-vocabulary logits never exist during training. Weights keep transformers' ``(out,
+in)`` layout, so this model's HF table needs no transposes. Local head counts are read from the shards.
 """
 
 from __future__ import annotations
@@ -358,11 +358,6 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False)
         layer = functools.partial(_layer, window=window, cfg=cfg, mesh=mesh)
         x = fp.remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
     return x
-
-
-def hidden_states(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
-    """The final normed hidden states (B, T, d), replicated over tp."""
-    return L.rms_norm(_trunk(params, tokens, cfg, mesh, remat), params["norm"], cfg.rms_norm_eps)
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:

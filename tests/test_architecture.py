@@ -1,4 +1,4 @@
-"""The house as drawn in docs/ARCHITECTURE.md: the import graph of funcpar and its models, and the size rules.
+"""The house as drawn in docs/ARCHITECTURE.md: the import graph of funcpar and its models, and the function size rule.
 
 The imports are read from the source (every ``import`` statement, function-level ones included; those under
 ``if TYPE_CHECKING:`` are not run and do not count). An import must not point to a higher layer, the graph must
@@ -156,12 +156,11 @@ def test_the_library_never_imports_a_model():
 
 
 @pytest.mark.parametrize("folder", ["funcpar", "models"])
-def test_no_module_over_400_lines_no_function_over_60(folder):
+def test_no_function_over_60_lines(folder):
+    # (a module's size follows its concern: no line count for modules; lines <= 120 characters is ruff's E501)
     too_long = []
     for f in sorted((ROOT / folder).rglob("*.py")):
         src = f.read_text()
-        if len(src.splitlines()) > 400:
-            too_long.append(f"{f.relative_to(ROOT)}: {len(src.splitlines())} lines")
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1

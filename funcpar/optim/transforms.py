@@ -108,8 +108,8 @@ def sums_of_squares(xs: list[torch.Tensor], chunk: int = 1 << 20, row: int = 128
     redo = [_exact_sum_of_squares(x, chunk) if x.numel() and (f is None or _needs_exact(f, x.numel())) else None
             for x, f in zip(xs, fast, strict=True)]
     exact = _to_host(redo)
-    return torch.tensor([0.0 if not x.numel() else e if e is not None else f for x, f, e in zip(xs, fast, exact, strict=True)],
-                        dtype=torch.float64)
+    rows = zip(xs, fast, exact, strict=True)
+    return torch.tensor([0.0 if not x.numel() else e if e is not None else f for x, f, e in rows], dtype=torch.float64)
 
 
 def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
