@@ -18,19 +18,19 @@ from typing import Any
 
 import torch
 
-from ._safetensors import _DTYPES, read_block, read_header, within
+from ._safetensors import DTYPES, read_block, read_header, within
 from .atomic import recover
 
 FORMAT = "funcpar-checkpoint/1"
 META, SUM = "meta.json", "meta.json.sha256"
-_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _DTYPES.values()}  # what save() can write
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in DTYPES.values()}  # what save() can write
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read as asked (the message names the file, leaf or piece)."""
 
 
-def _crc(t: torch.Tensor) -> int:
+def crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy()) if t.numel() else 0
 
 
@@ -189,7 +189,7 @@ def _check_sum(raw: bytes, file: Path) -> None:
                               f"or load another one")
 
 
-class _Source:
+class Source:
     """A checkpoint's metadata and its pieces, read on demand (headers cached, CRC checked).
 
     The metadata is checked against its schema first (a wrong field is named), then against its checksum (any
@@ -235,7 +235,7 @@ class _Source:
                                   f"({(b - a) * dtype.itemsize} bytes)")
         t = read_block(t, (), CheckpointError)
         self.bytes_read += t.numel() * t.element_size()
-        if _crc(t) != pc["crc"]:
+        if crc(t) != pc["crc"]:
             raise CheckpointError(f"corrupt checkpoint file {self.folder / f}: tensor '{key}' fails its CRC check")
         return t
 

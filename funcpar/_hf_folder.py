@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
-from ._safetensors import _DTYPES, _Tensor, read_block, read_header, within
-from .model import ModelSpec, _json_kind, get_model, known_models
+from ._safetensors import DTYPES, TensorEntry, read_block, read_header, within
+from .model import ModelSpec, json_kind, get_model, known_models
 
-_FLOATS = {str(d).removeprefix("torch."): d for d in _DTYPES.values() if d.is_floating_point}
+_FLOATS = {str(d).removeprefix("torch."): d for d in DTYPES.values() if d.is_floating_point}
 
 
 class HFError(ValueError):
     """A checkpoint folder that cannot be loaded as asked (named file, tensors and shapes in the message)."""
 
 
-class _Reader:
+class Reader:
     """The tensors of a checkpoint folder (headers only), and block reads that count their bytes."""
 
     def __init__(self, folder: Path):
@@ -31,7 +31,7 @@ class _Reader:
         self.bytes_read = 0
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
-        self.tensors: dict[str, _Tensor] = {}
+        self.tensors: dict[str, TensorEntry] = {}
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -70,7 +70,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFError(f"{f} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise HFError(f"{f} holds {_json_kind(raw)}, not an object of config keys: is it a model's config.json?")
+        raise HFError(f"{f} holds {json_kind(raw)}, not an object of config keys: is it a model's config.json?")
     return raw
 
 
@@ -91,7 +91,7 @@ def resolve_model(model: Any, cfg: dict, folder: Path) -> ModelSpec:
     return spec
 
 
-def check_dtypes(reader: _Reader, folder: Path, raw: dict, names: list[str]) -> None:
+def check_dtypes(reader: Reader, folder: Path, raw: dict, names: list[str]) -> None:
     """With no ``dtype`` asked for, the tensors ``names`` load as they are stored, so they must agree: with the
     dtype ``config.json`` names (``dtype``, or ``torch_dtype`` before transformers 5), else with one another. A
     float16 tensor among float32 ones would otherwise load as it is and fail in the step, far from its file."""

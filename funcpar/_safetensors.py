@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = {
+DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -29,7 +29,7 @@ _MAX_HEADER = 100 * 2**20
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class TensorEntry:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -37,7 +37,7 @@ class _Tensor:
     nbytes: int
 
 
-def read_header(file: Path, error: type[Exception] = ValueError) -> dict[str, _Tensor]:
+def read_header(file: Path, error: type[Exception] = ValueError) -> dict[str, TensorEntry]:
     """Every tensor's dtype, shape and absolute byte range, validated against the file's size."""
 
     def corrupt(why: str) -> Exception:
@@ -65,7 +65,7 @@ def read_header(file: Path, error: type[Exception] = ValueError) -> dict[str, _T
         if name == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[meta["dtype"]]
+            dtype = DTYPES[meta["dtype"]]
             shape = tuple(int(s) for s in meta["shape"])
             a, b = (int(o) for o in meta["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -75,12 +75,12 @@ def read_header(file: Path, error: type[Exception] = ValueError) -> dict[str, _T
             raise corrupt(f"tensor '{name}' of {meta['dtype']}{list(shape)} spans bytes {a}..{b}, not {want} bytes")
         if base + b > size:
             raise corrupt(f"tensor '{name}' ends at byte {base + b} but the file has {size} bytes (truncated?)")
-        out[name] = _Tensor(file, dtype, shape, base + a, want)
+        out[name] = TensorEntry(file, dtype, shape, base + a, want)
     _check_layout(out, base, size, corrupt)
     return out
 
 
-def _check_layout(tensors: dict[str, _Tensor], base: int, size: int, corrupt) -> None:
+def _check_layout(tensors: dict[str, TensorEntry], base: int, size: int, corrupt) -> None:
     """The data as the format lays it out, as the ``safetensors`` library checks it: the tensors, in the order of
     their offsets, one right after the other from the first data byte to the file's last byte. Two tensors that
     share bytes would read as each other's data; bytes that belong to no tensor hide what no reader sees."""
@@ -98,7 +98,7 @@ def _check_layout(tensors: dict[str, _Tensor], base: int, size: int, corrupt) ->
                       f"belong to no tensor")
 
 
-def read_block(t: _Tensor, region: tuple[slice, ...], error: type[Exception] = ValueError) -> torch.Tensor:
+def read_block(t: TensorEntry, region: tuple[slice, ...], error: type[Exception] = ValueError) -> torch.Tensor:
     """The block ``region`` (one slice per leading dimension) of tensor ``t``, read from disk run by run."""
     shape = t.shape
     region = tuple(region) + tuple(slice(0, s) for s in shape[len(region):])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from funcpar.pointwise import _functorch_wrapped
+from funcpar.pointwise import functorch_wrapped
 
 __all__ = ["causal", "BLOCKED_T"]
 
@@ -40,7 +40,7 @@ def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and q.dim() == 4
             and k.shape == v.shape and k.dim() == 4 and q.shape[0] == k.shape[0] and k.shape[1] > 0
             and q.shape[1] % k.shape[1] == 0 and k.shape[2] == T and k.shape[3] == q.shape[3]
-            and BLOCKED_T[0] <= T <= BLOCKED_T[1] and not any(_functorch_wrapped(t) for t in (q, k, v)))
+            and BLOCKED_T[0] <= T <= BLOCKED_T[1] and not any(functorch_wrapped(t) for t in (q, k, v)))
 
 
 def _rows(x: torch.Tensor, kv: int, a: int, e: int) -> torch.Tensor:

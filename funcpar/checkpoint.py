@@ -34,7 +34,7 @@ from typing import Any
 import optree
 import torch
 
-from ._ckpt_source import FORMAT, CheckpointError, _crc, _Source, resolve, write_meta
+from ._ckpt_source import FORMAT, CheckpointError, crc, Source, resolve, write_meta
 from .atomic import write_folder
 from .layout import ZeroLayout
 from .mesh import Mesh
@@ -179,7 +179,7 @@ def _publish(path: Path, keep: int | None, run: str, latest: bool) -> None:
 
 
 def _piece(key: str, fname: str, t: torch.Tensor, block: list, flat: list[int]) -> dict:
-    return {"tensor": key, "file": fname, "key": key, "block": block, "flat": flat, "crc": _crc(t)}
+    return {"tensor": key, "file": fname, "key": key, "block": block, "flat": flat, "crc": crc(t)}
 
 
 def _param_pieces(state: TrainState, layout: ZeroLayout, mesh: Mesh, fname: str, tensors: dict,
@@ -227,7 +227,7 @@ def _apply_keep(current: Path, keep: int, run: str) -> None:
     for d in current.parent.iterdir():
         if d.is_dir() and not d.name.startswith(".") and (d / "meta.json").exists():
             try:
-                meta = _Source(d).meta  # schema and checksum: an edited meta.json cannot claim a folder for the run
+                meta = Source(d).meta  # schema and checksum: an edited meta.json cannot claim a folder for the run
             except CheckpointError:
                 continue
             if meta.get("run") == run:
@@ -241,13 +241,13 @@ def _apply_keep(current: Path, keep: int, run: str) -> None:
 def metadata(path) -> dict:
     """A checkpoint's ``meta.json`` (``path`` or the one its ``latest`` names), verified against its schema and
     checksum: ``step``, ``mesh``, ``extra`` (the model config ``funcpar train`` records) and the rest."""
-    return _Source(path).meta
+    return Source(path).meta
 
 
 # ---------------------------------------------------------------------------------------------------- load
 
 
-def _check_params(src: _Source, paths: list[str], gshapes: list[list[int]], known: list[str] | None = None) -> dict:
+def _check_params(src: Source, paths: list[str], gshapes: list[list[int]], known: list[str] | None = None) -> dict:
     """The saved parameters' metadata by path, checked against the leaves to load (``paths`` of ``gshapes``) and
     the model's whole set of leaves (``known``, default ``paths``: a pipeline stage loads some of them)."""
     saved = {p["path"]: p for p in src.meta["params"]}
@@ -273,7 +273,7 @@ def load_params(path, like: Any, specs: Any, mesh: Mesh | None = None) -> Any:
     """Only the parameters, as this rank's shards for ``specs`` on ``mesh``; ``like`` gives the tree structure and
     global shapes (meta tensors will do, e.g. ``model.init(cfg, device="meta")``)."""
     mesh = mesh or Mesh()
-    src = _Source(path)
+    src = Source(path)
     matched = broadcast_specs(specs, like)
     paths = [p for p, _, _ in matched]
     saved = _check_params(src, paths, [list(x.shape) for _, _, x in matched])
@@ -300,7 +300,7 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     mesh = mesh or step.mesh
     if step.layout is None:
         raise CheckpointError("load: call step.init(params) first (params of the right shapes; values are replaced)")
-    src = _Source(path)
+    src = Source(path)
     step.run_id = src.meta.get("run")  # saving on continues this run (keep prunes its checkpoints)
     lay = step.layout
     gshapes = [list(global_shape(spec, s, mesh)) for s, spec in zip(lay.shapes, lay.specs, strict=True)]
@@ -324,7 +324,7 @@ def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, sta
     return TrainState(fresh.params, opt_state, int(src.meta["step"])), src.meta.get("extra")
 
 
-def _load_opt(src: _Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, mesh: Mesh, staged: bool) -> Any:
+def _load_opt(src: Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, mesh: Mesh, staged: bool) -> Any:
     """This rank's ZeRO parts of the saved optimizer state, in the structure of ``fresh.opt_state``."""
     o_paths = _paths(fresh.opt_state)
     saved_opt = [o["path"] for o in src.meta["opt"]]
@@ -354,7 +354,7 @@ def _load_opt(src: _Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, m
     return optree.tree_unflatten(optree.tree_structure(fresh.opt_state), new)
 
 
-def _restore_rng(src: _Source, mesh: Mesh) -> None:
+def _restore_rng(src: Source, mesh: Mesh) -> None:
     r = mesh.rank if mesh.rank < src.meta["world"] else 0
     for pc in src.pieces.get(f"rng/torch/{r}", []):
         torch.set_rng_state(src._read(pc))

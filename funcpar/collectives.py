@@ -74,7 +74,7 @@ def _check_divisible(x: torch.Tensor, dim: int, mesh: "Mesh", axis: str, what: s
     return n
 
 
-def _simulated(mesh: "Mesh", axis: str, nbytes: float) -> int:
+def simulated(mesh: "Mesh", axis: str, nbytes: float) -> int:
     """Over an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning) collectives are simulated, every rank taken
     to hold this rank's values: the allocations are the real run's, the numbers are not. Counts the traffic
     (:func:`_count`) and returns the group's size."""
@@ -86,7 +86,7 @@ def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum", i
     (contiguous)."""
     y = x.detach() if inplace else x.detach().clone(memory_format=torch.contiguous_format)
     if mesh.simulated:
-        n = _simulated(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
+        n = simulated(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
         return y.mul_(n) if op == "sum" else y
     group = None if axis == "world" else mesh.group(axis)
     _count(mesh, axis, 2 * y.numel() * y.element_size(), f"all_reduce({op})")  # reduce-scatter + all-gather
@@ -103,7 +103,7 @@ def all_reduce_start(x: torch.Tensor, mesh: "Mesh", axis: str) -> "Callable[[], 
     if _trivial(mesh, axis):
         return lambda: x
     if mesh.simulated:
-        x.mul_(_simulated(mesh, axis, nbytes))
+        x.mul_(simulated(mesh, axis, nbytes))
         return lambda: x
     _count(mesh, axis, nbytes, "all_reduce(sum)")
     work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=mesh.group(axis), async_op=True)
@@ -122,7 +122,7 @@ def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int,
     if out is None or dim:
         out = xm.new_empty((n * xm.shape[0], *xm.shape[1:]))
     if mesh.simulated:
-        for block in out.chunk(_simulated(mesh, axis, out.numel() * out.element_size())):
+        for block in out.chunk(simulated(mesh, axis, out.numel() * out.element_size())):
             block.copy_(xm)
         return out.movedim(0, dim).contiguous() if dim else out
     _count(mesh, axis, out.numel() * out.element_size(), "all_gather")
@@ -150,7 +150,7 @@ def _reduce_scatter_segments(segs: "Segments", total: int, out: torch.Tensor, me
     if mesh.simulated:  # on host tensors the ring holds one more block while it runs (n > 2: two)
         host = mesh.device.type == "cpu"
         staged = [torch.empty_like(out) for _ in range(min(mesh.axis_size(axis) - 2, 2))] if host else []
-        fill(out, pieces(segs, 0, out.numel())).mul_(_simulated(mesh, axis, nbytes))
+        fill(out, pieces(segs, 0, out.numel())).mul_(simulated(mesh, axis, nbytes))
         staged.clear()  # (held while the ring would run)
     else:
         _count(mesh, axis, nbytes, "reduce_scatter")

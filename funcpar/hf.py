@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import optree
 import torch
 
-from ._hf_folder import HFError, _Reader, check_dtypes, read_config, resolve_model
+from ._hf_folder import HFError, Reader, check_dtypes, read_config, resolve_model
 from .atomic import write_folder
 from .mesh import Mesh
 from .model import ModelSpec, get_model
@@ -75,7 +75,7 @@ class _Map:
         return tuple(r)
 
 
-def _plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
+def name_plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
     """The HF tensor (and transform) of every leaf path, from the model's literal table. With ``cfg``, a fused
     tensor's parts are as large as their leaves (ChatGLM's q, k, v rows differ); without, taken to be equal."""
     model = get_model(model)
@@ -114,7 +114,7 @@ def _plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
             for mp in out]
 
 
-def _check(reader: _Reader, folder: Path, model: ModelSpec, cfg, leaves, plan: list[_Map]) -> None:
+def _check(reader: Reader, folder: Path, model: ModelSpec, cfg, leaves, plan: list[_Map]) -> None:
     expected: dict[str, tuple[int, ...]] = {}
     for (_, _, meta), mp in zip(leaves, plan, strict=True):
         expected.setdefault(mp.hf, mp.hf_shape(tuple(meta.shape)))
@@ -172,8 +172,8 @@ def load(
         raise HFError(f"{folder / 'config.json'}: {e}") from None
     shapes = model.init(cfg, device="meta")
     leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, shapes)
-    plan = _plan(model, [p for p, _, _ in leaves], cfg)
-    reader = _Reader(folder)
+    plan = name_plan(model, [p for p, _, _ in leaves], cfg)
+    reader = Reader(folder)
     _check(reader, folder, model, cfg, leaves, plan)
     if dtype is None:
         kept = [mp.hf for (p, _, _), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)]
@@ -185,7 +185,7 @@ def load(
     return optree.tree_unflatten(optree.tree_structure(shapes), out), cfg
 
 
-def _read_leaf(reader: _Reader, path: str, spec: P, meta, mp: _Map, mesh: Mesh, dtype) -> torch.Tensor:
+def _read_leaf(reader: Reader, path: str, spec: P, meta, mp: _Map, mesh: Mesh, dtype) -> torch.Tensor:
     region = local_slice(spec, tuple(meta.shape), mesh, path=path)
     want = region[0].stop - region[0].start if region else 0
     if mp.vocab is not None:  # padding rows are not in the file: read the real ones, zeros after
@@ -274,7 +274,7 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
     limit = _parse_size(max_shard_size)
     specs = model.specs(cfg, mesh) if specs is None else specs
     paths = [p for p, _ in leaves_with_path(model.init(cfg, device="meta"))]
-    plan = dict(zip(paths, _plan(model, paths, cfg), strict=True))
+    plan = dict(zip(paths, name_plan(model, paths, cfg), strict=True))
 
     def write(tmp: Path) -> None:
         writer = _ShardWriter(tmp, limit) if mesh.rank == 0 else None
@@ -355,7 +355,7 @@ def auto_specs(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, P]:
     if isinstance(source, Mapping):
         shapes = {n: tuple(getattr(v, "shape", v)) for n, v in source.items()}
     else:
-        shapes = {n: t.shape for n, t in _Reader(Path(source)).tensors.items()}
+        shapes = {n: t.shape for n, t in Reader(Path(source)).tensors.items()}
     out = {}
     for name, shape in shapes.items():
         parts = name.split(".")

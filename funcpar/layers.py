@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from . import collectives as C
 from . import pointwise
-from .pointwise import _functorch_wrapped, rms_norm, rotary, swiglu
+from .pointwise import functorch_wrapped, rms_norm, rotary, swiglu
 from .splitgrad import wanted
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -152,7 +152,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
     def backward(ctx, g, _gm, _gs, _ge):
         e, labels, sumexp = ctx.saved_tensors
         f, local, n = (g / sumexp)[..., None], labels - ctx.offset, e.shape[-1]
-        grad = e * f if torch.is_grad_enabled() or _functorch_wrapped(g) or _functorch_wrapped(e) else e.mul_(f)
+        grad = e * f if torch.is_grad_enabled() or functorch_wrapped(g) or functorch_wrapped(e) else e.mul_(f)
         inside = ((local >= 0) & (local < n)).to(grad.dtype)
         grad.scatter_add_(-1, local.clamp(0, n - 1)[..., None], (-inside * g)[..., None])
         return grad, None, None, None
@@ -246,7 +246,7 @@ class _ColumnParallel(torch.autograd.Function):
             for g, w in zip(g2[1:], ws[1:], strict=True):
                 gx.addmm_(g, w)  # (N, d): this rank's part of x's gradient
             gx = gx.view(x.shape)
-            if torch.is_grad_enabled() or _functorch_wrapped(gx):  # differentiated again: the composable collective
+            if torch.is_grad_enabled() or functorch_wrapped(gx):  # differentiated again: the composable collective
                 gx = C.reduce_from_region(gx, mesh, axis)
                 done = lambda: gx  # noqa: E731
             else:

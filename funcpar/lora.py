@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from . import collectives as C
 from .atomic import write_folder
-from .hf import _plan
+from .hf import name_plan
 from .mesh import Mesh
 from .model import carried_check, carried_weight, get_model
 from .sharding import gathered_leaves
@@ -164,7 +164,7 @@ class Lora:
         self.base_specs = self.model.specs(self.cfg, self.mesh) if specs is None else specs
         entries = broadcast_specs(self.base_specs, meta)
         paths = [p for p, _, _ in entries]
-        hf_names = {p: m for p, m in zip(paths, _plan(self.model, paths, self.cfg), strict=True)}
+        hf_names = {p: m for p, m in zip(paths, name_plan(self.model, paths, self.cfg), strict=True)}
         self.targets: dict[str, tuple[P, tuple[int, int], Any]] = {}
         for target in config.targets:
             hit = [(p, s, x) for p, s, x in entries if _matches(target, p, _module_of(hf_names[p].hf))]

@@ -182,7 +182,7 @@ _KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "
 _WANT = {**dict(_KINDS), bool: "true or false", None: "null"}
 
 
-def _json_kind(v: Any) -> str:
+def json_kind(v: Any) -> str:
     """What a JSON value is, in JSON's words (``"64"`` is a string, ``true`` a boolean)."""
     return "null" if v is None else next((name for k, name in _KINDS if isinstance(v, k)), type(v).__name__)
 
@@ -197,12 +197,12 @@ def _check_hf_config(hf_config: Any) -> None:
     """Raise a :class:`ModelError` naming the key, its value and the type expected, unless ``hf_config`` is a
     mapping whose keys in ``_HF_CONFIG_TYPES`` have their JSON type."""
     if not isinstance(hf_config, Mapping):
-        raise ModelError(f"a model config is an object of keys (a config.json), not {_json_kind(hf_config)}")
+        raise ModelError(f"a model config is an object of keys (a config.json), not {json_kind(hf_config)}")
     for key, kinds in _HF_CONFIG_TYPES.items():
         v = hf_config.get(key)
         if key in hf_config and not any(_is(v, k) for k in kinds):
             shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
-            raise ModelError(f"config key '{key}' is {shown} ({_json_kind(v)}), expected "
+            raise ModelError(f"config key '{key}' is {shown} ({json_kind(v)}), expected "
                              f"{' or '.join(_WANT[k] for k in kinds)}")
 
 

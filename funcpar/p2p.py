@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from . import transport
-from .collectives import CollectiveError, _simulated, _wait
+from .collectives import CollectiveError, simulated
+from .transport import wait as _wait
 
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
@@ -103,7 +104,7 @@ def sendrecv(
     """
     if mesh.simulated:  # planning: count what would be sent; receive buffers keep what they hold
         for t, _ in sends:
-            _simulated(mesh, axis, 2 * t.numel() * t.element_size())
+            simulated(mesh, axis, 2 * t.numel() * t.element_size())
         return
     ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
     ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
@@ -164,7 +165,7 @@ def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int, channel:
     other's receive forever)."""
     x = x.detach().contiguous()
     if mesh.simulated:
-        _simulated(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
+        simulated(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
         return Pending(None, x, mesh, axis, "send")
     peer, group = _peer(mesh, axis, dst, "send"), _group(mesh, axis, channel)
     tag = tag if USE_TAGS else 0

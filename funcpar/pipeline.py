@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from .stagecut import PipelineError, _plural, assign_layers, assign_units
+from .stagecut import PipelineError, plural, assign_layers, assign_units
 
 __all__ = ["PipelineError", "Action", "Schedule", "assign_layers", "assign_units", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "zero_bubble", "make_schedule", "SCHEDULES"]
@@ -90,7 +90,7 @@ class Schedule:
         Returns the schedule; raises :class:`PipelineError` naming the rank and the action.
         """
         if len(self.actions) != self.pp:
-            raise PipelineError(f"{self.name}: {_plural(len(self.actions), 'action list')} for pp={self.pp}")
+            raise PipelineError(f"{self.name}: {plural(len(self.actions), 'action list')} for pp={self.pp}")
         for r, acts in enumerate(self.actions):
             seen: dict[tuple[str, int, int], int] = {}
             for i, a in enumerate(acts):

@@ -52,7 +52,7 @@ def _check_mode() -> None:
 _check_mode()  # at import: a misspelt FUNCPAR_FUSE fails before any training starts
 
 
-def _functorch_wrapped(t: torch.Tensor) -> bool:
+def functorch_wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``torch.func`` transform's tensor; always under ``torch.compile`` (dynamo cannot trace the
     query; the fused layers take their composable paths there)."""
     return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
@@ -61,13 +61,13 @@ def _functorch_wrapped(t: torch.Tensor) -> bool:
 def fusable(*ts: torch.Tensor) -> bool:
     """Whether the fused kernels take ``ts`` (the first one's size decides), under :data:`FUSE`."""
     _check_mode()  # (FUSE may have been set since import)
-    if FUSE == "off" or _failed or torch.is_grad_enabled() or any(_functorch_wrapped(t) for t in ts):
+    if FUSE == "off" or _failed or torch.is_grad_enabled() or any(functorch_wrapped(t) for t in ts):
         return False
     return FUSE == "on" or (ts[0].numel() >= MIN_NUMEL and all(
         t.device.type == "cpu" and t.dtype == torch.float32 for t in ts))
 
 
-def _compile_error(e: BaseException) -> BaseException | None:
+def compile_error(e: BaseException) -> BaseException | None:
     """The compiler's own failure in ``e`` (no C++ compiler, a lowering or codegen error, the recompile limit), or
     None: an error of the computation itself, which the eager formula would raise too."""
     from torch._dynamo import exc as dx
@@ -80,7 +80,7 @@ def _compile_error(e: BaseException) -> BaseException | None:
     return None
 
 
-def _compile_error_text(cause: BaseException) -> str:
+def compile_error_text(cause: BaseException) -> str:
     """A compiler failure in one line, for a warning."""
     return f"{type(cause).__name__}: {cause}".strip().split("\n")[0][:300]
 
@@ -99,10 +99,10 @@ def _kernel(fn):
         try:
             return compiled[0](*args)
         except Exception as e:
-            cause = _compile_error(e)
+            cause = compile_error(e)
             if cause is None:
                 raise
-            _failed.append(_compile_error_text(cause))
+            _failed.append(compile_error_text(cause))
             warnings.warn(f"funcpar.pointwise: torch.compile of the fused {fn.__name__} failed ({_failed[0]}); "
                           "running torch's eager kernels from now on (FUNCPAR_FUSE=off skips the attempt)",
                           stacklevel=2)
@@ -176,7 +176,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     backward written out, three new ``x``-sized tensors, one kept for it instead of two); where :func:`fusable`, a
     fused kernel each way (values to round-off too). Other dtypes: composed."""
     if x.dtype == w.dtype == torch.float32 and not torch.compiler.is_compiling() and not (
-            _functorch_wrapped(w) and not _functorch_wrapped(x)):
+            functorch_wrapped(w) and not functorch_wrapped(x)):
         return _RMSNorm.apply(x, w, eps)[0]
     xf = x.float()
     return w * (xf * _rstd(xf, eps)).to(x.dtype)
@@ -201,7 +201,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _):
         x, w, r = ctx.saved_tensors
-        again = torch.is_grad_enabled() or _functorch_wrapped(g)  # differentiated again: out of place, r of x
+        again = torch.is_grad_enabled() or functorch_wrapped(g)  # differentiated again: out of place, r of x
         r = _rstd(x, ctx.eps) if again else r
         need_x, need_w, rows = *wanted(ctx, (True, True, False))[:2], tuple(range(g.ndim - 1))  # (split: part)
         fused = not again and fusable(x, w, r, g)
@@ -230,7 +230,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     (T, hd) or broadcastable to ``x``, constants. The composition's values and gradients bit for bit, with two new
     ``x``-sized tensors each way where the composition makes five. ``cos``/``sin`` that need a gradient take the
     composition."""
-    if cos.requires_grad or sin.requires_grad or _functorch_wrapped(cos) or _functorch_wrapped(sin):
+    if cos.requires_grad or sin.requires_grad or functorch_wrapped(cos) or functorch_wrapped(sin):
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
     return _Rotary.apply(x, cos, sin)
@@ -276,7 +276,7 @@ class _SwiGLU(torch.autograd.Function):
         if gate.shape == up.shape and fusable(gate, up):
             return _swiglu_forward(gate, up)
         act = F.silu(gate)
-        if act.shape != up.shape or act.dtype != up.dtype or _functorch_wrapped(up) and not _functorch_wrapped(act):
+        if act.shape != up.shape or act.dtype != up.dtype or functorch_wrapped(up) and not functorch_wrapped(act):
             return act * up  # (broadcast, promoted, or only ``up`` batched under vmap: not into ``act``)
         return act.mul_(up)
 
@@ -293,7 +293,7 @@ class _SwiGLU(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, g_up
         g_act = go * up  # the gradient of silu(gate)
-        if torch.is_grad_enabled() or _functorch_wrapped(g_act):  # differentiated again: autograd's own formula
+        if torch.is_grad_enabled() or functorch_wrapped(g_act):  # differentiated again: autograd's own formula
             return _silu_grad(g_act, gate), g_up
         return torch.ops.aten.silu_backward.grad_input(g_act, gate, grad_input=g_act), g_up
 

@@ -18,7 +18,7 @@ class PipelineError(ValueError):
     """A pipeline plan that cannot work: bad sizes, an incomplete or misordered schedule, a deadlock."""
 
 
-def _plural(n: int, word: str, many: str | None = None) -> str:
+def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
 
 
@@ -31,21 +31,21 @@ def assign_layers(n_layers: int, stages: int, parts: list[int] | None = None) ->
     if stages < 1:
         raise PipelineError(f"a pipeline needs at least 1 stage, got {stages}")
     if stages > n_layers:
-        raise PipelineError(f"{_plural(stages, 'pipeline stage')} but the model has only "
-                            f"{_plural(n_layers, 'layer')}: each stage needs at least one")
+        raise PipelineError(f"{plural(stages, 'pipeline stage')} but the model has only "
+                            f"{plural(n_layers, 'layer')}: each stage needs at least one")
     if parts is None:
         base, extra = divmod(n_layers, stages)
         sizes = [base + (1 if s < extra else 0) for s in range(stages)]
     else:
         sizes = list(parts)
         if len(sizes) != stages:
-            raise PipelineError(f"parts has {_plural(len(sizes), 'entry', 'entries')} for {_plural(stages, 'stage')}")
+            raise PipelineError(f"parts has {plural(len(sizes), 'entry', 'entries')} for {plural(stages, 'stage')}")
         for s, size in enumerate(sizes):
             if size < 1:
                 raise PipelineError(f"parts[{s}] is {size}: stage {s} needs at least one layer (parts {sizes})")
         if sum(sizes) != n_layers:
             raise PipelineError(f"parts {sizes} sum to {sum(sizes)} but the model has "
-                                f"{_plural(n_layers, 'layer')}")
+                                f"{plural(n_layers, 'layer')}")
     out, start = [], 0
     for size in sizes:
         out.append(range(start, start + size))
@@ -67,8 +67,8 @@ def assign_units(n_layers: int, stages: int, costs: Sequence[float] | None = Non
     if stages < 1:
         raise PipelineError(f"a pipeline needs at least 1 stage, got {stages}")
     if 1 <= n < stages:
-        what = f"{_plural(n_layers, 'layer')}" + (f" ({n} halves)" if halves else "")
-        raise PipelineError(f"{_plural(stages, 'pipeline stage')} but the model has only {what}: each stage needs "
+        what = f"{plural(n_layers, 'layer')}" + (f" ({n} halves)" if halves else "")
+        raise PipelineError(f"{plural(stages, 'pipeline stage')} but the model has only {what}: each stage needs "
                             f"at least one" + (" half" if halves else ""))
     if parts is not None and halves:
         units = []
@@ -83,7 +83,7 @@ def assign_units(n_layers: int, stages: int, costs: Sequence[float] | None = Non
                                 f"(parts {list(parts)})")
         if len(units) == stages and sum(units) != n:
             raise PipelineError(f"parts {list(parts)} sum to {sum(parts)} but the model has "
-                                f"{_plural(n_layers, 'layer')}")
+                                f"{plural(n_layers, 'layer')}")
         return assign_layers(n, stages, units)
     if parts is not None:
         for s, size in enumerate(parts):

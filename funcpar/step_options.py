@@ -159,9 +159,9 @@ def auto_compiled(step, fn: Callable, eager: Callable) -> Callable:
     """``compile="auto"``'s gradient: ``fn`` through ``torch.compile(fullgraph=True)``, compiled at its first call
     (a graph break is a compiler failure, found while tracing, before any of the call's work or collectives run). A
     compiler failure (no C++ compiler, a lowering error, the recompile limit, an unsupported construct:
-    :func:`funcpar.pointwise._compile_error`) warns once, sets ``step.compiled`` to False and ``step.compile_reason``
+    :func:`funcpar.pointwise.compile_error`) warns once, sets ``step.compiled`` to False and ``step.compile_reason``
     to what failed, and the eager gradient ``eager`` runs that call and every later one. Any other error is raised."""
-    from .pointwise import _compile_error, _compile_error_text
+    from .pointwise import compile_error, compile_error_text
 
     compiled = torch.compile(fn, fullgraph=True)
 
@@ -171,10 +171,10 @@ def auto_compiled(step, fn: Callable, eager: Callable) -> Callable:
         try:
             return compiled(*args)
         except Exception as e:
-            cause = _compile_error(e)
+            cause = compile_error(e)
             if cause is None:
                 raise
-            what = _compile_error_text(cause)
+            what = compile_error_text(cause)
             step.compiled = False
             step.compile_reason = f"auto: eager after a compiler failure ({what})"
             warnings.warn(f"compile_step(compile='auto'): torch.compile of the gradient failed ({what}); running "

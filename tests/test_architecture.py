@@ -167,3 +167,15 @@ def test_no_function_over_60_lines(folder):
                 if n > 60:
                     too_long.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert too_long == []
+
+
+@pytest.mark.parametrize("folder", ["funcpar", "models"])
+def test_no_module_imports_another_modules_underscore_name(folder):
+    # a name another module needs is public in its own: `from .pointwise import _x` hides a coupling
+    found = []
+    for f in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{f.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []

@@ -256,4 +256,4 @@ def test_a_split_table_whose_parts_do_not_add_up_is_named():
     broken = dataclasses.replace(chatglm.MODEL, hf=dataclasses.replace(
         chatglm.HF, splits={**chatglm.HF.splits, "layers.{i}.wv": (0, 1, 3)}))  # k and v both part 1 of 3
     with pytest.raises(fp.hf.HFError, match=r"query_key_value.weight' of 3 parts, but its leaves give parts \[0, 1\]"):
-        fp.hf._plan(broken, ["layers.0.wq"], cfg)
+        fp.hf.name_plan(broken, ["layers.0.wq"], cfg)

@@ -275,7 +275,7 @@ def test_auto_specs_match_the_hand_written_plans(ckpts):
         path = ckpts[kind][0]
         params, cfg = fp.hf.load(path)
         auto = fp.hf.auto_specs(path)
-        plan = fp.hf._plan(model, [p for p, _ in fp.tree.leaves_with_path(params)])
+        plan = fp.hf.name_plan(model, [p for p, _ in fp.tree.leaves_with_path(params)])
         for (p, spec, _), mp in zip(fp.spec.broadcast_specs(model.specs(cfg), params), plan):
             assert auto[mp.hf] == spec, (kind, p, mp.hf, auto[mp.hf], spec)
     auto = fp.hf.auto_specs(ckpts["gpt2"][0])

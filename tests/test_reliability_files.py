@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import funcpar as fp
 import hf_fixtures
-from funcpar._ckpt_source import _crc
+from funcpar._ckpt_source import crc
 from test_reliability import _tiny_step
 
 
@@ -235,7 +235,7 @@ def _hf_retyped(hf_folders, tmp_path, name, dtype, config_edit=None):
 def _ckpt_retyped(saved, tmp_path, key, dtype):
     step, folder = _checkpoint(saved, tmp_path)
     t = _retype(folder / "rank-00000.safetensors", key, dtype)
-    _edit_meta(folder, lambda m: [pc.update(crc=_crc(t)) for pc in m["pieces"] if pc["key"] == key] and None,
+    _edit_meta(folder, lambda m: [pc.update(crc=crc(t)) for pc in m["pieces"] if pc["key"] == key] and None,
                reseal=True)  # the CRC and the checksum agree with the new file: only the dtype is wrong
     return lambda: step.load(folder.parent), folder / "rank-00000.safetensors"
 

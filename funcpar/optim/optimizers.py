@@ -12,7 +12,7 @@ import torch
 
 from .base import Fused, GradientTransformation, chain, leaves, mask_list
 from .schedules import Schedule
-from .transforms import (_count, _sched, add_decayed_weights, lr_at, scale_by_adam, scale_by_learning_rate,
+from .transforms import (count_value, as_schedule, add_decayed_weights, lr_at, scale_by_adam, scale_by_learning_rate,
                          scale_by_lion, trace)
 
 
@@ -35,7 +35,7 @@ def adamw(
     State: ``(ScaleByAdamState(count, mu, nu), [AddDecayedWeightsState(),] ScaleByLearningRateState(count))``.
     """
     opt = chain(scale_by_adam(b1, b2, eps), *_decay(weight_decay, mask), scale_by_learning_rate(lr))
-    return opt._replace(fused=_fused_adamw(b1, b2, eps, weight_decay, mask, _sched(lr)))
+    return opt._replace(fused=_fused_adamw(b1, b2, eps, weight_decay, mask, as_schedule(lr)))
 
 
 def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: Any, schedule: Schedule) -> Fused:
@@ -58,7 +58,7 @@ def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: An
         # the kernel divides each gradient by grad_scale as it reads it: clipping's coefficient costs no pass of its own
         inv = None if coef is None else 1.0 / torch.as_tensor(coef, dtype=torch.float32, device=ps[0].device)
         decayed = mask_list(mask, params) if weight_decay else [False] * len(ps)
-        t = torch.full((), float(_count(adam.count) + 1), device=ps[0].device)
+        t = torch.full((), float(count_value(adam.count) + 1), device=ps[0].device)
         for decay in (True, False):
             idx = [i for i, d in enumerate(decayed) if d == decay and ps[i].numel()]
             if idx:

@@ -20,14 +20,14 @@ from .base import (GradientTransformation, factor_protocol, fresh_protocol, leav
 from .schedules import Schedule, check_hyper, constant
 
 
-def _sched(lr: float | Schedule) -> Schedule:
+def as_schedule(lr: float | Schedule) -> Schedule:
     """``lr`` as a schedule; a number is checked here (finite, not negative), a schedule's values as used."""
     if not callable(lr):
         check_hyper("scale_by_learning_rate", "lr", lr)
     return lr if callable(lr) else constant(lr)
 
 
-def _count(state_count: torch.Tensor) -> int:
+def count_value(state_count: torch.Tensor) -> int:
     return int(state_count.item())
 
 
@@ -189,7 +189,7 @@ def scale(factor: float) -> GradientTransformation:
 
 def lr_at(schedule: Schedule, count: torch.Tensor) -> float:
     """The learning rate for the update after ``count`` updates, checked (finite, not negative)."""
-    k = _count(count)
+    k = count_value(count)
     lr = schedule(k)
     check_hyper("scale_by_learning_rate", f"the schedule's lr at step {k}", lr)
     return lr
@@ -201,7 +201,7 @@ class ScaleByLearningRateState(NamedTuple):
 
 def scale_by_learning_rate(lr: float | Schedule) -> GradientTransformation:
     """``u * -lr(count)``; ``lr`` is a float or a schedule (step 0 is the first update), reported as ``.schedule``."""
-    schedule = _sched(lr)
+    schedule = as_schedule(lr)
 
     def init(params):
         return ScaleByLearningRateState(_zero_count())
@@ -274,7 +274,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         g = leaves(grads)
         if not g:
             return grads, state._replace(count=state.count + 1)
-        t = _count(state.count) + 1
+        t = count_value(state.count) + 1
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         mu, nu = leaves(state.mu), leaves(state.nu)
         if inplace_state:  # the caller donated the state: update the moments where they are
