@@ -45,7 +45,7 @@ for batch in loader:
     if state.step == args.steps:
         break
 
-fp.checkpoint.save(f"{args.out}/ckpt/step-{state.step}", state, mesh, extra={"data": loader.state_dict()}, step=step)
+step.save(f"{args.out}/ckpt/step-{state.step}", state, extra={"data": loader.state_dict()})
 fp.hf.save(f"{args.out}/hf", state.params, llama, cfg, mesh)     # transformers.from_pretrained loads it
 if mesh.rank == 0:
     print(f"final loss {metrics['loss']:.4f}; exported {args.out}/hf")

@@ -27,9 +27,8 @@ import json
 import math
 import os
 import shutil
-import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import optree
 import torch
@@ -106,32 +105,36 @@ def _owner(mesh: Mesh, axes: tuple[str, ...]) -> bool:
 # ---------------------------------------------------------------------------------------------------- save
 
 
-def save(path, state: TrainState, mesh: Mesh, extra: Any = None, *, step, keep: int | None = None,
-         overwrite: bool = False, latest: bool = True) -> None:
-    """Write the whole train state of ``step`` (a :class:`funcpar.Step`, whose :class:`funcpar.ZeroLayout` says
-    which part of each leaf this rank's optimizer state covers) to ``path``; collective over the mesh.
+def save(path, state: TrainState, layout: ZeroLayout | None, *, run: str, extra: Any = None,
+         uncounted: list[bool] | None = None, keep: int | None = None, overwrite: bool = False,
+         latest: bool = True) -> None:
+    """Write the whole train ``state`` to ``path``; collective over ``layout.mesh``. (``Step.save`` calls it.)
 
-    ``extra``: anything JSON-serialisable (data position, config, ...), returned by :func:`load`.
-    ``keep``: after saving, delete all but the ``keep`` newest checkpoints of this run beside ``path`` (a run's
-    checkpoints carry its id; :func:`load` adopts it, so a resumed run is the same run; another run's stay).
-    ``overwrite``: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder).
-    ``latest``: point ``latest`` beside ``path`` at it (off for a checkpoint saved alone, e.g. by convert)."""
-    layout: ZeroLayout | None = getattr(step, "layout", None)
+    Args:
+        layout: the :class:`funcpar.ZeroLayout` of the step that made ``state``: which part of each leaf this
+            rank's optimizer state covers (``None``: the step has not been initialised, refused).
+        run: the id of the run the checkpoint belongs to (``keep`` prunes only that run's checkpoints).
+        extra: anything JSON-serialisable (data position, config, ...), returned by :func:`load`.
+        uncounted: per leaf of ``layout``, True where another pipeline stage holds and writes it (a tied leaf).
+        keep: after saving, delete all but the ``keep`` newest checkpoints of this run beside ``path``.
+        overwrite: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder).
+        latest: point ``latest`` beside ``path`` at it (off for a checkpoint saved alone, e.g. by convert).
+    """
     if layout is None:
         raise CheckpointError("save: the step has no layout yet; call step.init(params) first")
     try:
         json.dumps(extra)
     except TypeError as e:
         raise CheckpointError(f"save: extra must be JSON-serialisable: {e}") from None
+    mesh = layout.mesh
     path, fname, params_meta = Path(path), f"rank-{mesh.rank:05d}.safetensors", []
-    run = step.run_id = getattr(step, "run_id", None) or uuid.uuid4().hex  # the run (see keep)
 
     def write(tmp: Path) -> None:
         from safetensors.torch import save_file
 
         tensors: dict[str, torch.Tensor] = {}
         # a pipeline's tied leaf is held by two stages: the first writes it
-        elsewhere = step.pipe.uncounted(state.params) if getattr(step, "pipe", None) is not None else None
+        elsewhere = uncounted
         params_meta.extend(_param_pieces(state, layout, mesh, fname, tensors, elsewhere))
         opt_meta = _opt_pieces(state, layout, mesh, params_meta, fname, tensors, elsewhere)
         rng, state_bytes = f"rng/torch/{mesh.rank}", torch.get_rng_state()
@@ -287,41 +290,44 @@ def load_params(path, like: Any, specs: Any, mesh: Mesh | None = None) -> Any:
     return optree.tree_unflatten(optree.tree_structure(like), out)
 
 
-def load(path, template, mesh: Mesh | None = None, restore_rng: bool = True, stats: dict | None = None):
-    """``(state, extra)`` for ``template``, a :class:`funcpar.Step` whose ``init`` has been called (its mesh may
-    differ from the one the checkpoint was saved on: pieces are resharded). Parameters and optimizer state are
-    read for this rank's new blocks and ZeRO parts only. ``restore_rng`` restores the torch RNG state this rank
-    (or, on a larger mesh, rank 0) had at save time. Pass a dict as ``stats`` to get ``bytes_read``. A checkpoint
-    of parameters only (``funcpar convert``) loads with a fresh optimizer state.
+def load(path, layout: ZeroLayout | None, init: Callable[[Any], TrainState], *, known: list[str] | None = None,
+         restore_rng: bool = True, stats: dict | None = None) -> tuple[TrainState, Any, str | None]:
+    """The checkpoint in ``path`` (a folder, or the folder holding ``latest``) onto ``layout``'s mesh and ZeRO parts,
+    which may differ from the ones it was saved on: pieces are resharded. (``Step.load`` calls it.)
+
+    Args:
+        layout: the :class:`funcpar.ZeroLayout` of the initialised step to resume (``None``: refused).
+        init: the step's ``init``: turns the loaded parameters (whole local leaves) into a fresh state of the step.
+        known: on a pipeline stage, the paths of the whole model's leaves (the checkpoint holds every stage's).
+        restore_rng: restore the torch RNG state this rank (or, on a larger mesh, rank 0) had at save time.
+        stats: a dict to receive ``bytes_read``.
+
+    Returns:
+        ``(state, extra, run)``: the state, the ``extra`` given to :func:`save`, and the run id to save on with.
+        Parameters and optimizer state are read for this rank's blocks and ZeRO parts only; a checkpoint of
+        parameters only (``funcpar convert``) loads with a fresh optimizer state.
     """
-    if not (hasattr(template, "layout") and hasattr(template, "init")):
-        raise CheckpointError("load: pass the Step to resume (or use load_params for parameters alone)")
-    step = template
-    mesh = mesh or step.mesh
-    if step.layout is None:
+    if layout is None:
         raise CheckpointError("load: call step.init(params) first (params of the right shapes; values are replaced)")
-    src = Source(path)
-    step.run_id = src.meta.get("run")  # saving on continues this run (keep prunes its checkpoints)
-    lay = step.layout
+    mesh, lay, src = layout.mesh, layout, Source(path)
     gshapes = [list(global_shape(spec, s, mesh)) for s, spec in zip(lay.shapes, lay.specs, strict=True)]
-    known = [p for p, _ in leaves_with_path(step.pipe.plan.shapes)] if getattr(step, "pipe", None) else None
     saved = _check_params(src, list(lay.paths), gshapes, known)
     leaves = []
     for p, spec, g, s in zip(lay.paths, lay.specs, gshapes, lay.shapes, strict=True):
         t = src.assemble(f"param/{p}", _block(spec, g, mesh), 0, math.prod(s), getattr(torch, saved[p]["dtype"]))
         leaves.append(t.view(s).to(mesh.device))
     params = lay.unflatten(leaves)
-    fresh = step.init(params)
+    fresh = init(params)
     if not src.meta["opt"]:  # parameters only (e.g. from `funcpar convert`): a fresh optimizer
         opt_state = fresh.opt_state
     else:
-        opt_state = _load_opt(src, step.layout, fresh, gshapes, mesh, known is not None)
+        opt_state = _load_opt(src, lay, fresh, gshapes, mesh, known is not None)
     if restore_rng:
         _restore_rng(src, mesh)
     if stats is not None:
         stats["bytes_read"] = src.bytes_read
     # the params as the step's buffers hold them (fresh.params): the state is live for the step, nothing copied again
-    return TrainState(fresh.params, opt_state, int(src.meta["step"])), src.meta.get("extra")
+    return TrainState(fresh.params, opt_state, int(src.meta["step"])), src.meta.get("extra"), src.meta.get("run")
 
 
 def _load_opt(src: Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, mesh: Mesh, staged: bool) -> Any:

@@ -103,7 +103,7 @@ def _params(run: _Run) -> Any:
 def _resume(run: _Run) -> None:
     """With ``--resume`` and a checkpoint in the output folder: continue from its state and data position."""
     if run.opts["resume"] and (run.ckpts / "latest").exists():
-        run.state, extra = fp.checkpoint.load(run.ckpts, run.step)
+        run.state, extra = run.step.load(run.ckpts)
         run.loader.load_state_dict(extra["data"])
         if run.rank0:
             print(f"resumed from {fp.checkpoint.resolve(run.ckpts)} at step {run.state.step}", flush=True)
@@ -316,9 +316,8 @@ def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:
     model = fp.get_model(cfg.model_type)
     step = fp.compile_step(lambda p, b: 0.0, model.specs(cfg, mesh), mesh=mesh, optimizer=fp.optim.sgd(0.0))
     step.init(params)
-    fp.checkpoint.save(dst, fp.TrainState(params, None, 0), mesh,
-                       extra={"model": cfg.model_type, "config": cfg.to_hf()}, step=step, overwrite=overwrite,
-                       latest=False)  # DST is the checkpoint: nothing is written beside it
+    step.save(dst, fp.TrainState(params, None, 0), extra={"model": cfg.model_type, "config": cfg.to_hf()},
+              overwrite=overwrite, latest=False)  # DST is the checkpoint: nothing is written beside it
     return "funcpar checkpoint"
 
 

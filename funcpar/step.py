@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 import warnings
 from typing import Any, Callable
 
@@ -44,6 +45,7 @@ from .optim.transforms import sums_of_squares
 from .overlap import Overlap
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
+from .tree import leaves_with_path
 from .step_options import (gradient_of, nonfinite_policy, overlap_unused, pipeline_executor, resolve_compile,
                            validate_options, zero3_model)
 from .zero3 import Zero3Loss, gather_params, units_of
@@ -131,13 +133,22 @@ class Step:
         return loss * scale, ((loss.detach(), aux) if self.has_aux else loss.detach())
 
     # ----------------------------------------------------------------------------------------------- API
-    def save(self, path, state: TrainState, extra: Any = None, keep: int | None = None, overwrite=False) -> None:
-        """:func:`funcpar.checkpoint.save` for a state of this step."""
-        checkpoint.save(path, state, self.mesh, extra, step=self, keep=keep, overwrite=overwrite)
+    def save(self, path, state: TrainState, extra: Any = None, keep: int | None = None, overwrite: bool = False,
+             latest: bool = True) -> None:
+        """:func:`funcpar.checkpoint.save` of a state of this step: its layout, its run (a new id on the first save
+        of a run not loaded from a checkpoint) and, on a pipeline stage, the tied leaves another stage writes."""
+        self.run_id = self.run_id or uuid.uuid4().hex
+        uncounted = self.pipe.uncounted(state.params) if self.pipe is not None else None
+        checkpoint.save(path, state, self.layout, run=self.run_id, extra=extra, uncounted=uncounted, keep=keep,
+                        overwrite=overwrite, latest=latest)
 
-    def load(self, path) -> tuple[TrainState, Any]:
-        """:func:`funcpar.checkpoint.load` onto this step's mesh and layout; returns ``(state, extra)``."""
-        return checkpoint.load(path, self)
+    def load(self, path, restore_rng: bool = True, stats: dict | None = None) -> tuple[TrainState, Any]:
+        """:func:`funcpar.checkpoint.load` onto this step's mesh and layout (call :meth:`init` first); returns
+        ``(state, extra)``, and saving on continues the checkpoint's run."""
+        known = [p for p, _ in leaves_with_path(self.pipe.plan.shapes)] if self.pipe is not None else None
+        state, extra, self.run_id = checkpoint.load(path, self.layout, self.init, known=known,
+                                                    restore_rng=restore_rng, stats=stats)
+        return state, extra
 
     def init(self, params: Any) -> TrainState:
         """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts.

@@ -60,7 +60,7 @@ def _resume(sizes, folder, zero):
     specs = llama.specs(cfg, mesh)
     step.init(fp.shard(llama.init(cfg, seed=123), specs, mesh))  # values are replaced by the checkpoint's
     stats = {}
-    state, extra = fp.checkpoint.load(folder, step, stats=stats)
+    state, extra = step.load(folder, stats=stats)
     assert state.step == 3 and extra == {"data_position": 3}
     state, losses = run_steps(step, state, mesh, batches()[3:])
     return losses, fp.gather(state.params, specs, mesh, dst=0), stats["bytes_read"]
@@ -197,12 +197,12 @@ def test_bad_checkpoints_are_refused_by_name(saved, tmp_path):
     other, _ = make_step(mesh, layers=3)  # another model
     other.init(llama.init(config(3)))
     with pytest.raises(fp.checkpoint.CheckpointError, match=r"is from another model: it has no leaf 'layers.2.attn_norm'"):
-        fp.checkpoint.load(folder, other)
+        other.load(folder)
 
     lion, cfg = make_step(mesh, opt="lion")
     lion.init(llama.init(cfg))
     with pytest.raises(fp.checkpoint.CheckpointError, match=r"was saved with optimizer state ClipState, ScaleByAdamState, AddDecayedWeightsState, ScaleByLearningRateState; this step's is ClipState, ScaleByLionState, ScaleByLearningRateState \(first difference: '1.0.count' there, '1.0.mu.embed' here\)"):
-        fp.checkpoint.load(folder, lion)
+        lion.load(folder)
 
     step, cfg = make_step(mesh)
     state0 = step.init(llama.init(cfg))
@@ -212,14 +212,14 @@ def test_bad_checkpoints_are_refused_by_name(saved, tmp_path):
     shutil.copytree(os.path.join(folder, "step-3"), bad)
     os.remove(bad / "rank-00001.safetensors")
     with pytest.raises(fp.checkpoint.CheckpointError, match=r"checkpoint .*missing is missing rank-00001.safetensors"):
-        fp.checkpoint.load(bad, step)
+        step.load(bad)
 
     trunc = tmp_path / "trunc"
     shutil.copytree(os.path.join(folder, "step-3"), trunc)
     f = trunc / "rank-00002.safetensors"
     os.truncate(f, os.path.getsize(f) - 64)
     with pytest.raises(fp.checkpoint.CheckpointError, match=r"corrupt safetensors file .*trunc/rank-00002.safetensors: tensor '.*' ends at byte"):
-        fp.checkpoint.load(trunc, step)
+        step.load(trunc)
 
     flipped = tmp_path / "flipped"
     shutil.copytree(os.path.join(folder, "step-3"), flipped)
@@ -231,10 +231,10 @@ def test_bad_checkpoints_are_refused_by_name(saved, tmp_path):
     data[t.start + t.nbytes // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(fp.checkpoint.CheckpointError, match=r"corrupt checkpoint file .*flipped/rank-00001.safetensors: tensor 'param/layers.0.w_up' fails its CRC check"):
-        fp.checkpoint.load(flipped, step)
+        step.load(flipped)
 
     with pytest.raises(fp.checkpoint.CheckpointError, match=r"is not a checkpoint \(no meta.json\) and has no 'latest' file"):
-        fp.checkpoint.load(tmp_path, step)
+        step.load(tmp_path)
     assert _digest(folder) == before  # nothing was written to the checkpoint
     assert torch.equal(state0.params["embed"], snapshot)  # nor to the state in hand
 
