@@ -163,11 +163,10 @@ class ZeroLayout:
                 flat = flat[self.mesh.coord(a) * k : (self.mesh.coord(a) + 1) * k]
         return flat
 
-    def reduce_leaves(self, b: Bucket, leaves: list, mesh: "Mesh | None" = None) -> torch.Tensor:
+    def reduce_leaves(self, b: Bucket, leaves: list) -> torch.Tensor:
         """``reduce(b, flat(b, leaves, free=True))``; on host tensors reduced over one ZeRO axis, straight from the
         leaves (:func:`funcpar.collectives.reduce_scatter_segments`): no bucket-sized flat copy is made, and each
-        leaf is dropped from ``leaves`` as ``flat`` does. ``mesh``: the layout's mesh seen through another group
-        (:mod:`funcpar.overlap`'s lane) for that ring."""
+        leaf is dropped from ``leaves`` as ``flat`` does."""
         ts = [leaves[i] for i in b.leaves]
         if len(b.zero_axes) != 1 or b.sum_axes != b.zero_axes or self.mesh.device.type != "cpu" or any(
                 t.dtype != b.dtype or t.device.type not in ("cpu", "meta") for t in ts):
@@ -175,7 +174,7 @@ class ZeroLayout:
         segs = [(o, t.reshape(-1)) for o, t in zip(b.offsets, ts, strict=True) if t.numel()]
         for i in b.leaves:
             leaves[i] = None
-        return C.reduce_scatter_segments(segs, b.padded, self.mesh if mesh is None else mesh, b.zero_axes[0])
+        return C.reduce_scatter_segments(segs, b.padded, self.mesh, b.zero_axes[0])
 
     def gather_into(self, b: Bucket, whole: torch.Tensor) -> None:
         """All-gather this rank's updated part of bucket ``b`` (``whole[lo:hi]``) into every rank's ``whole``, over

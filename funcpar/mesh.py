@@ -355,9 +355,9 @@ class Mesh:
 
     def lane(self, axis: str, k: int = 0):
         """The ``k``-th extra ProcessGroup over this rank's ``axis`` group: another communicator over the same
-        ranks, for communication that must not share an order with the axis's own (:mod:`funcpar.overlap`'s worker
-        thread; the pipeline's wrap-around streams, :mod:`funcpar.p2p`'s channels). Built on first use, by every
-        rank of the mesh, collectively: call it on all ranks at the same point of the program."""
+        ranks, for messages that must not share an order with the axis's own (the pipeline's wrap-around streams,
+        :mod:`funcpar.p2p`'s channels). Built on first use, by every rank of the mesh, collectively: call it on all
+        ranks at the same point of the program."""
         self._check_axis(axis)
         if (axis, k) not in self._lanes and self._groups:
             for j in range(k + 1):  # (lanes before k first, so every rank builds them in one order)

@@ -20,7 +20,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte",
     "seq_len": 64, "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
-    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "overlap": False, "lora": "", "steps": 300,
+    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "lora": "", "steps": 300,
     "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
     "heartbeat": 60.0, "chat_template": "auto",
@@ -44,8 +44,6 @@ HELP = {
     "weight_decay": "decoupled weight decay (not on norms and biases)", "zero": "ZeRO stage: 0, 1, 2 or 3",
     "clip": "clip the global gradient norm to this (0: off)", "precision": "fp32, bf16 or fp16 (with loss scaling)",
     "remat": "recompute activations in the backward pass (less memory)", "steps": "optimizer steps to train",
-    "overlap": "reduce-scatter ZeRO-1/2 gradient buckets during the backward pass (host meshes; measured not to pay "
-               "on a 2-core CPU)",
     "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
             "model to hf/ and a PEFT adapter folder to adapter/",
     "eval_every": "held-out loss every N steps and at the end (0: never)",
@@ -264,7 +262,7 @@ def _step_parts(opts, model, cfg, mesh):
                          f"checkpointing); train it without --remat")
     return model.loss_fn(cfg, mesh, remat=opts["remat"]), dict(
         mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
-        clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]], overlap=opts["overlap"])
+        clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]])
 
 
 def build_step(opts, model, cfg, mesh, specs) -> fp.Step:

@@ -75,15 +75,12 @@ def grad_and_value(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[...,
     activations plus all the gradients, well above an eager loop's. The train step needs no higher derivative, so
     here the parameters are fresh leaves and one reverse pass releases each saved tensor once it is used. Same
     operations, same gradients (unused parameters get zeros, as ``torch.func`` gives; so does every parameter of a
-    loss that does not depend on them), and ``aux`` comes back detached, as ``torch.func`` gives it. ``hook(i,
-    g)``, if given, sees leaf ``i``'s whole gradient as the backward forms it (:mod:`funcpar.overlap`).
+    loss that does not depend on them), and ``aux`` comes back detached, as ``torch.func`` gives it.
     """
 
-    def run(params: Any, *args, hook: Callable[[int, torch.Tensor], None] | None = None):
+    def run(params: Any, *args):
         leaves, treedef = optree.tree_flatten(params)
         leaves = [x.detach().requires_grad_(True) for x in leaves]
-        for i, x in enumerate(leaves if hook is not None else ()):  # hook(i, leaf i's whole gradient), as it is formed
-            x.register_hook(functools.partial(hook, i))
         with torch.enable_grad():
             value, aux = fn(optree.tree_unflatten(treedef, leaves), *args)
         if value.requires_grad:

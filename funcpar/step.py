@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import time
 import uuid
-import warnings
 from typing import Any, Callable
 
 import optree
@@ -42,12 +41,11 @@ from .remat import grad_and_value
 from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from .optim.loss_scale import apply_if_finite, loss_scale
 from .optim.transforms import sums_of_squares
-from .overlap import Overlap
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
 from .tree import leaves_with_path
-from .step_options import (gradient_of, nonfinite_policy, overlap_unused, pipeline_executor, resolve_compile,
-                           validate_options, zero3_model)
+from .step_options import (gradient_of, nonfinite_policy, pipeline_executor, resolve_compile, validate_options,
+                           zero3_model)
 from .zero3 import Zero3Loss, gather_params, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
@@ -73,9 +71,9 @@ class Step:
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
                  parts: list[float] | None = None, nonfinite: str = "error", max_skips: int = 20,
-                 overlap: bool = False, host_malloc: str = "keep"):
+                 host_malloc: str = "keep"):
         mesh = mesh if mesh is not None else Mesh.current()
-        compile, self.compile_reason = resolve_compile(compile, mesh, zero, offload, overlap, loss_fn, data_axes)
+        compile, self.compile_reason = resolve_compile(compile, mesh, zero, offload, loss_fn, data_axes)
         self.compiled = compile  # what "auto" chose (a compiler failure under "auto" sets it to False)
         if host_malloc not in ("keep", "system"):
             raise StepError(f"host_malloc must be 'keep' or 'system', got {host_malloc!r}")
@@ -107,11 +105,6 @@ class Step:
             opt = apply_if_finite(opt, 2.0**16 if dynamic else float(loss_scale), dynamic, growth_interval)
         self.optimizer = opt
         self._grad = gradient_of(self, compile, self._scaled_loss, grad_and_value(self._scaled_loss))
-        # ZeRO's reduce-scatters beside the backward (fp32 gradients: a mixed bucket takes the flat path)
-        unused = overlap_unused(mesh, zero, accum_steps, compile, param_dtype) if overlap else None
-        if unused:  # said, not silently ignored
-            warnings.warn(f"compile_step(overlap=True) has no effect here: {unused}", stacklevel=3)
-        self._overlap = Overlap() if overlap and not unused else None
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
@@ -271,15 +264,8 @@ class Step:
             g_leaves, loss_sum = self.pipe.run(params, micro, [wm / total for wm in w.tolist()], scale)
             return [lay.reduce_leaves(b, g_leaves) for b in lay.buckets], loss_sum, auxes
         for mb, wm in zip(micro, w.tolist(), strict=True):
-            red = self._overlap.reducer(lay) if eager and self._overlap else None  # (eager: ZeRO-1/2)
             # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
-            try:
-                grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale,
-                                             **({"hook": red.hook} if red else {}))
-            except BaseException:
-                if red is not None:
-                    red.abandon()
-                raise
+            grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale)
             loss, aux = out if self.has_aux else (out, None)
             auxes.append(aux)
             loss_sum += loss.detach().double().cpu() * (wm / total)
@@ -288,7 +274,7 @@ class Step:
                 continue
             g_leaves = lay.treedef.flatten_up_to(grads)
             del grads  # each leaf's gradient is dropped once copied into its bucket
-            flats = red.finish(g_leaves) if red else [  # (reduced from the leaves where they lie: no flat copy on host)
+            flats = [  # (reduced from the leaves where they lie: no flat copy on host)
                 lay.reduce_leaves(b, g_leaves) if eager else lay.flat(b, g_leaves, free=True) for b in lay.buckets]
             acc = [f if a is None else a.add_(f) for a, f in zip(acc, flats, strict=True)]
         parts = acc if self.zero == 3 or eager else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc, strict=True)]
@@ -364,7 +350,7 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
                  loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
                  offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
                  parts: list[float] | None = None, nonfinite: str = "error", max_skips: int = 20,
-                 overlap: bool = False, host_malloc: str = "keep") -> Step:
+                 host_malloc: str = "keep") -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -376,7 +362,7 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     ``ModelSpec.loss_fn`` and the models' ``loss`` do: target tokens, else rows); ``data_axes`` (the mesh axes the batch
     is split over: gradients are summed and ZeRO-partitioned over them); ``bucket_mb`` (largest gradient bucket);
     ``compile`` (``torch.compile`` the per-micro-batch gradient: ``True``, ``False``, or ``"auto"``, the default:
-    compiled on a CUDA mesh of data axes only, without pipeline stages, ZeRO-3, offload, overlap or remat, where it was
+    compiled on a CUDA mesh of data axes only, without pipeline stages, ZeRO-3, offload or remat, where it was
     measured 18-32% faster on one GPU, eager elsewhere (on the CPU it did not pay); under ``"auto"`` a compiler failure
     warns once and the eager gradient takes over; ``step.compiled`` and ``step.compile_reason`` say what was chosen,
     :func:`funcpar.step_options.resolve_compile`); ``param_dtype`` (mixed precision: compute copies in this dtype, fp32
@@ -395,16 +381,13 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     ``[2.5, 1.5]``; default: cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step
     whose loss or gradient norm is not finite raises (``"error"``, the default; nothing updated, the state kept as the
     error's ``.state``) or is skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or
-    by loss scaling. ``overlap``: reduce-scatter ZeRO buckets during the backward, from its leaf hooks, on a worker
-    thread (:mod:`funcpar.overlap`; host meshes, ZeRO-1 with one micro-batch and ZeRO-2, fp32, not with ``compile``);
-    off by default: on the 2-core CPU the ring's copies and sums take the core the backward runs on, and it did not pay.
-    ``host_malloc``: on a CPU mesh, ``"keep"`` (default) has glibc keep the memory a step frees for the next step
-    instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`; process-wide, left alone
-    where the environment configures malloc); ``"system"`` leaves malloc as it is.
+    by loss scaling. ``host_malloc``: on a CPU mesh, ``"keep"`` (default) has glibc keep the memory a step frees for
+    the next step instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`;
+    process-wide, left alone where the environment configures malloc); ``"system"`` leaves malloc as it is.
     """
     return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
                 clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
                 bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
                 growth_interval=growth_interval, donate=donate, offload=offload,
                 pipeline=pipeline, chunks=chunks, parts=parts, nonfinite=nonfinite, max_skips=max_skips,
-                overlap=overlap, host_malloc=host_malloc)
+                host_malloc=host_malloc)

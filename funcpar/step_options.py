@@ -107,26 +107,11 @@ def nonfinite_policy(step, state, inner, loss: float, norm: float, finite: bool)
                   "tokens_per_s": 0.0, "skipped": True}
 
 
-def overlap_unused(mesh: Mesh, zero: int, accum_steps: int, compile: bool, param_dtype) -> str | None:
-    """Why ``overlap=True`` cannot start any reduction during the backward with these options (None: it can)."""
-    reasons = [why for why, bad in (
-        (f"zero={zero} (only ZeRO-1 and ZeRO-2 reduce-scatter the gradients)", zero not in (1, 2)),
-        (f"ZeRO-1 with accum_steps={accum_steps} (it reduces once, after the micro-batches)",
-         zero == 1 and accum_steps > 1),
-        ("compile=True (one compiled graph: no leaf hooks)", compile),
-        ("param_dtype (mixed precision reduces after the backward)", param_dtype is not None),
-        ("a pipeline mesh (pp > 1: the stages reduce after the schedule)", mesh.axis_size("pp") > 1),
-        ("a simulated mesh", mesh.simulated),
-        (f"{mesh.device.type} tensors (the host rings only)", mesh.device.type != "cpu"),
-    ) if bad]
-    return "; ".join(reasons) or None
-
-
-def resolve_compile(compile, mesh: Mesh, zero, offload, overlap, loss_fn, data_axes=("dp",)) -> tuple:
+def resolve_compile(compile, mesh: Mesh, zero, offload, loss_fn, data_axes=("dp",)) -> tuple:
     """``compile_step``'s ``compile`` as the step uses it, and why: ``True`` or ``False`` as given; ``"auto"`` (the
     default) stays ``"auto"`` (compile, falling back to the eager gradient on a compiler failure) where it was
     measured to pay and nothing is given up: a CUDA mesh whose only axes of size > 1 split the batch (its collectives
-    run outside the compiled gradient), without pipeline stages, ZeRO-3, offload, overlap or remat. Measured on one
+    run outside the compiled gradient), without pipeline stages, ZeRO-3, offload or remat. Measured on one
     H200, one process (benchmarks/GPU.md): 0.136 -> 0.112 s a step at 0.87B parameters in bf16, 0.034 -> 0.023 s
     at 63M in fp32. Elsewhere eager: on the 2-core CPU it did not pay (dp=2 small: forward+backward 1216-1311 against
     1220-1240 ms eager); on a tp axis the compiled gradient, differentiated through ``torch.func``, gives up
@@ -139,7 +124,7 @@ def resolve_compile(compile, mesh: Mesh, zero, offload, overlap, loss_fn, data_a
     off = [(mesh.device.type != "cuda", f"{mesh.device.type} tensors: measured not to pay on the host"),
            (mesh.axis_size("pp") > 1, "pipeline stages"), (zero == 3, "zero=3"), (offload is not None, "offload"),
            (bool(model_axes), f"a model axis ({', '.join(model_axes)})"),
-           (bool(overlap), "overlap=True"), (bool(getattr(loss_fn, "remat", False)), "remat")]
+           (bool(getattr(loss_fn, "remat", False)), "remat")]
     why = next((w for bad, w in off if bad), None)
     return (False, f"auto: eager ({why})") if why else ("auto", "auto: compiled (a CUDA mesh)")
 

@@ -69,7 +69,7 @@ def count(mesh: "Mesh", axis: str, nbytes: float, op: str = "collective") -> int
     per axis can be set beside the plan's and the analytic figure. Every real collective is counted as it is
     posted, so this is also where :func:`recording` sees it (``op``: its name)."""
     n = mesh.size if axis == "world" else mesh.axis_size(axis)
-    with _COUNTING:  # (funcpar.overlap's worker thread counts too)
+    with _COUNTING:  # (a thread of the program's own may count too)
         mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
     note_collective(mesh, axis, op, nbytes)
     return n

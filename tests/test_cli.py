@@ -299,10 +299,3 @@ def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, 
         cli.main(["plan", "--mesh", "pp=2", "--model", "llama-tiny", "--parts", "2.5,x"])
 
 
-@pytest.mark.parametrize("flag", [True, False])
-def test_overlap_flag_reaches_compile_step(monkeypatch, flag):
-    seen = {}
-    monkeypatch.setattr(options.fp, "compile_step", lambda loss, specs, **kw: seen.update(kw))
-    options.build_step({**options.DEFAULTS, "overlap": flag}, fp.get_model("llama"), None, fp.Mesh(), None)
-    assert seen["overlap"] is flag
-    assert options.read_options(["--overlap"], "train")["overlap"] is True

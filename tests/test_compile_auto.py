@@ -1,5 +1,5 @@
 """compile_step(compile="auto"), the default: which meshes it compiles on (measured: a CUDA mesh of data axes only;
-eager on host tensors, tp, pipelines, ZeRO-3, offload, overlap, remat), the eager gradient taking over after a
+eager on host tensors, tp, pipelines, ZeRO-3, offload, remat), the eager gradient taking over after a
 compiler failure, and the compiled llama gradient (one graph, no break) on a dp mesh equal to the single-process
 eager run."""
 
@@ -31,22 +31,21 @@ def _remat():
 
 def test_auto_compiles_on_cuda_data_axes_only_and_says_why_not_elsewhere():
     plain = lambda p, b: 0.0  # noqa: E731
-    assert resolve_compile("auto", _mesh(), 1, None, False, plain) == ("auto", "auto: compiled (a CUDA mesh)")
-    assert resolve_compile("auto", _mesh(dp=8), 2, None, False, plain)[0] == "auto"
-    assert resolve_compile("auto", _mesh(dp=2, ep=2), 1, None, False, plain, ("dp", "ep"))[0] == "auto"
-    for mesh, zero, offload, overlap, loss, why in [
-            (_mesh("cpu", dp=2), 1, None, False, plain, "cpu tensors: measured not to pay on the host"),
-            (_mesh(tp=2, dp=2), 1, None, False, plain, "a model axis (tp)"),
-            (_mesh(pp=2), 1, None, False, plain, "pipeline stages"),
-            (_mesh(dp=2), 3, None, False, plain, "zero=3"),
-            (_mesh(), 1, "cpu", False, plain, "offload"),
-            (_mesh(dp=2), 1, None, True, plain, "overlap=True"),
-            (_mesh(), 1, None, False, _remat(), "remat")]:
-        assert resolve_compile("auto", mesh, zero, offload, overlap, loss) == (False, f"auto: eager ({why})")
-    assert resolve_compile(True, _mesh("cpu"), 1, None, False, plain) == (True, "compile=True")
-    assert resolve_compile(False, _mesh(), 1, None, False, plain) == (False, "compile=False")
+    assert resolve_compile("auto", _mesh(), 1, None, plain) == ("auto", "auto: compiled (a CUDA mesh)")
+    assert resolve_compile("auto", _mesh(dp=8), 2, None, plain)[0] == "auto"
+    assert resolve_compile("auto", _mesh(dp=2, ep=2), 1, None, plain, ("dp", "ep"))[0] == "auto"
+    for mesh, zero, offload, loss, why in [
+            (_mesh("cpu", dp=2), 1, None, plain, "cpu tensors: measured not to pay on the host"),
+            (_mesh(tp=2, dp=2), 1, None, plain, "a model axis (tp)"),
+            (_mesh(pp=2), 1, None, plain, "pipeline stages"),
+            (_mesh(dp=2), 3, None, plain, "zero=3"),
+            (_mesh(), 1, "cpu", plain, "offload"),
+            (_mesh(), 1, None, _remat(), "remat")]:
+        assert resolve_compile("auto", mesh, zero, offload, loss) == (False, f"auto: eager ({why})")
+    assert resolve_compile(True, _mesh("cpu"), 1, None, plain) == (True, "compile=True")
+    assert resolve_compile(False, _mesh(), 1, None, plain) == (False, "compile=False")
     with pytest.raises(fp.StepError, match="compile must be True, False or 'auto', got 'yes'"):
-        resolve_compile("yes", _mesh(), 1, None, False, plain)
+        resolve_compile("yes", _mesh(), 1, None, plain)
 
 
 def test_a_host_step_defaults_to_eager_and_reports_it():
