@@ -18,6 +18,7 @@ from . import splitgrad as splitgrad
 from . import tree as tree
 from .collectives import CollectiveError as CollectiveError
 from .layout import ZeroLayout as ZeroLayout
+from .mesh import AbstractMesh as AbstractMesh
 from .mesh import Mesh as Mesh
 from .mesh import MeshError as MeshError
 from .model import HFNames as HFNames

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import lifeline
 
-__all__ = ["Mesh", "MeshError", "STANDARD_AXES", "DEVICES", "default_timeout", "resolve_device"]
+__all__ = ["Mesh", "AbstractMesh", "MeshError", "STANDARD_AXES", "DEVICES", "default_timeout", "resolve_device"]
 
 STANDARD_AXES = ("pp", "dp", "tp")  # present on every mesh; pp outermost, tp innermost
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("funcpar_mesh_scope", default=())
@@ -191,7 +191,6 @@ class Mesh:
         if why_not_gpu:
             warnings.warn(f"funcpar: the ranks run on the CPU: {why_not_gpu}", stacklevel=2)
         self.backend = backend or ("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
-        self.simulated = False  # Mesh.abstract: collectives simulated, no processes
         self.traffic: dict[str, float] = {}  # bytes this rank has sent by axis (ring count; funcpar.collectives)
         self._groups: dict[str, Any] = {}
         self._lanes: dict[tuple, Any] = {}  # (axis, k) -> extra groups over an axis, built on first use (see lane)
@@ -218,26 +217,12 @@ class Mesh:
         _BUILT.add(self)
         lifeline.start(self.rank, self.size, heartbeat)  # the process ends with its launcher; stuck peers reported
 
-    @classmethod
-    def abstract(cls, device: str | torch.device | None = None, **axes: int) -> "Mesh":
-        """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). Its collectives are
-        simulated as if every rank held rank 0's values: shapes, dtypes and allocations are the real run's, the
-        numbers are not (with ``device="meta"`` a whole train step runs on shapes alone; see
-        :func:`funcpar.planning.trace_step`). ``device``: as :class:`Mesh` takes it, unchecked (``"cuda"`` is
-        ``cuda:0``); the default ``"auto"`` is what one rank here would get."""
-        m = cls(device="cpu")
-        if device in (None, "auto"):
-            m.device = resolve_device("auto", local_rank=0, local_world=1)[0]
-        else:
-            m.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
-        m.backend = "cpu:gloo,cuda:nccl" if m.device.type == "cuda" else "gloo"
-        m._sizes = _axis_sizes(axes)
-        m.size = math.prod(m._sizes.values())
-        m._coords = {a: 0 for a in m._sizes}
-        m._group_ranks = {a: [m.rank_of(**{a: i}) for i in range(n)] for a, n in m._sizes.items()}
-        m.simulated = True
-        m.traffic = {}  # bytes this rank would send, by axis (counted by the simulated collectives)
-        return m
+    simulated = False  # (AbstractMesh: collectives simulated, no processes)
+
+    @staticmethod
+    def abstract(device: str | torch.device | None = None, **axes: int) -> "AbstractMesh":
+        """``AbstractMesh(device, **axes)``: a mesh's sizes without processes, for planning."""
+        return AbstractMesh(device, **axes)
 
     # ------------------------------------------------------------------ scope
     def __enter__(self) -> "Mesh":
@@ -392,3 +377,32 @@ class Mesh:
         extra = [a for a in self._sizes if a not in STANDARD_AXES]
         shown = ["pp", "dp", *extra, "tp"]
         return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + ")"
+
+
+class AbstractMesh(Mesh):
+    """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). Its collectives are
+    simulated as if every rank held rank 0's values: shapes, dtypes and allocations are the real run's, the numbers
+    are not (with ``device="meta"`` a whole train step runs on shapes alone; see
+    :func:`funcpar.planning.trace_step`). ``mesh.traffic`` counts the bytes each axis would send.
+
+    Args:
+        device: as :class:`Mesh` takes it, unchecked (``"cuda"`` is ``cuda:0``; a plan for a GPU needs none here
+            unless the step makes real tensors on it); the default ``"auto"`` is what one rank here would get.
+        **axes: axis sizes by name, as for :class:`Mesh`.
+    """
+
+    simulated = True
+
+    def __init__(self, device: str | torch.device | None = None, **axes: int):  # (no job joined: no super().__init__)
+        self._sizes = _axis_sizes(axes)
+        self.size = math.prod(self._sizes.values())
+        self.timeout = default_timeout()
+        if device in (None, "auto"):
+            self.device = resolve_device("auto", local_rank=0, local_world=1)[0]
+        else:
+            self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        self.backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        self.rank, self._coords = 0, {a: 0 for a in self._sizes}
+        self._group_ranks = {a: [self.rank_of(**{a: i}) for i in range(n)] for a, n in self._sizes.items()}
+        self.traffic: dict[str, float] = {}
+        self._groups, self._lanes, self.device_mesh = {}, {}, None

@@ -38,14 +38,14 @@ def test_block_path_is_sdpa_to_round_off(shape, permuted):
     assert A._blocked(*[x.float() for x in xs])
     exact = _run(_sdpa, xs, go, torch.float64)
     for name, got in (("sdpa", _run(_sdpa, xs, go, torch.float32)), ("block", _run(A.causal, xs, go, torch.float32))):
-        err = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, exact)]
+        err = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, exact, strict=True)]
         if name == "sdpa":
             # twice torch's own error and 2 float32 ulps of the largest value: torch's error moves with the CPU's
             # kernels (on one machine, q's gradient at (3, 8, 4, 97, 64): torch 3.69e-7, the block path 7.39e-7,
             # 1.0007x twice torch's)
             bound = [max(2 * e + 2 * torch.finfo(torch.float32).eps, 1e-7) for e in err]
         else:  # output, then the gradients of q, k, v
-            assert all(e <= b for e, b in zip(err, bound)), (shape, err, bound)
+            assert all(e <= b for e, b in zip(err, bound, strict=True)), (shape, err, bound)
 
 
 def test_outside_the_block_path_it_is_torchs_kernel_exactly():
@@ -53,12 +53,12 @@ def test_outside_the_block_path_it_is_torchs_kernel_exactly():
                          ((2, 4, 2, 128, 16), torch.float64)]:
         xs, go = _inputs(*shape, dtype=dtype)
         assert not A._blocked(*xs)
-        assert all(torch.equal(a, b) for a, b in zip(_run(A.causal, xs, go, dtype), _run(_sdpa, xs, go, dtype)))
+        assert all(torch.equal(a, b) for a, b in zip(_run(A.causal, xs, go, dtype), _run(_sdpa, xs, go, dtype), strict=True))
     xs, go = _inputs(2, 4, 2, 128, 16, dtype=torch.float32)  # under torch.func: wrapped inputs take torch's kernel
     loss = lambda f: (lambda q, k, v: (f(q, k, v) * go.float()).sum())  # noqa: E731
     got = torch.func.grad(loss(A.causal), argnums=(0, 1, 2))(*xs)
     want = torch.func.grad(loss(_sdpa), argnums=(0, 1, 2))(*xs)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 class _Bmms(TorchDispatchMode):
@@ -95,7 +95,7 @@ def test_block_path_twice_and_differentiated_again():
     o = A.causal(*xs)
     first = torch.autograd.grad(o, xs, go.float(), retain_graph=True)
     again = torch.autograd.grad(o, xs, go.float(), retain_graph=True)  # the kept probabilities are left intact
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     gq = torch.autograd.grad(o, xs[0], go.float(), create_graph=True)[0]
     second = torch.autograd.grad(gq.square().sum(), xs)
     g = xs[0].shape[1] // xs[1].shape[1]  # (torch's CPU kernel has no second derivative: the math composition)
@@ -104,4 +104,4 @@ def test_block_path_twice_and_differentiated_again():
     o_ref = s.softmax(-1) @ xs[2].repeat_interleave(g, 1)
     gq_ref = torch.autograd.grad(o_ref, xs[0], go.float(), create_graph=True)[0]
     want = torch.autograd.grad(gq_ref.square().sum(), xs)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(second, want))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(second, want, strict=True))

@@ -104,7 +104,7 @@ def reference_loss(logits, labels):
 def reference_grads(sd, b):
     leaves = {k: v.clone().requires_grad_() for k, v in sd.items()}
     loss = reference_loss(reference_logits(leaves, b["input_ids"]), b["labels"])
-    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
 
 
 def as_hf(tree):
@@ -175,7 +175,7 @@ def test_staged_and_rematerialised_losses_equal_the_loss(folders):
     assert torch.equal(model.stages.loss(params, b, cfg, mesh), loss)
     g = torch.func.grad(lambda p: model.loss(p, b, cfg=cfg, mesh=mesh))(params)
     g_remat = torch.func.grad(lambda p: model.loss(p, b, cfg=cfg, mesh=mesh, remat=True))(params)
-    for (name, x), (_, y) in zip(fp.tree.leaves_with_path(g), fp.tree.leaves_with_path(g_remat)):
+    for (name, x), (_, y) in zip(fp.tree.leaves_with_path(g), fp.tree.leaves_with_path(g_remat), strict=True):
         assert (x - y).abs().max().item() <= 1e-6 * x.abs().max().item() + 1e-12, name
 
 
@@ -239,7 +239,7 @@ def test_tensor_parallel_gradients_equal_one_process(folders, sharded, tp):
     assert [r[0][2] for r in sharded[tp][1:]] == [None] * (tp - 1)  # gathered on rank 0 only
     got, ref = fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref)
     assert [name for name, _ in got] == [name for name, _ in ref]
-    for (name, g), (_, r) in zip(got, ref):
+    for (name, g), (_, r) in zip(got, ref, strict=True):
         assert g.shape == r.shape, name
         err = (g - r).abs().max().item()
         assert err <= 1e-5 * r.abs().max().item(), (tp, name, err)

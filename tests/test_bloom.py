@@ -64,7 +64,7 @@ def _loss_grads(model, params, b, cfg, mesh):
 
 
 def _assert_grads_equal(got, ref, what):
-    for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref)):
+    for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref), strict=True):
         err = (g - r).abs().max().item()
         # + 1e-9: the key bias has a mathematically zero gradient (softmax ignores a shift shared by all keys)
         assert err <= 1e-5 * r.abs().max().item() + 1e-9, (what, name, err)
@@ -118,7 +118,7 @@ def test_remat_and_the_staged_form_equal_the_loss(ckpts):
     assert used == set(params)
     for other in (remat, staged):
         assert torch.equal(other[1], value)
-        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(other[0]), fp.tree.leaves_with_path(grads)):
+        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(other[0]), fp.tree.leaves_with_path(grads), strict=True):
             assert torch.equal(x, y), p
 
 
@@ -285,17 +285,17 @@ def test_adamw_steps_equal_the_single_process_run(ckpts):
     refs = {kind: (_train(ckpts[kind][0], fp.Mesh()), fp.hf.load(ckpts[kind][0])[0]) for kind in ("h6", "h4")}
     for world, runs in RUNS.items():
         got = harness.run(world, _train_on, [(ckpts[kind][0], sizes, zero) for kind, sizes, zero in runs])[0]
-        for (kind, sizes, zero), (losses, params) in zip(runs, got):
+        for (kind, sizes, zero), (losses, params) in zip(runs, got, strict=True):
             (ref_losses, ref_params), start = refs[kind]
             what = f"{kind} {sizes} zero={zero}"
-            for k, (a, r) in enumerate(zip(losses, ref_losses)):
+            for k, (a, r) in enumerate(zip(losses, ref_losses, strict=True)):
                 assert abs(a - r) <= 1e-5 * abs(r), f"{what}: step {k + 1} loss {a} vs {r}"
-            pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref_params)))
+            pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref_params), strict=True))
             # measured worst: 6e-6 (tp=2, an MLP weight), 5e-7 at pp=2, 3e-6 at tp=4 (h4) on one machine; 1.03e-5 (tp=2,
             # wte) on an AVX-512 Xeon: after 3 AdamW steps of lr 1e-3 an element whose gradient is near zero moves by
             # up to lr a step whatever its size, so round-off in the gradient shows there at ~1% of lr
             for (p, x), (_, y) in pairs:
                 assert (x - y).abs().max().item() <= 2e-5, (what, p)
             moved = math.sqrt(sum((x - y).pow(2).sum().item() for (_, x), (_, y) in zip(
-                fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(start))))
+                fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(start), strict=True)))
             assert moved > 1e-3, f"{what}: the parameters did not train"

@@ -161,7 +161,7 @@ def test_mesh_logits_and_loss_match_transformers(ref):
     assert abs(glm.loss(params, ref["batch"], cfg, mesh).item() - ref["loss"]) <= 1e-5 * ref["loss"]
     glm_params, glm_cfg = fp.hf.load(ref["glm"])  # the same leaves as transformers' own GLM folder, bit for bit
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(fp.tree.leaves_with_path(params),
-                                                          fp.tree.leaves_with_path(glm_params)))
+                                                          fp.tree.leaves_with_path(glm_params), strict=True))
 
 
 def test_export_is_a_glm_folder_transformers_loads(ref, tmp_path):

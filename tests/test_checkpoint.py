@@ -84,7 +84,7 @@ def test_resume_in_a_fresh_process_group_is_bit_exact(saved):
         pool.close()
     losses, params, _ = res[0]
     assert losses == full_losses[3:]  # bit for bit
-    for (name, a), (_, b) in zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(full_params)):
+    for (name, a), (_, b) in zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(full_params), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -100,7 +100,7 @@ def test_resume_on_another_mesh(saved, sizes, zero):
     else:
         results = harness.run(4, _resume, sizes, folder, zero)
     losses, params, _ = results[0]
-    for a, b in zip(losses, full_losses[3:]):
+    for a, b in zip(losses, full_losses[3:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (sizes, losses, full_losses[3:])
     if sizes is not None:
         total = sum(os.path.getsize(os.path.join(folder, "step-3", f)) for f in os.listdir(os.path.join(folder, "step-3")) if f.endswith(".safetensors"))
@@ -177,7 +177,7 @@ def test_keep_latest_and_rng(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step-4"
     loaded, _ = step.load(tmp_path)
     assert loaded.step == 4 and torch.equal(torch.rand(3), after_save)  # the RNG is where it was at save time
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(loaded.params), fp.tree.leaves_with_path(state.params)))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(loaded.params), fp.tree.leaves_with_path(state.params), strict=True))
 
 
 def _digest(folder):
@@ -249,7 +249,7 @@ def _masked_round_trip(folder):
     state, _ = run_steps(step, step.init(params), mesh, batches()[:2])
     step.save(os.path.join(folder, "m"), state)
     again, _ = step.load(os.path.join(folder, "m"))
-    return [torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(again.opt_state), fp.tree.leaves_with_path(state.opt_state))]
+    return [torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(again.opt_state), fp.tree.leaves_with_path(state.opt_state), strict=True)]
 
 
 def test_masked_optimizer_state_round_trips_on_zero_parts(tmp_path):

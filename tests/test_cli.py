@@ -169,7 +169,7 @@ def test_convert_round_trip(tmp_path):
     assert state.step == 0 and extra["model"] == "qwen2"
     # adamw's chain state: (ScaleByAdamState(count, mu, nu), ScaleByLearningRateState(count)), both counts at 0
     assert [int(s.count) for s in state.opt_state if "count" in s._fields] == [0, 0]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(state.params), fp.tree.leaves_with_path(params)))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(state.params), fp.tree.leaves_with_path(params), strict=True))
     state, m = step(state, {"input_ids": torch.randint(0, 128, (2, 8))})
     assert m["step"] == 1
 
@@ -266,7 +266,7 @@ def test_zero3_from_the_command_line_gives_the_zero1_losses_and_exports(tmp_path
     for zero in ("1", "3"):
         outs[zero] = str(tmp_path / f"z{zero}")
         run(["-m", "funcpar", "train", *TINY, "--mesh", "dp=2", "--steps", "3", "--zero", zero, "--out", outs[zero]])
-    for a, b in zip(losses(outs["1"]), losses(outs["3"])):
+    for a, b in zip(losses(outs["1"]), losses(outs["3"]), strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
     import transformers as tf
 
@@ -285,7 +285,7 @@ def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, 
     assert all(0 <= r["bubble"] < 1 for r in rows)
     stdout = run(["-m", "funcpar", "train", *TINY, "--mesh", "tp=2,dp=2", "--steps", "6", "--out", out2, "--resume"])
     assert "at step 3" in stdout
-    for a, b in zip(losses(out2), losses(out)):  # the same batches through stages: the tp=2,dp=2 run's losses
+    for a, b in zip(losses(out2), losses(out), strict=True):  # the same batches through stages: the tp=2,dp=2 run's losses
         assert abs(a - b) <= 1e-5 * abs(b)
     cli.main(["plan", "--mesh", "pp=2,tp=2", "--model", "llama-tiny", "--micro-batches", "4"])
     text = capsys.readouterr().out

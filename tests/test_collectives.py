@@ -244,9 +244,9 @@ def test_host_reduce_scatter_and_all_gather_rings(sizes):
     # the same collectives with every tensor a ring sends cut into messages of 5 floats (the cut falls inside the
     # segments, and the 3-float columns go whole): bit for bit the same results, the same bytes counted
     cut = harness.run(2 if len(sizes) == 1 else 8, _rings, sizes, 20)
-    for a, b in zip(outs, cut):
+    for a, b in zip(outs, cut, strict=True):
         assert a[7] == b[7] and b[6] == []
-        assert all(torch.equal(x, y) for x, y in zip([*a[3:6], *a[8]], [*b[3:6], *b[8]]))
+        assert all(torch.equal(x, y) for x, y in zip([*a[3:6], *a[8]], [*b[3:6], *b[8]], strict=True))
     n = sizes["dp"]
     for rank, xs, s, part, whole, cols, native, sent, (seg_part, flat_part, in_place) in outs:
         assert torch.equal(seg_part, flat_part) and torch.equal(in_place, whole)

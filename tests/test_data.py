@@ -38,11 +38,11 @@ def test_conversation_and_ref_qa_train_on_answers_only():
     text = "User: 2+2?\nAssistant: 4"
     expect = toks(text) + [EOS] + toks("User: and 3+3?\nAssistant: 6") + [EOS]
     assert ids == expect
-    trained = [i for i, m in zip(ids, mask) if m]
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
     assert trained == toks("4") + [EOS] + toks("6") + [EOS]
     ids, mask = encode({"type": "ref_qa", "reference": "Paris is in France.", "rounds": [["ask", "Where?"], ["ans", "France"]]}, TOK)
     assert bytes(i for i in ids if i < 256).decode().startswith("Reference: Paris is in France.\nUser: Where?\n")
-    assert [i for i, m in zip(ids, mask) if m] == toks("France") + [EOS]
+    assert [i for i, m in zip(ids, mask, strict=True) if m] == toks("France") + [EOS]
 
 
 @pytest.mark.parametrize(

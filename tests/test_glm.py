@@ -87,7 +87,7 @@ def leaves(tree):
 def close(got, ref, what):
     """Every leaf within 1e-5 of the reference's largest entry (+1e-9 for a gradient that is mathematically zero:
     a key bias's pass-through dims, which softmax ignores)."""
-    for (name, g), (name_r, r) in zip(leaves(got), leaves(ref)):
+    for (name, g), (name_r, r) in zip(leaves(got), leaves(ref), strict=True):
         assert name == name_r and g.shape == r.shape, (what, name, name_r)
         err = (g - r).abs().max().item()
         assert err <= 1e-5 * r.abs().max().item() + 1e-9, (what, name, err)
@@ -169,7 +169,7 @@ def test_logits_loss_and_gradients_match_transformers(ckpts, tmp_path):
         # recomputing each layer, and the staged form pipelines cut, give the same bits
         remat_g, remat_l = torch.func.grad_and_value(lambda p: glm.loss(p, ref.batch, cfg, mesh, remat=True))(params)
         assert torch.equal(remat_l, loss) and torch.equal(glm.MODEL.stages.loss(params, ref.batch, cfg, mesh), loss)
-        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(leaves(remat_g), leaves(grads))), kind
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(leaves(remat_g), leaves(grads), strict=True)), kind
 
 
 # ------------------------------------------------------------------------------------- tensor parallel
@@ -259,11 +259,11 @@ def test_adamw_steps_match_single_process_and_transformers(ckpts):
     ref_losses, ref = train(path, fp.Mesh())
 
     def assert_same(losses, params, what):
-        assert all(rel(a, b) <= 1e-5 for a, b in zip(losses, ref_losses)), (what, losses, ref_losses)
+        assert all(rel(a, b) <= 1e-5 for a, b in zip(losses, ref_losses, strict=True)), (what, losses, ref_losses)
         # within 1e-5 of the model's norm, not element by element: Adam's step m / sqrt(v) does not shrink with the
         # gradient, so an entry whose true gradient is zero (a key bias's pass-through dims: softmax ignores a shift
         # shared by all keys) or nearly so moves by up to the learning rate on round-off no two summation orders share
-        diff = math.sqrt(sum((x - y).pow(2).sum().item() for (_, x), (_, y) in zip(leaves(params), leaves(ref))))
+        diff = math.sqrt(sum((x - y).pow(2).sum().item() for (_, x), (_, y) in zip(leaves(params), leaves(ref), strict=True)))
         norm = math.sqrt(sum(y.pow(2).sum().item() for _, y in leaves(ref)))
         assert diff <= 1e-5 * norm, (what, diff / norm)
         # the padding row: no gradient, so no Adam step, only the weight decay
@@ -275,7 +275,7 @@ def test_adamw_steps_match_single_process_and_transformers(ckpts):
     runs2 = [({"tp": 2}, 1), ({"pp": 2}, 1)]
     runs4 = [({"tp": 2, "dp": 2}, 1), ({"tp": 2, "dp": 2}, 3), ({"tp": 4}, 1)]  # tp=4: the 2 kv heads replicated
     for runs, world in ((runs2, 2), (runs4, 4)):
-        for (sizes, zero), (losses, params) in zip(runs, harness.run(world, _train_on, path, runs)[0]):
+        for (sizes, zero), (losses, params) in zip(runs, harness.run(world, _train_on, path, runs)[0], strict=True):
             assert_same(losses, params, f"{sizes} zero={zero}")
 
 
@@ -293,4 +293,4 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpts, tmp_path)
         with torch.no_grad():
             assert (hf_model(input_ids=ref.batch["input_ids"]).logits - ref.logits).abs().max().item() <= 1e-6, kind
         again, cfg2 = fp.hf.load(out)
-        assert cfg2 == cfg and all(torch.equal(x, y) for (_, x), (_, y) in zip(leaves(again), leaves(params)))
+        assert cfg2 == cfg and all(torch.equal(x, y) for (_, x), (_, y) in zip(leaves(again), leaves(params), strict=True))

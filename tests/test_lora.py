@@ -79,7 +79,7 @@ def test_adapted_layer_equals_the_merged_weight(base):
     # under remat the recomputed blocks take tensors: the adapters enter as W + s·B·A, the same gradients
     g1, g2, g3 = grad(lambda a: loss(a, b)), grad(merged_loss), grad(lambda a: remat_loss(a, b))
     paths = [p for p, _ in fp.tree.leaves_with_path(ad)]
-    for p, x, y, z in zip(paths, g1, g2, g3):
+    for p, x, y, z in zip(paths, g1, g2, g3, strict=True):
         assert torch.allclose(x, y, rtol=1e-5, atol=1e-7) and torch.allclose(x, z, rtol=1e-5, atol=1e-7), p
         assert x.abs().sum() > 0, p
     with pytest.raises(LoraError, match=r"LoRA dropout=0.1 with remat: the recomputed forward would draw other masks"):
@@ -113,7 +113,7 @@ def _train(folder, mesh, out=None, steps=3):
     for s in range(steps):
         state, m = step(state, harness.dp_share(batch(seed=s), mesh) if mesh.size > 1 else batch(seed=s))
         losses.append(m["loss"])
-    base_same = all(torch.equal(x, y) for x, (_, y) in zip(before, fp.tree.leaves_with_path(params)))
+    base_same = all(torch.equal(x, y) for x, (_, y) in zip(before, fp.tree.leaves_with_path(params), strict=True))
     state_bytes = sum(x.numel() * x.element_size() for _, x in fp.tree.leaves_with_path(state.opt_state)
                       if isinstance(x, torch.Tensor) and x.ndim)
     out_d = {"losses": losses, "adapters": fp.gather(state.params, lora.specs(), mesh), "base_same": base_same,
@@ -151,9 +151,9 @@ def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
     got = harness.run(4, _train_tp2dp2, base, str(tmp_path))
     for g in got:
         assert g["base_same"]  # the base weights are never written
-        for a, b in zip(g["losses"], ref["losses"]):
+        for a, b in zip(g["losses"], ref["losses"], strict=True):
             assert abs(a - b) <= 2e-6 * abs(b)
-        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(g["adapters"]), fp.tree.leaves_with_path(ref["adapters"])):
+        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(g["adapters"]), fp.tree.leaves_with_path(ref["adapters"]), strict=True):
             # the gradients agree to 1e-5 (test above); AdamW's m/sqrt(v) amplifies their round-off where an element's
             # gradient is tiny: per leaf 3.5e-6 of its norm with torch's fused AdamW kernel (9e-7 with the chain)
             assert (x - y).norm() <= 1e-5 * y.norm() and torch.allclose(x, y, rtol=1e-4, atol=1e-5), p
@@ -276,7 +276,7 @@ def test_dropout_masks_are_the_same_on_every_tp_rank_and_new_each_call(base):
     ref = _dropout_losses(base, 1)
     assert len({round(v, 7) for v in ref}) == 3  # two calls, two masks; both differ from no dropout
     for got in harness.run(2, _dropout_losses, base, 2):  # column- (q) and row-parallel (o) adapters
-        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, ref)), (got, ref)
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, ref, strict=True)), (got, ref)
 
 
 class _DroppedRef:
@@ -327,5 +327,5 @@ def test_dropout_feeds_the_adapters_the_input_masked_and_rescaled(base):
     got, want = loss(ad, b).item(), ref(ad).item()
     assert abs(got - want) <= 1e-6 * abs(want), (got, want)
     g1, g2 = torch.func.grad(lambda a: loss(a, b))(ad), torch.func.grad(ref)(ad)
-    for (path, u), (_, v) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g2)):
+    for (path, u), (_, v) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g2), strict=True):
         assert torch.allclose(u, v, rtol=1e-5, atol=1e-7) and v.abs().sum() > 0, path

@@ -45,7 +45,7 @@ def test_bf16_on_a_mesh_tracks_single_process_and_fp32():
     single, full = [m["loss"] for m in single], [m["loss"] for m in full]
     losses, dtypes, masters, params = harness.run(4, _bf16, {"tp": 2, "dp": 2})[0]
     assert dtypes == {torch.bfloat16} and masters == {torch.float32}
-    for a, b, c in zip(losses, single, full):
+    for a, b, c in zip(losses, single, full, strict=True):
         assert abs(a - b) <= 5e-3 * b  # bf16 round-off differs with the reduction order, nothing more
         assert abs(a - c) <= 2e-2 * c  # and bf16 training follows fp32 training
     assert abs(losses[-1] - losses[0]) > 1e-3  # it trains
@@ -100,4 +100,4 @@ def test_mixed_state_resumes_bit_exact(tmp_path):
     for b in batches()[2:4]:
         state2, m = step2(state2, b)
     assert m["loss"] == ms[-1]["loss"]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(state2.params), fp.tree.leaves_with_path(full.params)))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(state2.params), fp.tree.leaves_with_path(full.params), strict=True))

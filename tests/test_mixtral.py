@@ -198,7 +198,7 @@ def test_logits_loss_and_gradients_match_transformers_on_tp_and_ep_meshes(ckpt, 
     assert abs(weighted - ref.loss.item()) <= 1e-6 * ref.loss.item()
     params, cfg = fp.hf.load(path)
     want = torch.func.grad(lambda p: mixtral.loss(p, b, cfg, fp.Mesh()))(params)  # one process, the whole batch
-    for (p, g), (_, w) in zip(fp.tree.leaves_with_path(results[0][5]), fp.tree.leaves_with_path(want)):
+    for (p, g), (_, w) in zip(fp.tree.leaves_with_path(results[0][5]), fp.tree.leaves_with_path(want), strict=True):
         assert_rel(g, w, 1e-5, f"gradient of {p}")
     assert sorted(load_file(os.path.join(tmp_path / "out", "model.safetensors"))) == sorted(_tensors(path))
     for name, t in load_file(os.path.join(tmp_path / "out", "model.safetensors")).items():
@@ -237,13 +237,13 @@ def test_adamw_steps_with_expert_parallelism_equal_the_single_process_run(ckpt, 
     assert abs(s_losses[0] - ref.loss.item()) <= 1e-6 * ref.loss.item()  # the loss with its load-balancing term
     assert s_losses[-1] < s_losses[0]
     losses, params = harness.run(world, _ep_train, path, sizes)[0]
-    for a, b in zip(losses, s_losses):
+    for a, b in zip(losses, s_losses, strict=True):
         assert abs(a - b) <= 1e-5 * b, (losses, s_losses)
     # per leaf, relative in norm (Adam turns the round-off of a near-zero gradient element into a whole step for
     # that element, so element-wise the expert leaves differ by up to ~1e-5 of their largest value); and against
     # the update: the difference is a tiny fraction of how far the three steps moved the leaf
     for (p, x), (_, y), (_, x0) in zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(s_params),
-                                      fp.tree.leaves_with_path(fp.hf.load(path)[0])):
+                                      fp.tree.leaves_with_path(fp.hf.load(path)[0]), strict=True):
         assert (x - y).norm() <= 1e-5 * y.norm(), p
         assert (x - y).norm() <= 1e-3 * (y - x0).norm(), p  # every leaf moved, every expert included
 

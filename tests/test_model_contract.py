@@ -58,11 +58,11 @@ def _train_on_mesh(folder):
 def test_an_external_model_trains_at_tp2_dp2_and_round_trips_through_hf(tmp_path):
     ref = _train(fp.Mesh())
     got = harness.run(4, _train_on_mesh, str(tmp_path / "hf"))[0]
-    for a, b in zip(got["losses"], ref["losses"]):
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
-    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(got["params"]), fp.tree.leaves_with_path(ref["params"])):
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(got["params"]), fp.tree.leaves_with_path(ref["params"]), strict=True):
         assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), p
-    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(got["back"]), fp.tree.leaves_with_path(got["params"])):
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(got["back"]), fp.tree.leaves_with_path(got["params"]), strict=True):
         assert torch.equal(x, y), p  # export then import at tp=2 x dp=2: the same bits
     assert got["config"]["model_type"] == "tinylm"
     from safetensors import safe_open
@@ -102,7 +102,7 @@ def test_the_staged_form_equals_the_loss(which):
     for whole, staged, covers in [_staged(fp.Mesh(), which), *harness.run(2, _staged_tp2, which)]:
         assert covers  # embed leaves + blocks + head leaves name every top-level leaf
         assert torch.equal(whole[1], staged[1])
-        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(whole[0]), fp.tree.leaves_with_path(staged[0])):
+        for (p, x), (_, y) in zip(fp.tree.leaves_with_path(whole[0]), fp.tree.leaves_with_path(staged[0]), strict=True):
             assert torch.equal(x, y), p
 
 

@@ -111,7 +111,7 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpts, tmp_path)
         with torch.no_grad():
             assert (hf_model(input_ids=b["input_ids"]).logits - logits_ref).abs().max().item() <= 1e-6
         again, _ = fp.hf.load(sharded)
-        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(fp.tree.leaves_with_path(again), fp.tree.leaves_with_path(params)))
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(fp.tree.leaves_with_path(again), fp.tree.leaves_with_path(params), strict=True))
 
 
 def _export_from_mesh(path, out, tp):
@@ -276,7 +276,7 @@ def test_auto_specs_match_the_hand_written_plans(ckpts):
         params, cfg = fp.hf.load(path)
         auto = fp.hf.auto_specs(path)
         plan = fp.hf.name_plan(model, [p for p, _ in fp.tree.leaves_with_path(params)])
-        for (p, spec, _), mp in zip(fp.spec.broadcast_specs(model.specs(cfg), params), plan):
+        for (p, spec, _), mp in zip(fp.spec.broadcast_specs(model.specs(cfg), params), plan, strict=True):
             assert auto[mp.hf] == spec, (kind, p, mp.hf, auto[mp.hf], spec)
     auto = fp.hf.auto_specs(ckpts["gpt2"][0])
     assert auto["transformer.wte.weight"] == P("tp", None)
@@ -335,7 +335,7 @@ def test_gathered_gradients_equal_single_process(ckpts, kind):
     model = fp.get_model(cfg.model_type)
     ref = torch.func.grad(lambda p: model.loss(p, b, cfg=cfg, mesh=fp.Mesh()))(params)
     got = harness.run(4, _sharded_grads, path, 4, b)[0]
-    for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref)):
+    for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref), strict=True):
         err = (g - r).abs().max().item()
         # + 1e-9: GPT-2's key bias has a mathematically zero gradient (softmax ignores a shift shared by all keys)
         assert err <= 1e-5 * r.abs().max().item() + 1e-9, (kind, name, err)

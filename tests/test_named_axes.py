@@ -58,7 +58,7 @@ def test_compile_step_with_only_loss_and_specs_under_with_mesh_equals_the_explic
     for same_mesh, (l1, p1), (l2, p2) in harness.run(4, _in_scope):
         assert same_mesh
         assert l1 == l2 and l1[-1] < l1[0]
-        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p2)):
+        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p2), strict=True):
             assert torch.equal(x, y), path
 
 
@@ -74,10 +74,10 @@ def test_default_optimizer_is_torch_adamw_defaults():
     opt = torch.optim.AdamW(tparams)  # lr 1e-3, weight_decay 1e-2
     # the gradients the step computes (an Adam step amplifies float rounding of near-zero gradients)
     grads, _ = grad_and_value(lambda p: (llama.loss(p, batches(1)[0], cfg, fp.Mesh()), None))(params)
-    for p, g in zip(tparams, [g for _, g in fp.tree.leaves_with_path(grads)]):
+    for p, g in zip(tparams, [g for _, g in fp.tree.leaves_with_path(grads)], strict=True):
         p.grad = g
     opt.step()
-    for (path, x), p in zip(fp.tree.leaves_with_path(state.params), tparams):
+    for (path, x), p in zip(fp.tree.leaves_with_path(state.params), tparams, strict=True):
         assert torch.allclose(x, p.detach(), rtol=1e-5, atol=1e-7), path
 
 
@@ -99,8 +99,8 @@ def _ep_vs_dp():
 def test_a_mesh_with_another_axis_name_trains_as_data_parallel_when_told():
     for out in harness.run(4, _ep_vs_dp):
         (l1, p1), (l2, p2) = out[("dp",)], out[("dp", "ep")]
-        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l1, l2))
-        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p2)):
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l1, l2, strict=True))
+        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p2), strict=True):
             assert torch.allclose(x, y, rtol=1e-5, atol=1e-7), path
 
 

@@ -46,7 +46,7 @@ def _both(sizes, param_dtype=None, zero=1):
 def test_offload_gives_the_same_numbers_on_one_process(param_dtype):
     (l0, p0, _, _), (l1, p1, devices, kind) = _both({}, param_dtype)
     assert l0 == l1 and devices == {"cpu"} and kind == "MixedState"  # fp32 masters on the host even without bf16
-    for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p0), fp.tree.leaves_with_path(p1)):
+    for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p0), fp.tree.leaves_with_path(p1), strict=True):
         assert torch.equal(x, y), path
 
 
@@ -54,7 +54,7 @@ def test_offload_gives_the_same_numbers_on_one_process(param_dtype):
 def test_offload_gives_the_same_numbers_at_tp2_dp2(zero):
     for (l0, p0, _, _), (l1, p1, devices, _) in harness.run(4, _both, {"tp": 2, "dp": 2}, None, zero):
         assert l0 == l1 and devices == {"cpu"}
-        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p0), fp.tree.leaves_with_path(p1)):
+        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p0), fp.tree.leaves_with_path(p1), strict=True):
             assert torch.equal(x, y), path
 
 

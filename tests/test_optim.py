@@ -124,7 +124,7 @@ def test_fused_adamw_equals_the_chain_and_torch_adamw():
     for k in range(STEPS):
         chain_state = opt.update(_grads(params, k), chain_state, _run(opt, params, k))[1]
     assert [x.tolist() for x in optree.tree_leaves(state) if x.ndim == 0] == [STEPS, STEPS]  # the counts
-    for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(chain_state)):
+    for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(chain_state), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the moments: the same state, a checkpoint's too
     assert _state_types(state) == _state_types(chain_state)
 
@@ -227,7 +227,7 @@ def test_hand_built_chain_is_bitwise_adamw():
         u_ours, s_ours = ours.update(grads, s_ours, params)
         u_ref, s_ref = ref.update(grads, s_ref, params)
         assert all(torch.equal(u_ours[n], u_ref[n]) for n in params)
-        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(s_ours), optree.tree_leaves(s_ref)))
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(s_ours), optree.tree_leaves(s_ref), strict=True))
         params = fp.optim.apply_updates(params, u_ours)
 
 
@@ -357,7 +357,7 @@ def test_callers_grads_params_and_state_are_not_written(make):
         before = optree.tree_map(torch.clone, (grads, params, state))
         updates, new_state = opt.update(grads, state, params)
         after = (grads, params, state)
-        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(after)))
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(after), strict=True))
         assert optree.tree_structure(new_state) == optree.tree_structure(state)
         params, state = fp.optim.apply_updates(params, updates), new_state
 
@@ -423,7 +423,7 @@ def test_sums_of_squares_batches_many_tensors_with_one_copy_to_the_host(monkeypa
     # the seven float ones (row path) at once; then the 1e20 (inf), the 1e-21 (subnormal) and the float64 one
     assert copies == [(7,), (3,)]
     assert got.dtype == torch.float64 and got.device.type == "cpu" and got.shape == (9,)
-    for x, s in zip(xs, got):
+    for x, s in zip(xs, got, strict=True):
         exact = (x.double() ** 2).sum()
         if exact.isnan():
             assert s.isnan()

@@ -257,7 +257,7 @@ def test_zero_bubble_keeps_the_plain_orders_and_beats_them(pp, n, chunks):
     assert zb.split() == {(r, a.micro, a.chunk) for r in range(pp) for a in zb.actions[r] if a.kind == "B"}
     # held until W: at most one chunk activation more than the plain schedule holds until B
     got, plain = zb.simulate()["max_in_flight"], base.simulate()["max_in_flight"]
-    assert all(g <= p + 1 for g, p in zip(got, plain)), (got, plain)
+    assert all(g <= p + 1 for g, p in zip(got, plain, strict=True)), (got, plain)
     fast, slow = zb.simulate(1, 2)["makespan"], base.simulate(1, 2)["makespan"]
     assert fast < slow if pp > 1 else fast == slow, (fast, slow)
     assert fast >= 3 * n * chunks  # no rank can finish before its own work

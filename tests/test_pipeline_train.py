@@ -71,9 +71,9 @@ def reference(name, micro):
 
 def assert_equal_runs(got, ref, what):
     (losses, params), (ref_losses, ref_params) = got, ref
-    for k, (a, b) in enumerate(zip(losses, ref_losses)):
+    for k, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {k + 1} loss {a} vs {b}"
-    pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref_params)))
+    pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref_params), strict=True))
     assert [p for (p, _), _ in pairs] == [p for _, (p, _) in pairs]
     # relative to the whole model (a leaf whose true gradient is zero, as GPT-2's key bias, holds Adam's steps on
     # round-off, which no two summation orders share)
@@ -144,7 +144,7 @@ VARIANTS = [
 
 def test_zero_stages_remat_offload_and_uneven_parts_train_as_the_single_process_run():
     results = harness.run(4, _variants, VARIANTS)[0]
-    for kw, (losses, params, _) in zip(VARIANTS, results):
+    for kw, (losses, params, _) in zip(VARIANTS, results, strict=True):
         ref = reference(kw.get("name", "llama"), kw.get("micro", 4))
         assert_equal_runs((losses, params), ref, f"pp=2 dp=2 {kw}")
 
@@ -154,9 +154,9 @@ MIXED = [{"param_dtype": torch.bfloat16}, {"param_dtype": torch.float16, "pipeli
 
 def test_mixed_precision_through_the_pipeline_tracks_the_single_process_run():
     results = harness.run(4, _variants, MIXED)[0]
-    for kw, (losses, _, last) in zip(MIXED, results):
+    for kw, (losses, _, last) in zip(MIXED, results, strict=True):
         single, _, ms = train("llama", fp.Mesh(), 4, **kw)
-        for a, b in zip(losses, single):
+        for a, b in zip(losses, single, strict=True):
             assert abs(a - b) <= 5e-3 * b, (kw, losses, single)  # low-precision round-off, nothing more
         assert "loss_scale" in last and (kw["param_dtype"] != torch.float16 or last["loss_scale"] > 1)
 
@@ -299,7 +299,7 @@ def test_checkpoints_reshard_across_pipeline_stages_and_export_to_hf(tmp_path, f
         assert abs(loss - out["uninterrupted"]) <= 1e-5 * out["uninterrupted"], sizes
         assert_equal_runs(([loss], params), ([out["uninterrupted"]], ref_after), f"{first} -> {sizes}")
     back, _ = fp.hf.load(folder + "-hf", llama)
-    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(back), fp.tree.leaves_with_path(out["whole"])):
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(back), fp.tree.leaves_with_path(out["whole"]), strict=True):
         assert torch.equal(x, y), p
 
 

@@ -56,7 +56,7 @@ def _real(world):
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_the_traced_plan_allocates_what_the_real_step_allocates(world):
-    for case, real in zip(CASES[world], harness.run(world, _real, world)[0]):
+    for case, real in zip(CASES[world], harness.run(world, _real, world)[0], strict=True):
         plan = _planned(*case)
         for key in ("state", "activations", "step_peak", "peak"):
             # the real run's few host scalars (weights, statistics) are the only difference: well under 1%; and a

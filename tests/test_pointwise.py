@@ -67,9 +67,9 @@ CASES = {  # name: (function, input shapes (the last is the output's cotangent),
 
 
 def _run(fn, xs, need, dtype=torch.float32):
-    ins = [x.to(dtype).detach().requires_grad_(n) for x, n in zip(xs, need)]
+    ins = [x.to(dtype).detach().requires_grad_(n) for x, n in zip(xs, need, strict=True)]
     y = fn(*ins)
-    return [y.detach(), *torch.autograd.grad(y, [x for x, n in zip(ins, need) if n])]
+    return [y.detach(), *torch.autograd.grad(y, [x for x, n in zip(ins, need, strict=True) if n])]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -86,7 +86,7 @@ def test_fused_kernels_equal_the_eager_functions_to_round_off(name, calls, monke
     monkeypatch.setattr(Pw, "FUSE", "on")
     fused = _run(fn, xs, need)
     assert all(calls[k] == 1 for k in used), calls  # forward and backward each ran the compiled kernel once
-    for i, (f, e, r) in enumerate(zip(fused, eager, ref)):
+    for i, (f, e, r) in enumerate(zip(fused, eager, ref, strict=True)):
         scale = r.abs().max().item()
         err_f, err_e = (f.double() - r).abs().max().item(), (e.double() - r).abs().max().item()
         assert (f - e).abs().max().item() <= 2e-6 * scale, (name, i)
@@ -100,7 +100,7 @@ def test_auto_fuses_only_large_float32_host_tensors(calls, monkeypatch):
     small = _run(_swiglu, [a, b, g], [True, True, False])
     assert not any(calls.values())
     monkeypatch.setattr(Pw, "FUSE", "off")
-    assert all(torch.equal(s, o) for s, o in zip(small, _run(_swiglu, [a, b, g], [True, True, False])))
+    assert all(torch.equal(s, o) for s, o in zip(small, _run(_swiglu, [a, b, g], [True, True, False]), strict=True))
     monkeypatch.setattr(Pw, "FUSE", "auto")
     _run(_swiglu, [a, b, g], [True, True, False], torch.float64)  # float64: unmeasured, eager
     assert not any(calls.values())
@@ -233,6 +233,6 @@ def test_a_sharded_step_fused_equals_the_single_process_step(tmp_path):
     for _, _, calls, failed in ranks:
         assert all(calls[k] >= 3 for k in KERNELS) and not failed, (calls, failed)  # every rank fused, each step
     losses, got = ranks[0][:2]
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5 * ref_losses[0]
-    for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref)):
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-5 * ref_losses[0]
+    for (name, g), (_, r) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(ref), strict=True):
         assert (g - r).abs().max().item() <= 1e-5 * r.abs().max().item() + 1e-7, name

@@ -147,7 +147,7 @@ def test_a_schedule_that_goes_non_finite_stops_before_updating():
                                            r"nothing was updated") as e:
         step(state, _ids(1))
     after = optree.tree_leaves((e.value.state.params, e.value.state.opt_state))
-    assert len(after) == len(before) and all(torch.equal(x, y) for x, y in zip(after, before))  # moments too
+    assert len(after) == len(before) and all(torch.equal(x, y) for x, y in zip(after, before, strict=True))  # moments too
 
 
 def test_the_command_line_refuses_a_non_finite_learning_rate_before_writing_anything(tmp_path):
@@ -177,7 +177,7 @@ def _bad_token(entry, value, tp):
         batch[entry][1, 3] = value
     with pytest.raises(fp.StepError) as e:
         step(state, batch)
-    same = all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(state.params), before))
+    same = all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(state.params), before, strict=True))
     return str(e.value), same
 
 

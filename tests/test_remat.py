@@ -30,11 +30,11 @@ def test_remat_gives_the_same_gradients_single_and_tensor_parallel():
     b = batches()[0]
     (l1, g1), (l0, g0) = grads(fp.Mesh(), True, b), grads(fp.Mesh(), False, b)
     assert l1.item() == l0.item()
-    for (name, x), (_, y) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g0)):
+    for (name, x), (_, y) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g0), strict=True):
         assert torch.equal(x, y), name  # the same operations on the same inputs
     (l1, g1), (l0, g0) = harness.run(2, _sharded, b)[0]
     assert l1.item() == l0.item()
-    for (name, x), (_, y) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g0)):
+    for (name, x), (_, y) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g0), strict=True):
         assert torch.equal(x, y), name
 
 
@@ -73,7 +73,7 @@ def test_the_steps_gradient_matches_torch_func_and_returns_aux_detached():
     ref_g, (ref_v, ref_aux) = torch.func.grad_and_value(f, has_aux=True)(params, b)
     g, (v, aux) = grad_and_value(f)(params, b)
     assert torch.equal(v, ref_v) and not aux["twice"].requires_grad and torch.equal(aux["twice"], ref_aux["twice"])
-    for (path, x), (_, y) in zip(fp.tree.leaves_with_path(g), fp.tree.leaves_with_path(ref_g)):
+    for (path, x), (_, y) in zip(fp.tree.leaves_with_path(g), fp.tree.leaves_with_path(ref_g), strict=True):
         assert torch.allclose(x, y, rtol=1e-5, atol=1e-8), path
     # a loss that does not depend on the parameters: zero gradients, as torch.func gives
     g0, (v0, _) = grad_and_value(lambda p, batch: (torch.zeros(()), None))(params, b)

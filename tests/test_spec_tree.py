@@ -104,7 +104,7 @@ def test_tree_helpers():
     sel, rest = fp.tree.partition(t, lambda p, x: p.startswith("layers"))
     assert sel["x"].a is None and rest["layers"][0] is None and sel["layers"][1] is t["layers"][1]
     back = fp.tree.combine(sel, rest)
-    assert all(a is b for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(t)))
+    assert all(a is b for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(t), strict=True))
     assert fp.tree.filter(t, lambda p, x: x.numel() > 2)["x"].b is t["x"].b
     assert fp.tree.path_str(()) == "<root>"
 

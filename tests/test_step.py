@@ -105,8 +105,8 @@ def peer(opt="adamw"):
 
 
 def update_ratio(p, ref, init):
-    num = sum((a - b).double().pow(2).sum() for (_, a), (_, b) in zip(fp.tree.leaves_with_path(p), fp.tree.leaves_with_path(ref)))
-    den = sum((a - b).double().pow(2).sum() for (_, a), (_, b) in zip(fp.tree.leaves_with_path(ref), fp.tree.leaves_with_path(init)))
+    num = sum((a - b).double().pow(2).sum() for (_, a), (_, b) in zip(fp.tree.leaves_with_path(p), fp.tree.leaves_with_path(ref), strict=True))
+    den = sum((a - b).double().pow(2).sum() for (_, a), (_, b) in zip(fp.tree.leaves_with_path(ref), fp.tree.leaves_with_path(init), strict=True))
     return math.sqrt(num / den)
 
 
@@ -124,9 +124,9 @@ def test_adamw_steps_match_single_process_and_transformers(sizes, world):
     p_losses, p_norms, p_params = peer()
     init = llama.init(config(), seed=0)
     # the single-process funcpar run is itself the peer's run
-    for a, b in zip(s_losses, p_losses):
+    for a, b in zip(s_losses, p_losses, strict=True):
         assert rel(a, b) <= 1e-5
-    for a, b in zip(s_norms, p_norms):
+    for a, b in zip(s_norms, p_norms, strict=True):
         assert rel(a, b) <= 1e-5 and b > CLIP  # clipping is active on every step
     assert update_ratio(s_params, p_params, init) <= 1e-4
     per_rank = harness.run(world, _sharded_runs, sizes, RUNS)
@@ -159,14 +159,14 @@ def test_sgd_and_lion_match_single_process_and_peers():
     s_losses, _, s_params = single("sgd")
     p_losses, _, p_params = peer("sgd")
     losses, _, params = res["sgd"]
-    for a, b, c in zip(losses, s_losses, p_losses):
+    for a, b, c in zip(losses, s_losses, p_losses, strict=True):
         assert rel(a, b) <= 1e-5 and rel(a, c) <= 1e-5
-    for (name, x), (_, y), (_, z) in zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(s_params), fp.tree.leaves_with_path(p_params)):
+    for (name, x), (_, y), (_, z) in zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(s_params), fp.tree.leaves_with_path(p_params), strict=True):
         assert (x - y).abs().max() <= 1e-5 and (x - z).abs().max() <= 1e-5, name
     # Lion against the single-process run and against Lion written out by hand on transformers' gradients
     s_losses, _, s_params = single("lion")
     losses, _, params = res["lion"]
-    for a, b, c in zip(losses, s_losses, lion_by_hand()):
+    for a, b, c in zip(losses, s_losses, lion_by_hand(), strict=True):
         assert rel(a, b) <= 1e-5 and rel(a, c) <= 1e-5
     assert update_ratio(params, s_params, init) <= 1e-4
 
@@ -187,7 +187,7 @@ def lion_by_hand():
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(ps, CLIP)
         with torch.no_grad():
-            for p, m in zip(ps, mom):
+            for p, m in zip(ps, mom, strict=True):
                 c = 0.9 * m + 0.1 * p.grad
                 p.add_(torch.sign(c) + WD * p, alpha=-1e-3)
                 m.mul_(0.99).add_(p.grad, alpha=0.01)
@@ -217,7 +217,7 @@ def _count_collectives(layers):
         return lambda *a, **k: (calls.append(name), f(*a, **k))[1]
 
     (dist.all_reduce, C._all_gather_flat, C._reduce_scatter_flat, dist.broadcast, dist.batch_isend_irecv,
-     C.ring_all_gather, C.ring_reduce_scatter) = [spy(n, f) for n, f in zip(names, saved)]
+     C.ring_all_gather, C.ring_reduce_scatter) = [spy(n, f) for n, f in zip(names, saved, strict=True)]
     try:
         step(state, b)
     finally:
@@ -328,11 +328,11 @@ def test_step_is_functional_with_donate_false(zero):
     tensors = lambda s: [x for _, x in fp.tree.leaves_with_path(s) if isinstance(x, torch.Tensor)]  # noqa: E731
     snapshot = [x.clone() for x in tensors(state)]
     new, m = step(state, batches()[1])
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, tensors(state)))  # the old state is intact
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, tensors(state), strict=True))  # the old state is intact
     assert new.step == state.step + 1 == 2 and m["step"] == 2 and m["lr"] == LR and m["tokens"] == B * T
     assert not torch.equal(new.params["norm"], state.params["norm"])
     again, _ = step(state, batches()[1])  # and usable again: the same step from the same state
-    assert all(torch.equal(a, b) for a, b in zip(tensors(new), tensors(again)))
+    assert all(torch.equal(a, b) for a, b in zip(tensors(new), tensors(again), strict=True))
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -359,7 +359,7 @@ def test_a_consumed_state_raises_and_donation_changes_no_number(zero):
             step(old, batches()[3])
     assert losses == runs[False][2]  # donation changes no number
     last, last_ref = states[-1], runs[False][1][-1]
-    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(last[:2]), fp.tree.leaves_with_path(last_ref[:2])):
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(last[:2]), fp.tree.leaves_with_path(last_ref[:2]), strict=True):
         assert torch.equal(x, y), p
     state, m = step(states[-1], batches()[3])  # the live state goes on
     assert m["step"] == 4
@@ -384,7 +384,7 @@ def test_masked_freezes_leaves_and_decay_mask_matches_torch_param_groups(tmp_pat
     # ... and it survives a checkpoint round trip bit for bit
     step.save(tmp_path / "c", state)
     again, _ = step.load(tmp_path / "c")
-    for (n, a), (_, b) in zip(fp.tree.leaves_with_path(again.opt_state), fp.tree.leaves_with_path(state.opt_state)):
+    for (n, a), (_, b) in zip(fp.tree.leaves_with_path(again.opt_state), fp.tree.leaves_with_path(state.opt_state), strict=True):
         assert torch.equal(a, b), n
     # decay only on matrices, as torch.optim.AdamW with two parameter groups does it
     step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh,
@@ -427,4 +427,4 @@ def test_compiled_step_matches_eager():
         for b in batches()[:3]:
             state, m = step(state, b)
             losses[compiled].append(m["loss"])
-    assert all(rel(a, b) <= 1e-5 for a, b in zip(losses[True], losses[False])), losses
+    assert all(rel(a, b) <= 1e-5 for a, b in zip(losses[True], losses[False], strict=True)), losses

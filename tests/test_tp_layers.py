@@ -166,11 +166,11 @@ def _column_parallel_case(tp):
     cs = [torch.randn(B, T, w.shape[0], generator=torch.Generator().manual_seed(10 + m.coord("tp"))) for w in ws]
 
     def objective(fn, x, *wb):
-        return sum((c * y.sin()).sum() for c, y in zip(cs, fn(x, list(wb[:3]), list(wb[3:]))))
+        return sum((c * y.sin()).sum() for c, y in zip(cs, fn(x, list(wb[:3]), list(wb[3:])), strict=True))
 
     fused = lambda x, w, b: L.column_parallel(x, w, m, "tp", b)  # noqa: E731
-    composed = lambda x, w, b: [F.linear(C.copy_to_region(x, m, "tp"), wi, bi) for wi, bi in zip(w, b)]  # noqa: E731
-    out = {"fwd": [(a - b).abs().max().item() for a, b in zip(fused(x, ws, bs), composed(x, ws, bs))]}
+    composed = lambda x, w, b: [F.linear(C.copy_to_region(x, m, "tp"), wi, bi) for wi, bi in zip(w, b, strict=True)]  # noqa: E731
+    out = {"fwd": [(a - b).abs().max().item() for a, b in zip(fused(x, ws, bs), composed(x, ws, bs), strict=True)]}
     leaves = [x, *ws, bs[0], bs[2]]
     for name, fn in (("fused", fused), ("composed", composed)):
         args = [t.detach().requires_grad_(t is not ws[2]) for t in leaves]  # ws[2] frozen
@@ -211,7 +211,7 @@ def test_column_parallel_equals_the_composition_and_overlaps_its_all_reduce(tp):
     for rank, res in enumerate(harness.run(tp, _column_parallel_case, tp)):
         assert max(res["fwd"]) == 0.0, f"rank {rank}: forward differs from copy_to_region + F.linear"
         for path in ("autograd", "func"):
-            for got, want in zip(res["fused " + path], res["composed " + path]):
+            for got, want in zip(res["fused " + path], res["composed " + path], strict=True):
                 assert_rel(got, want, what=f"tp={tp} rank {rank} {path} gradient")
         assert_rel(res["fused vmap"], res["composed vmap"], what=f"tp={tp} rank {rank} vmap")
         ev = res["events"]
@@ -246,18 +246,18 @@ def test_fused_elementwise_layers_equal_their_composition(name, dtype):
     got, want = torch.func.grad(loss(fused), argnums)(*args), torch.func.grad(loss(ref), argnums)(*args)
     leaves = [a.clone().requires_grad_(i < k) for i, a in enumerate(args)]  # autograd, once and differentiable
     once = torch.autograd.grad(loss(fused)(*leaves), leaves[:k])
-    for a, b in zip(once, torch.autograd.grad(loss(ref)(*leaves), leaves[:k])):
+    for a, b in zip(once, torch.autograd.grad(loss(ref)(*leaves), leaves[:k]), strict=True):
         assert torch.equal(a, b)
     g1 = torch.autograd.grad(loss(fused)(*leaves), leaves[:k], create_graph=True)
     g2 = torch.autograd.grad(loss(ref)(*leaves), leaves[:k], create_graph=True)
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         assert torch.equal(a, b)
     h1 = torch.autograd.grad(sum((g ** 2).sum() for g in g1), leaves[:k])  # differentiated twice
     h2 = torch.autograd.grad(sum((g ** 2).sum() for g in g2), leaves[:k])
-    for a, b in zip(h1, h2):  # (differentiating the backward's own operations: the same to round-off)
+    for a, b in zip(h1, h2, strict=True):  # (differentiating the backward's own operations: the same to round-off)
         tol = 1e-13 if dtype == torch.float64 else 1e-5
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-    for a, b in zip(got, want):  # bit for bit
+    for a, b in zip(got, want, strict=True):  # bit for bit
         assert torch.equal(a, b)
     if name == "swiglu":  # it keeps only its inputs for the backward
         saved = []
@@ -293,7 +293,7 @@ def test_fused_rms_norm_values_bit_equal_gradients_to_round_off():
     fused, composed = vjp(fp.layers.rms_norm, x, w), vjp(_rms_composed, x, w)
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
     fp.layers.rms_norm(*leaves, eps).backward(g)
-    for got, ref, want, lv in zip(fused, composed, exact, leaves):
+    for got, ref, want, lv in zip(fused, composed, exact, leaves, strict=True):
         err = lambda t: ((t.double() - want).abs().max() / want.abs().max()).item()  # noqa: E731
         assert err(got) <= max(2 * err(ref), 2e-7), (err(got), err(ref))  # round-off, as the composition's
         assert torch.equal(lv.grad, got)  # .backward() and torch.func agree

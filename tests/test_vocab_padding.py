@@ -83,7 +83,7 @@ def test_odd_vocabulary_on_tp_2_and_4(ckpts, kind, tmp_path):
         for _, loss, _, rows in results:
             assert abs(loss - loss_ref) <= 1e-5 * loss_ref and rows == 128
         grads = results[0][2]
-        for (name, g), (_, r) in zip(fp.tree.leaves_with_path(grads), fp.tree.leaves_with_path(ref_grads)):
+        for (name, g), (_, r) in zip(fp.tree.leaves_with_path(grads), fp.tree.leaves_with_path(ref_grads), strict=True):
             assert (g - r).abs().max() <= 1e-5 * r.abs().max() + 1e-9, (kind, tp, name)
         table = grads["embed"] if kind == "llama" else grads["wte"]
         assert table[V:].abs().max() == 0  # padding rows learn nothing
@@ -110,4 +110,4 @@ def test_training_with_an_odd_vocabulary_matches_single_process(ckpts):
     path = ckpts["llama"][0]
     single = _train(None, path, 3)
     for losses in harness.run(4, _train, {"tp": 2, "dp": 2}, path, 3):
-        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, single)), (losses, single)
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, single, strict=True)), (losses, single)

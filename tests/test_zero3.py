@@ -58,12 +58,12 @@ def test_zero3_equals_the_single_process_run_and_holds_a_share_of_the_parameters
     init = llama.init(config(), seed=0)
     total = sum(x.numel() for _, x in fp.tree.leaves_with_path(init))
     for losses, norms, params, held, parts in harness.run(math.prod(sizes.values()), _on, sizes):
-        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses))
-        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(norms, ref_norms))
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(norms, ref_norms, strict=True))
         moved = math.sqrt(sum((r - i).pow(2).sum().item() for (_, r), (_, i) in
-                              zip(fp.tree.leaves_with_path(ref), fp.tree.leaves_with_path(init))))
+                              zip(fp.tree.leaves_with_path(ref), fp.tree.leaves_with_path(init), strict=True)))
         diff = math.sqrt(sum((p - r).pow(2).sum().item() for (_, p), (_, r) in
-                             zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref))))
+                             zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref), strict=True)))
         assert diff <= 1e-4 * moved  # the update equals the single-process one (Adam amplifies round-off: the bar
         # test_step holds ZeRO-1/2 to)
         assert abs(held - total / parts) <= 0.01 * total / parts  # between steps: total/(tp*dp) per rank
@@ -93,7 +93,7 @@ def test_zero3_checkpoints_resume_at_zero1_and_on_another_mesh_and_export_to_hf(
     assert abs(out["zero1"] - out["uninterrupted"]) <= 1e-6 * out["uninterrupted"]
     assert abs(out["dp4-zero3"] - out["uninterrupted"]) <= 1e-6 * out["uninterrupted"]
     back, _ = fp.hf.load(folder + "-hf", llama)
-    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(back), fp.tree.leaves_with_path(out["whole"])):
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(back), fp.tree.leaves_with_path(out["whole"]), strict=True):
         assert torch.equal(x, y), p
 
 
@@ -128,8 +128,8 @@ def _gpt2_both():
 def test_zero3_with_tied_embeddings_equals_zero1():
     # GPT-2's head is its embedding: the embedding unit is gathered at both ends and its gradient sums both uses
     for (l1, p1), (l3, p3) in harness.run(2, _gpt2_both):
-        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l1, l3))
-        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p3)):
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l1, l3, strict=True))
+        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p1), fp.tree.leaves_with_path(p3), strict=True):
             assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), path
 
 
