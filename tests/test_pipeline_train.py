@@ -2,14 +2,13 @@
 
 Every mesh runs every schedule (GPipe, 1F1B, interleaved 1F1B) at 4 and 8 micro-batches, for an untied Llama, a
 tied-embedding Llama and GPT-2 (tied), and zero bubble (plain and interleaved) on two of them: per-step losses and
-the gathered parameters after 3 AdamW steps (with clipping) must equal the single-process run's.
+the gathered parameters after 3 AdamW steps (with clipping) must equal the single-process run's. (The measured
+bubble against the planned one is a wall-clock figure: bench/pipeline_bubble.py.)
 """
 
 import dataclasses
 import functools
 import math
-import statistics
-import time
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ import torch
 import funcpar as fp
 import harness
 import hf_fixtures
-import tinylm
 from funcpar.models import gpt2, llama
 
 V, B, T, LAYERS = 96, 16, 8, 8
@@ -198,69 +196,6 @@ def test_stage_plans_name_the_numbers_that_do_not_fit():
     held = {p for p, _ in fp.tree.leaves_with_path(step.pipe.plan.select(meta))}  # pp rank 0's
     assert {"layers.1.wq", "layers.1.attn_norm", "layers.4.w_down", "layers.0.w_up"} <= held
     assert not {"layers.1.w_up", "layers.1.mlp_norm", "layers.4.wo", "layers.2.wq"} & held
-
-
-class _Busy(torch.autograd.Function):
-    """Holds its rank for a fixed time, forward and (twice as long) backward, as a block's compute would: the measured
-    bubble then depends on the schedule alone, not on how busy the machine is. Its backward's time is half the
-    input's gradient and half a weight's (a zero gradient), so a zero-bubble schedule's split passes take half each
-    (:func:`funcpar.splitgrad.wanted`)."""
-
-    @staticmethod
-    def forward(x, w):
-        time.sleep(BUSY_S)
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.w_shape = inputs[1].shape
-
-    @staticmethod
-    def backward(ctx, g):
-        need = fp.splitgrad.wanted(ctx, (True, True))
-        time.sleep(BUSY_S * sum(need))
-        return g if need[0] else None, g.new_zeros(ctx.w_shape) if need[1] else None
-
-
-BUSY_S = 0.006
-
-
-def _busy_block(lp, x, i, cfg, mesh):
-    # the norm's weight given to _Busy alone (the block gets a copy outside autograd): used once, its gradient is
-    # _Busy's alone, so the weight pass runs _Busy's backward and nothing above it (a leaf used twice in a chunk
-    # would have the weight pass run the path between its uses again)
-    return _Busy.apply(tinylm._block({**lp, "norm": lp["norm"].detach()}, x, i, cfg, mesh), lp["norm"])
-
-
-def _bubbles(micro):
-    mesh = harness.mesh(pp=2)
-    model = dataclasses.replace(tinylm.MODEL, name="busy", stages=dataclasses.replace(tinylm.MODEL.stages,
-                                                                                      block=_busy_block))
-    cfg = tinylm.Config(vocab_size=V, d_model=16, d_hidden=32, n_layers=LAYERS)
-    specs = model.specs(cfg, mesh)
-    ids = torch.randint(0, V, (micro, T), generator=torch.Generator().manual_seed(0))
-    out = {}
-    for pipeline, chunks in SCHEDULES:
-        stages = 2 * (chunks or 1)  # equal layers a stage: equal busy time (the default cut would weigh the head)
-        step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, accum_steps=micro, pipeline=pipeline,
-                               chunks=chunks, parts=[LAYERS // stages] * stages)
-        state = step.init(fp.shard(model.init(cfg), specs, mesh))
-        measured = []
-        for _ in range(4):
-            state, m = step(state, {"input_ids": ids})
-            measured.append(m["bubble"])
-        out[(pipeline, chunks)] = statistics.median(measured[1:])
-    return out
-
-
-def test_the_measured_bubble_follows_the_schedule_and_interleaving_shrinks_it():
-    for micro in (4, 8):
-        measured = harness.run(2, _bubbles, micro)[0]
-        for pipeline, chunks in SCHEDULES:
-            planned = fp.pipeline.make_schedule(pipeline, 2, micro, chunks or 1).simulate()["bubble"]
-            assert abs(measured[(pipeline, chunks)] - planned) <= 0.05, (micro, pipeline, chunks, measured, planned)
-        one = measured[("1f1b", None)]
-        assert measured[("interleaved", 2)] < one - 0.01 and measured[("zb", None)] < one - 0.01, (micro, measured)
 
 
 def _reshard(folder, first, then, pipeline, chunks):
