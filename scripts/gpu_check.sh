@@ -45,7 +45,7 @@ tier=$?
     echo '```'
     tail -1 "$OUT/tier.log"
     grep -E "^(FAILED|ERROR) " "$OUT/tier.log" | head -20
-    grep -E "^plan \{" "$OUT/tier.log"
+    grep -oE "plan \{.*" "$OUT/tier.log"
     echo '```'
 } >> "$S"
 
@@ -83,7 +83,7 @@ if [ "$left" -gt 60 ]; then
         --plot "$OUT/results.png" > "$OUT/bench.log" 2>&1
     bench=$?
     { echo; echo "## Benchmark (benchmarks/run.py --meshes 1 --size small): exit $bench, $(elapsed) s"
-      echo '```'; grep -iE "funcpar|eager|ratio" "$OUT/RESULTS.md" 2>/dev/null | head -12; echo '```'; } >> "$S"
+      echo '```'; grep -E "^\| (Mesh|mesh \| (implementation|funcpar s/step))" "$OUT/RESULTS.md" 2>/dev/null | head -8; echo '```'; } >> "$S"
 else
     { echo; echo "## Benchmark: skipped ($left s left of the 8 minutes)"; } >> "$S"
 fi
