@@ -21,6 +21,7 @@ and keep only the local part across micro-batches.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import uuid
@@ -342,15 +343,7 @@ class Step:
         return rows * self._data_size() * (first.numel() // max(1, first.shape[0]) if first.ndim > 1 else 1)
 
 
-def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
-                 optimizer: GradientTransformation | None = None, zero: int = 1, accum_steps: int = 1,
-                 clip_norm: float | None = None, has_aux: bool = False, check: bool = True,
-                 weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
-                 bucket_mb: float = 64, compile: bool | str = "auto", param_dtype: torch.dtype | None = None,
-                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
-                 offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[float] | None = None, nonfinite: str = "error", max_skips: int = 20,
-                 host_malloc: str = "keep") -> Step:
+def compile_step(loss_fn: Callable, specs: Any, **options: Any) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
@@ -385,9 +378,12 @@ def compile_step(loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
     the next step instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`;
     process-wide, left alone where the environment configures malloc); ``"system"`` leaves malloc as it is.
     """
-    return Step(loss_fn, specs, mesh=mesh, optimizer=optimizer, zero=zero, accum_steps=accum_steps,
-                clip_norm=clip_norm, has_aux=has_aux, check=check, weight_fn=weight_fn, data_axes=data_axes,
-                bucket_mb=bucket_mb, compile=compile, param_dtype=param_dtype, loss_scale=loss_scale,
-                growth_interval=growth_interval, donate=donate, offload=offload,
-                pipeline=pipeline, chunks=chunks, parts=parts, nonfinite=nonfinite, max_skips=max_skips,
-                host_malloc=host_malloc)
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"compile_step() got unknown option(s) {', '.join(unknown)}: it takes {', '.join(_OPTIONS)}")
+    return Step(loss_fn, specs, **options)
+
+
+# the options are written once, on Step.__init__: help(compile_step) and IDEs show them from there
+compile_step.__signature__ = inspect.signature(Step).replace(return_annotation="Step")
+_OPTIONS = [n for n, p in inspect.signature(Step).parameters.items() if p.kind is p.KEYWORD_ONLY]

@@ -428,3 +428,13 @@ def test_compiled_step_matches_eager():
             state, m = step(state, b)
             losses[compiled].append(m["loss"])
     assert all(rel(a, b) <= 1e-5 for a, b in zip(losses[True], losses[False], strict=True)), losses
+
+
+def test_compile_step_names_an_unknown_option_and_the_ones_it_takes():
+    # its options are written once (Step.__init__); compile_step shows them in its signature and its error
+    import inspect
+
+    assert list(inspect.signature(fp.compile_step).parameters)[:4] == ["loss_fn", "specs", "mesh", "optimizer"]
+    with pytest.raises(TypeError, match=r"compile_step\(\) got unknown option\(s\) overlap: it takes mesh, "
+                                        r"optimizer, zero, accum_steps"):
+        fp.compile_step(lambda p, b: 0.0, {}, overlap=True)
