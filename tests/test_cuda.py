@@ -38,20 +38,7 @@ def _exact_float32():
 
 
 def _checkpoint(kind, folder):
-    """A transformers model of ``kind`` saved to ``folder`` (the other test modules' tiny configs), and a batch."""
-    import transformers as tf
-
-    if kind == "bloom":
-        from test_bloom import _batch, _make_checkpoint
-
-        return _make_checkpoint("h4", folder), _batch()
-    if kind == "mixtral":
-        from test_mixtral import batches, hf_config
-
-        torch.manual_seed(0)
-        model = tf.MixtralForCausalLM(hf_config()).eval()
-        model.save_pretrained(folder, save_original_format=False)
-        return model, batches(1)[0]
+    """A transformers model of ``kind`` saved to ``folder`` (tests/hf_fixtures.py's tiny configs), and a batch."""
     return make_checkpoint(kind, folder), batch()
 
 

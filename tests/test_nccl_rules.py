@@ -14,7 +14,29 @@ import funcpar as fp
 import harness
 from funcpar import p2p, transport
 
-from test_pipeline_train import batches, local, make
+V, B, T = 96, 16, 8
+
+
+def batches(n):
+    return harness.token_batches(n, V, B, T, seed=70, masked=5)
+
+
+local = harness.dp_share
+
+
+def _config(layers):
+    from funcpar.models import llama
+
+    return llama.Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_windows=(None,) * layers)
+
+
+def make(mesh, micro, pipeline, chunks):
+    model, cfg = fp.get_model("llama"), _config(4)
+    specs = model.specs(cfg, mesh)
+    step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, optimizer=fp.optim.adamw(1e-3, weight_decay=0.1),
+                           accum_steps=micro, clip_norm=0.5, pipeline=pipeline, chunks=chunks)
+    return step, specs, model, cfg
 
 
 def _tags_swapped(use_tags: bool):
@@ -67,7 +89,7 @@ def _pipeline_run(sizes, pipeline, chunks, use_tags):
     mesh = harness.mesh(**sizes)
     old, p2p.USE_TAGS = p2p.USE_TAGS, use_tags
     try:
-        step, specs, model, cfg = make("llama:4", mesh, 4, pipeline, chunks)
+        step, specs, model, cfg = make(mesh, 4, pipeline, chunks)
         state = step.init(fp.shard(model.init(cfg, seed=0), specs, mesh))
         losses = []
         with transport.recording() as log:
@@ -101,13 +123,8 @@ def test_every_pipeline_schedule_keeps_nccls_rules_and_runs_without_tags(pipelin
 
 
 def _data_parallel_run(sizes, zero):
-    from funcpar.models import llama
-
     mesh = harness.mesh(**sizes)
-    cfg = llama.Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_windows=(None,) * 2)
-    model = fp.get_model("llama")
-    cfg = cfg.with_mesh(mesh)
+    model, cfg = fp.get_model("llama"), _config(2).with_mesh(mesh)
     specs = model.specs(cfg, mesh)
     step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, zero=zero, accum_steps=2, clip_norm=1.0)
     state = step.init(fp.shard(model.init(cfg, seed=0), specs, mesh))
