@@ -40,7 +40,7 @@ from .mesh import Mesh
 from .model import get_model
 from .spec import P, broadcast_specs, global_shape, local_slice
 from .state import TrainState
-from .tree import leaves_with_path
+from .tree import first_difference, leaves_with_path
 
 __all__ = ["save", "load", "load_params", "export_hf", "metadata", "CheckpointError", "resolve"]
 
@@ -134,9 +134,8 @@ def save(path, state: TrainState, layout: ZeroLayout | None, *, run: str, extra:
 
         tensors: dict[str, torch.Tensor] = {}
         # a pipeline's tied leaf is held by two stages: the first writes it
-        elsewhere = uncounted
-        params_meta.extend(_param_pieces(state, layout, mesh, fname, tensors, elsewhere))
-        opt_meta = _opt_pieces(state, layout, mesh, params_meta, fname, tensors, elsewhere)
+        params_meta.extend(_param_pieces(state, layout, mesh, fname, tensors, uncounted))
+        opt_meta = _opt_pieces(state, layout, mesh, params_meta, fname, tensors, uncounted)
         rng, state_bytes = f"rng/torch/{mesh.rank}", torch.get_rng_state()
         n = state_bytes.numel()
         tensors[rng] = (state_bytes, [_piece(rng, fname, state_bytes, [[0, n]], [0, n])])
@@ -338,9 +337,7 @@ def _load_opt(src: Source, lay: ZeroLayout, fresh: TrainState, gshapes: list, me
     # list is in stage order)
     fits = set(o_paths) <= set(saved_opt) if staged else set(o_paths) == set(saved_opt)
     if not fits:
-        # the first difference of two lists that may differ in length
-        first = next((i for i, (x, y) in enumerate(zip(saved_opt, o_paths, strict=False)) if x != y),
-                     min(len(saved_opt), len(o_paths)))
+        first = first_difference(saved_opt, o_paths)
         have = saved_opt[first] if first < len(saved_opt) else "(absent)"
         want = o_paths[first] if first < len(o_paths) else "(absent)"
         raise CheckpointError(

@@ -67,6 +67,11 @@ def _local_ranks() -> tuple[int, int]:
     return local_rank, max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
 
 
+def _default_backend(device: torch.device) -> str:
+    """torch.distributed's backend for ranks on ``device``: NCCL for CUDA tensors (gloo beside it for host ones)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def _too_few_gpus(local_world: int, gpus: int) -> str:
     n, seen = max(gpus, 1), os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f"CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else "torch.cuda.device_count()"
@@ -190,7 +195,7 @@ class Mesh:
         self.device, why_not_gpu = resolve_device(device, local_world=None if self.size > 1 else 1)
         if why_not_gpu:
             warnings.warn(f"funcpar: the ranks run on the CPU: {why_not_gpu}", stacklevel=2)
-        self.backend = backend or ("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
+        self.backend = backend or _default_backend(self.device)
         self.traffic: dict[str, float] = {}  # bytes this rank has sent by axis (ring count; funcpar.collectives)
         self._groups: dict[str, Any] = {}
         self._lanes: dict[tuple, Any] = {}  # (axis, k) -> extra groups over an axis, built on first use (see lane)
@@ -401,7 +406,7 @@ class AbstractMesh(Mesh):
             self.device = resolve_device("auto", local_rank=0, local_world=1)[0]
         else:
             self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
-        self.backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        self.backend = _default_backend(self.device)
         self.rank, self._coords = 0, {a: 0 for a in self._sizes}
         self._group_ranks = {a: [self.rank_of(**{a: i}) for i in range(n)] for a, n in self._sizes.items()}
         self.traffic: dict[str, float] = {}

@@ -169,9 +169,10 @@ class Executor:
     def _channel(self, kind: int, v: int) -> int:
         """The communicator of the message virtual stage ``v`` sends (``kind`` 0 and 1: activations, 2: gradients):
         activations to the next rank on 0, gradients to the previous on 1, and where an interleaved schedule wraps
-        around (the last rank's activations to rank 0, rank 0's gradients to the last) on 2 and 3. So every
-        communicator carries messages one way between two ranks, each stream in one order on both ends: what
-        NCCL, which ignores tags, needs (tests/test_nccl_rules.py)."""
+        around (the last rank's activations to rank 0, rank 0's gradients to the last) on 2 and 3. So every stream
+        of the schedule flows one way between two ranks on a communicator of its own, in one order on both ends:
+        what NCCL, which ignores tags, needs (tests/test_nccl_rules.py; a tied leaf's exchange after the walk is
+        one batched send/receive, p2p.sendrecv)."""
         pp = self.plan.pp
         if kind < 2:
             return 2 if v % pp == pp - 1 else 0

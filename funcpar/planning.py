@@ -97,12 +97,12 @@ def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None) -> d
     ids = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
     if step.compiled is True:
         raise ValueError("a compile=True step cannot be traced on meta tensors: plan it with compile='auto' or False")
-    bound = step.compiled == "auto"
-    step.compiled = False if bound else step.compiled  # (auto_compiled's own switch: the eager gradient)
+    bound, was = step.compiled == "auto", step.compiled
+    step.compiled = False  # (auto_compiled's own switch: the eager gradient, for this trace only)
     try:
         out = trace_step(step, local_params(like, step.specs, step.mesh), {"input_ids": ids, "labels": ids})
     finally:
-        step.compiled = "auto" if bound else step.compiled
+        step.compiled = was
     out["bound"] = bound
     out["runtime"] = runtime_bytes() if step.mesh.device.type == "cpu" else 0
     return out

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 
+from .tree import first_difference
+
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
@@ -136,8 +138,7 @@ def check_sequences(logs: list[list[tuple]]) -> None:
         first = group[0]
         for r, seq in seqs.items():
             if seq != seqs[first]:
-                k = next((i for i, (a, b) in enumerate(zip(seq, seqs[first], strict=False)) if a != b),
-                         min(len(seq), len(seqs[first])))
+                k = first_difference(seq, seqs[first])
                 raise CollectiveError(
                     f"ranks {first} and {r} of group {list(group)} post different collectives: #{k} is "
                     f"{_entry(seqs[first], k)} on rank {first} and {_entry(seq, k)} on rank {r} (NCCL would hang "
@@ -145,7 +146,7 @@ def check_sequences(logs: list[list[tuple]]) -> None:
     for pair in sorted(set(sends) | set(recvs)):
         s, r = sends.get(pair, []), recvs.get(pair, [])
         if s != r:
-            k = next((i for i, (a, b) in enumerate(zip(s, r, strict=False)) if a != b), min(len(s), len(r)))
+            k = first_difference(s, r)
             group, src, dst = pair
             raise CollectiveError(
                 f"messages from rank {src} to rank {dst} (group {list(group)}): send #{k} is {_entry(s, k)} but "

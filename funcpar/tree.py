@@ -17,6 +17,7 @@ __all__ = [
     "partition",
     "combine",
     "filter",
+    "first_difference",
 ]
 
 
@@ -82,3 +83,8 @@ def combine(*trees: Any) -> Any:
     for items in zip(*(leaves for leaves, _ in flat), strict=True):
         out.append(next((x for x in items if x is not None), None))
     return optree.tree_unflatten(treedef, out)
+
+
+def first_difference(a: list, b: list) -> int:
+    """The first index where ``a`` and ``b`` differ; where one is a prefix of the other, the shorter one's length."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
