@@ -3,8 +3,9 @@
     python bench/plan_vs_measured.py                          # 165M-parameter Llama, the meshes below, 4 CPU ranks
     python bench/plan_vs_measured.py --hidden 256 --layers 2 --vocab 4096 --cases "dp=2:1,tp=2:1"
 
-For each case ``MESH:ZERO[:OPTION...]`` (options: ``remat``, ``accum2``, ``sgd``, ``bf16``) it traces the train step on
-meta tensors (:func:`funcpar.planning.trace_step`, what ``funcpar plan`` prints) and then runs the same step for real
+For each case ``MESH:ZERO[:OPTION...]`` (options: ``remat``, ``accum2``, ``sgd``, ``bf16``, ``eager``: compile=False)
+it traces the train step on meta tensors (:func:`funcpar.planning.trace_plan`, what ``funcpar plan`` prints; a step
+that ``compile="auto"`` compiles, on one GPU, gets the eager trace as an upper bound, shown as ``<=``) and then runs the same step for real
 under ``torchrun`` from an HF folder (``fp.hf.load``, ``--steps`` steps of AdamW with clipping), and reports the
 largest per-rank peak of the real run: ``torch.cuda.max_memory_allocated`` on a GPU, the peak resident set
 (``ru_maxrss``) on a CPU. On a CPU the plan adds the runtime's own resident set (python, torch, funcpar: measured
@@ -61,7 +62,8 @@ def _step(llama, cfg, mesh, zero, opts, args):
     opt = fp.optim.sgd(1e-3) if "sgd" in opts else fp.optim.adamw(1e-3, weight_decay=0.01)
     return fp.compile_step(llama.loss_fn(cfg, mesh, remat="remat" in opts), llama.specs(cfg, mesh), mesh=mesh,
                            optimizer=opt, zero=zero, clip_norm=1.0, accum_steps=2 if "accum2" in opts else 1,
-                           param_dtype=torch.bfloat16 if "bf16" in opts else None)
+                           param_dtype=torch.bfloat16 if "bf16" in opts else None,
+                           compile=False if "eager" in opts else "auto")
 
 
 def _batch(args, mesh, device):
@@ -77,15 +79,15 @@ def predict(axes, zero, opts, args) -> dict:
     import torch
 
     import funcpar as fp
-    from funcpar.planning import local_params, runtime_bytes, trace_step
+    from funcpar.planning import trace_plan
 
-    mesh = fp.Mesh.abstract(**axes)
+    mesh = fp.Mesh.abstract(device="cuda" if torch.cuda.is_available() else "cpu", **axes)
     llama, _, cfg = _model(args, mesh)
     step = _step(llama, cfg, mesh, zero, opts, args)
-    params = local_params(llama.init(cfg, device="meta"), step.specs, mesh)
-    r = trace_step(step, params, _batch(args, mesh, "meta"), steps=args.steps)
-    base = 0 if torch.cuda.is_available() else runtime_bytes()
-    return {"peak": r["peak"] + base, "step_peak": r["step_peak"] + base, "base": base}
+    r = trace_plan(llama, cfg, step, args.batch // mesh.axis_size("dp"), args.seq)
+    base = r["runtime"]
+    return {"peak": r["peak"] + base, "step_peak": r["step_peak"] + base, "state": r["state"], "base": base,
+            "activations": r["activations"], "bound": r["bound"]}
 
 
 def measure(axes, zero, opts, args) -> dict:
@@ -99,17 +101,23 @@ def measure(axes, zero, opts, args) -> dict:
     step = _step(llama, cfg, mesh, zero, opts, args)
     state = step.init(params)
     del params
+    gpu = torch.cuda.is_available()
+    held = torch.cuda.memory_allocated() if gpu else 0  # the state between steps (what the plan calls "state")
+    init_peak = torch.cuda.max_memory_allocated() if gpu else 0
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     batch = _batch(args, mesh, mesh.device)
     for _ in range(args.steps):
         state, m = step(state, batch)
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
+    if gpu:
+        step_peak = torch.cuda.max_memory_allocated()
+        peak = max(init_peak, step_peak)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peak = torch.tensor(float(peak), device=mesh.device)
+        step_peak = peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    got = torch.tensor([float(peak), float(step_peak), float(held)], device=mesh.device)
     if mesh.size > 1:
-        peak = fp.collectives.all_reduce(peak, mesh, mesh.axis_names, "max")
-    return {"peak": int(peak), "loss": m["loss"]}
+        got = fp.collectives.all_reduce(got, mesh, mesh.axis_names, "max")
+    return {"peak": int(got[0]), "step_peak": int(got[1]), "state": int(got[2]), "loss": m["loss"]}
 
 
 def main() -> None:
@@ -158,8 +166,10 @@ def main() -> None:
             got = json.loads(p.stdout.strip().splitlines()[-1])
             err = pred["peak"] / got["peak"] - 1
             rows.append({"case": case, "env": name, "predicted": pred, "measured": got, "error": err})
-            cells.append(f"{got['peak'] / 2**20:.0f} | {err:+.1%}")
-        print(f"| {case.split(':')[0]} | {zero} | {' '.join(sorted(opts)) or '-'} | {pred['peak'] / 2**20:.0f} | "
+            print("#", json.dumps(rows[-1]), flush=True)  # (each case's figures, before the table row)
+            cells.append(f"{got['peak'] / 2**20:.0f} | {'bound ' if pred['bound'] else ''}{err:+.1%}")
+        shown = ("<= " if pred["bound"] else "") + f"{pred['peak'] / 2**20:.0f}"
+        print(f"| {case.split(':')[0]} | {zero} | {' '.join(sorted(opts)) or '-'} | {shown} | "
               + " | ".join(cells) + " |", flush=True)
     print(json.dumps(rows))
 
