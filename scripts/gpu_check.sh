@@ -22,7 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/funcpar-site \
         .whl/*.whl && export PYTHONPATH=/tmp/funcpar-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -c "import funcpar" 2>/dev/null || "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+"$PY" -c "import funcpar.models" 2>/dev/null || "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 S="$OUT/summary.md"
 {
     echo "# scripts/gpu_check.sh"
