@@ -5,7 +5,7 @@
 
 For each case ``MESH:ZERO[:OPTION...]`` (options: ``remat``, ``accum2``, ``sgd``, ``bf16``, ``eager``: compile=False)
 it traces the train step on meta tensors (:func:`funcpar.planning.trace_plan`, what ``funcpar plan`` prints; a step
-that ``compile="auto"`` compiles, on one GPU, gets the eager trace as an upper bound, shown as ``<=``) and then runs the same step for real
+that ``compile="auto"`` compiles, on one GPU, gets its eager trace's figure, shown as ``~``) and then runs the same step for real
 under ``torchrun`` from an HF folder (``fp.hf.load``, ``--steps`` steps of AdamW with clipping), and reports the
 largest per-rank peak of the real run: ``torch.cuda.max_memory_allocated`` on a GPU, the peak resident set
 (``ru_maxrss``) on a CPU. On a CPU the plan adds the runtime's own resident set (python, torch, funcpar: measured
@@ -87,7 +87,7 @@ def predict(axes, zero, opts, args) -> dict:
     r = trace_plan(llama, cfg, step, args.batch // mesh.axis_size("dp"), args.seq)
     base = r["runtime"]
     return {"peak": r["peak"] + base, "step_peak": r["step_peak"] + base, "state": r["state"], "base": base,
-            "activations": r["activations"], "bound": r["bound"]}
+            "activations": r["activations"], "eager_trace": r["eager_trace"]}
 
 
 def measure(axes, zero, opts, args) -> dict:
@@ -167,8 +167,8 @@ def main() -> None:
             err = pred["peak"] / got["peak"] - 1
             rows.append({"case": case, "env": name, "predicted": pred, "measured": got, "error": err})
             print("#", json.dumps(rows[-1]), flush=True)  # (each case's figures, before the table row)
-            cells.append(f"{got['peak'] / 2**20:.0f} | {'bound ' if pred['bound'] else ''}{err:+.1%}")
-        shown = ("<= " if pred["bound"] else "") + f"{pred['peak'] / 2**20:.0f}"
+            cells.append(f"{got['peak'] / 2**20:.0f} | {err:+.1%}")
+        shown = ("~" if pred["eager_trace"] else "") + f"{pred['peak'] / 2**20:.0f}"
         print(f"| {case.split(':')[0]} | {zero} | {' '.join(sorted(opts)) or '-'} | {shown} | "
               + " | ".join(cells) + " |", flush=True)
     print(json.dumps(rows))

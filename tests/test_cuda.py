@@ -9,6 +9,7 @@ step of ``compile="auto"``, is then left out of the assertions, never faked).
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -35,6 +36,15 @@ def _exact_float32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
     else:
         yield
+
+
+@pytest.fixture(autouse=True)
+def _logging_errors_do_not_fail_the_compiler(monkeypatch):
+    # pytest's log handler re-raises an error met while formatting a record (logging.raiseExceptions); torch 2.11's
+    # dynamo formats a guard's source location lazily, and that fails for some guards ('NoneType' object has no
+    # attribute 'filename', seen on an H100): raised into dynamo, the compile failed and compile="auto" fell back
+    # to eager. Outside pytest nothing formats those debug records.
+    monkeypatch.setattr(logging, "raiseExceptions", False)
 
 
 def _checkpoint(kind, folder):
@@ -80,12 +90,12 @@ def _batches(n, vocab=128, rows=4, seq=32):
             for _ in range(n)]
 
 
-def _train(steps=3, **kw):
+def _train(steps=3, optimizer=None, **kw):
     model, cfg = _llama()
     mesh = fp.Mesh(device=DEVICE)
     specs = model.specs(cfg, mesh)
     step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, clip_norm=1.0,
-                           optimizer=fp.optim.adamw(1e-3, weight_decay=0.1), **kw)
+                           optimizer=optimizer or fp.optim.adamw(1e-3, weight_decay=0.1), **kw)
     state = step.init(model.init(cfg, seed=0, device=DEVICE))
     losses = []
     for b in _batches(steps):
@@ -100,14 +110,21 @@ def _close(a, b, rel):
         assert err <= rel * max(y.float().abs().max().item(), 1e-3), (p, err)
 
 
-def test_the_compiled_step_equals_the_eager_one():
-    eager_step, eager, l_eager = _train(compile=False)
-    auto_step, auto, l_auto = _train()  # compile="auto", the default
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_the_compiled_step_equals_the_eager_one(opt):
+    # The compiled gradient sums in another order than the eager one (float32, TF32 off): the losses agree to 1e-5
+    # under AdamW, but AdamW's update g / sqrt(v) turns a rounding-sized difference in a near-zero gradient entry
+    # into one of up to lr (seen on an H100: 7e-6 after 3 steps at lr 1e-3); SGD's update is linear in the gradient,
+    # so its parameters hold the compiled gradient to the eager one.
+    optimizer = fp.optim.adamw(1e-3, weight_decay=0.1) if opt == "adamw" else fp.optim.sgd(0.5)
+    eager_step, eager, l_eager = _train(compile=False, optimizer=optimizer)
+    auto_step, auto, l_auto = _train(optimizer=optimizer)  # compile="auto", the default
     if DEVICE.type == "cuda":
         assert auto_step.compiled == "auto", auto_step.compile_reason  # compiled, not fallen back
     for a, b in zip(l_auto, l_eager, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
-    _close(auto_step.gather_params(auto), eager_step.gather_params(eager), 1e-4)
+    if opt == "sgd":
+        _close(auto_step.gather_params(auto), eager_step.gather_params(eager), 1e-5)
 
 
 def test_a_bf16_step_trains_near_the_float32_one():
@@ -119,8 +136,8 @@ def test_a_bf16_step_trains_near_the_float32_one():
 
 
 def test_offload_to_pinned_host_memory_equals_the_step_on_the_device():
-    step, state, l_off = _train(offload="cpu")
-    ref_step, ref, l_ref = _train()
+    step, state, l_off = _train(offload="cpu")  # (offload steps are not compiled: the reference is eager too)
+    ref_step, ref, l_ref = _train(compile=False)
     masters = step.buffers.masters
     assert masters and all(m.device.type == "cpu" for m in masters)
     if DEVICE.type == "cuda":
@@ -193,10 +210,11 @@ def test_funcpar_train_on_one_gpu(tmp_path):
     assert (tmp_path / "out" / "hf" / "config.json").exists()
 
 
-PLAN_CASES = [dict(remat=True), dict(compile=False), dict(param_dtype=torch.bfloat16, compile=False), dict()]
+PLAN_CASES = [dict(remat=True), dict(compile=False), dict(param_dtype=torch.bfloat16, compile=False), dict(zero=3),
+              dict()]
 
 
-@pytest.mark.parametrize("case", PLAN_CASES, ids=["remat", "eager", "bf16-eager", "default"])
+@pytest.mark.parametrize("case", PLAN_CASES, ids=["remat", "eager", "bf16-eager", "zero3", "default"])
 def test_the_plan_against_max_memory_allocated(case):
     # a model whose tensors dwarf the allocator's rounding: hidden 512, 4 layers, 8 x 256 tokens
     from funcpar.planning import trace_plan
@@ -223,8 +241,7 @@ def test_the_plan_against_max_memory_allocated(case):
     measured = torch.cuda.max_memory_allocated() - base
     error = planned["peak"] / measured - 1
     print(f"plan {case}: planned {planned['peak'] / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, "
-          + ("an upper bound" if planned["bound"] else f"error {error:+.1%}"))
-    if planned["bound"]:  # a compiled step: the plan gives the eager trace as a bound, and no figure
-        assert step.compiled == "auto" and measured <= planned["peak"] * 1.02
-    else:
-        assert abs(planned["peak"] / measured - 1) <= 0.10
+          f"error {error:+.1%}" + (" (the compiled step; the plan traced its eager form)" if planned["eager_trace"]
+                                   else ""))
+    assert step.compiled == ("auto" if planned["eager_trace"] else False), step.compile_reason
+    assert abs(error) <= 0.10
