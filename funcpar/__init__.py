@@ -8,6 +8,7 @@ from . import checkpoint as checkpoint
 from . import attention as attention
 from . import collectives as collectives
 from . import data as data
+from . import decoder as decoder
 from . import hf as hf
 from . import layers as layers
 from . import lora as lora

@@ -26,10 +26,16 @@ __all__ = ["causal", "BLOCKED_T"]
 BLOCKED_T = (64, 512)  # the sequence lengths (inclusive) the block path takes on CPU
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """(B, Hq, T, D), (B, Hkv, T, D) twice -> (B, Hq, T, D): softmax(q kᵀ / sqrt(D) + causal mask) v, each kv head
     shared by Hq / Hkv query heads. The result's memory is laid out (B, T, Hq, D) on the block path (as torch's CPU
-    kernel returns it), so ``b h t d -> b t (h d)`` is a view."""
+    kernel returns it), so ``b h t d -> b t (h d)`` is a view. ``window``: each query sees only the last ``window``
+    keys up to itself (sliding-window attention, as Mistral's), through an explicit (T, T) mask."""
+    T = q.shape[-2]
+    if window is not None and T > window:
+        i = torch.arange(T, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T): causal, last `window`
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if _blocked(q, k, v):
         return _BlockCausal.apply(q, k, v, 32 if q.shape[-2] <= 256 else 64)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

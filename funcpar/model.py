@@ -36,6 +36,8 @@ import importlib
 import types
 from typing import Any, Callable, Mapping, Sequence
 
+from .remat import remat as remat_fn
+
 __all__ = ["ModelSpec", "HFNames", "Stages", "ModelError", "register_model", "get_model", "known_models",
            "carried_weight", "carried_check", "model_of_loss"]
 
@@ -103,12 +105,18 @@ class Stages:
             raise ModelError("Stages: give halves and first_leaves together (the two half-blocks and the layer "
                              "leaves the first one uses), or neither")
 
-    def loss(self, params, batch, cfg, mesh, reduction: str = "mean"):
-        """The staged composition on one process: equal to the model's ``loss``."""
+    def hidden(self, params, batch, cfg, mesh, remat: bool = False):
+        """The carry after the last block: ``embed``, then each block in turn. ``remat``: keep only each block's
+        input, and recompute the block in the backward pass (activation checkpointing)."""
         x = self.embed(params, batch, cfg, mesh)
+        block = remat_fn(self.block) if remat else self.block
         for i, lp in enumerate(params[self.layers]):
-            x = self.block(lp, x, i, cfg, mesh)
-        return self.head(params, x, batch, cfg, mesh, reduction)
+            x = block(lp, x, i, cfg, mesh)
+        return x
+
+    def loss(self, params, batch, cfg, mesh, reduction: str = "mean", remat: bool = False):
+        """The model's loss on one process, composed from the stages (a staged model's ``loss`` is this)."""
+        return self.head(params, self.hidden(params, batch, cfg, mesh, remat), batch, cfg, mesh, reduction)
 
 
 @dataclasses.dataclass(frozen=True)

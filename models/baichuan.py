@@ -26,7 +26,6 @@ down row-parallel, vocab-parallel embedding and head, vocab-parallel cross-entro
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -36,8 +35,7 @@ import torch.nn.functional as F
 
 import funcpar as fp
 from funcpar import P
-from funcpar import collectives as C
-from funcpar import attention as A
+from funcpar import decoder as D
 from funcpar import layers as L
 
 MODEL_TYPES = ("baichuan",)
@@ -46,19 +44,11 @@ ROPE_BASE = 10000.0  # fixed in the published 7B modelling code; config.json has
 _13B_SHAPE = (5120, 40, 40)  # hidden_size, num_hidden_layers, num_attention_heads of the published 13B models
 
 
-@dataclasses.dataclass(frozen=True)
-class Config(L.VocabPadding):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(D.DecoderConfig):
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
-    pad_token_id: int | None = None  # its embedding row gets no gradient (nn.Embedding's padding_idx)
     model_type: str = "baichuan"
-    vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
-    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         L.check_sizes(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -79,17 +69,8 @@ class Config(L.VocabPadding):
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
         _refuse_unsupported(d)
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d["max_position_embeddings"],
-            pad_token_id=d.get("pad_token_id"),
-            hf=dict(d),
-        )
+        return cls(**cls.sizes_of(d), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   max_position_embeddings=d["max_position_embeddings"])
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict: the original one where this config came from a folder (every key it had, auto_map
@@ -98,11 +79,7 @@ class Config(L.VocabPadding):
         d.update(
             model_type="baichuan",
             architectures=d.get("architectures") or [ARCHITECTURE],
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
+            **self.hf_sizes(),
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
             hidden_act="silu",
@@ -232,35 +209,14 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
     q, k, v = L.column_parallel(x, [p["wq"], p["wk"], p["wv"]], mesh)  # (B, T, d) -> (B, T, H/tp*hd) each
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, H/tp, T, hd)
-    o = A.causal(q, k, v)  # (B, H/tp, T, hd)
-    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
-    return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, H/tp*hd) -> (B, T, d), summed over tp
+    return D.attend(q, k, v, p["wo"], mesh)  # (B, T, d)
 
 
-
-def _layer(lp, x, cos, sin, cfg: Config, mesh):
-    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
-    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
-
-
-def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
-    # nn.Embedding(padding_idx=pad) as transformers builds it: no gradient into the pad row from its lookups
-    return L.padding_row_embedding(params["embed"], batch["input_ids"], mesh, "tp", cfg.pad_token_id)  # (B, T, d)
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device)  # (T, hd)
-    return _layer(lp, x, cos, sin, cfg, mesh)
-
-
-def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
-    """The last layer's output (B, T, d), replicated over tp. ``remat``: keep only each layer's input and
-    recompute the layer in the backward pass."""
-    x = _embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
-    cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device)  # (T, hd)
-    layer = functools.partial(_layer, cfg=cfg, mesh=mesh)
-    for lp in params["layers"]:
-        x = fp.remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
-    return x
+    x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps)
+    return D.mlp_residual(lp, x, cfg.rms_norm_eps, mesh)
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
@@ -270,27 +226,27 @@ def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    logits = _head_logits(params, x, cfg, mesh)
-    return L.causal_lm_loss(logits, batch.get("labels", batch["input_ids"]), mesh, "tp", batch.get("loss_mask"),
-                            reduction, cfg.vocab_size)
+    return D.lm_loss(_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+
+
+STAGES = fp.Stages(D.embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
+                   head_leaves=lambda cfg: ["norm", "lm_head"])
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """This rank's logits, (B, T, V/tp): vocab-sharded over tp (all of them at ``Mesh()``), padding columns of a
     padded vocabulary dropped."""
-    logits = _head_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh)
-    return L.unpad_logits(logits, mesh, "tp", cfg.vocab_size)
+    x = STAGES.hidden(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
+    return L.unpad_logits(_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat: bool = False) -> torch.Tensor:
     """The published ``labels=`` loss with ``z_loss_weight`` 0: mean over counted tokens of the shifted
     cross-entropy (``-100`` ignored, ``batch["loss_mask"]`` optional), computed vocab-parallel."""
-    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh, remat), batch, cfg, mesh, reduction)
+    return STAGES.loss(params, batch, cfg, mesh, reduction, remat)
 
 
 MODEL = fp.register_model(fp.ModelSpec(
     name="baichuan", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True,
-    stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
-                     head_leaves=lambda cfg: ["norm", "lm_head"]),
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
 ))

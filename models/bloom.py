@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
+from funcpar import decoder as D
 from funcpar import layers as L
 
 MODEL_TYPES = ("bloom",)
@@ -61,12 +62,12 @@ class Config(L.VocabPadding):
 
     @property
     def head_dim(self) -> int:
+        """Each head's width: the query, key and value rows of a head in ``w_qkv``."""
         return self.hidden_size // self.n_head
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
-        if d.get("model_type", "bloom") != "bloom":
-            raise ValueError(f"model_type '{d.get('model_type')}' is not bloom")
+        D.check_model_type(d, "bloom")
         sizes = {}
         for field, keys in _ALIASES.items():
             key = next((k for k in keys if d.get(k) is not None), None)
@@ -103,31 +104,22 @@ class Config(L.VocabPadding):
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
     """Global parameters as transformers initialises them: N(0, 0.02) weights, zero biases, unit LayerNorms.
     ``device="meta"`` gives shapes only."""
-    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    w, ones, zeros = D.normal_init(seed, dtype, device)
     d = cfg.hidden_size
-
-    def w(*shape):
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
-
-    def const(n, v):
-        return torch.full((n,), float(v), dtype=dtype, device=device)
 
     layers = [
         {
-            "ln1_w": const(d, 1), "ln1_b": const(d, 0),
-            "w_qkv": w(3 * d, d), "b_qkv": const(3 * d, 0),  # rows (H, 3, hd): per head its q, k, v rows
-            "wo": w(d, d), "bo": const(d, 0),
-            "ln2_w": const(d, 1), "ln2_b": const(d, 0),
-            "w_fc": w(4 * d, d), "b_fc": const(4 * d, 0), "w_proj": w(d, 4 * d), "b_proj": const(d, 0),
+            "ln1_w": ones(d), "ln1_b": zeros(d),
+            "w_qkv": w(3 * d, d), "b_qkv": zeros(3 * d),  # rows (H, 3, hd): per head its q, k, v rows
+            "wo": w(d, d), "bo": zeros(d),
+            "ln2_w": ones(d), "ln2_b": zeros(d),
+            "w_fc": w(4 * d, d), "b_fc": zeros(4 * d), "w_proj": w(d, 4 * d), "b_proj": zeros(d),
         }
         for _ in range(cfg.n_layer)
     ]
-    wte = w(cfg.rows, d)
-    if cfg.rows > cfg.vocab_size and g is not None:
-        wte[cfg.vocab_size :] = 0  # padding rows: no token uses them
-    return {"wte": wte, "emb_ln_w": const(d, 1), "emb_ln_b": const(d, 0), "layers": layers,
-            "ln_f_w": const(d, 1), "ln_f_b": const(d, 0)}
+    wte = D.vocab_table(w(cfg.rows, d), cfg)
+    return {"wte": wte, "emb_ln_w": ones(d), "emb_ln_b": zeros(d), "layers": layers,
+            "ln_f_w": ones(d), "ln_f_b": zeros(d)}
 
 
 _LAYER_SPECS = {
@@ -268,9 +260,7 @@ def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    logits = _head_logits(params, x, cfg, mesh)
-    return L.causal_lm_loss(logits, batch.get("labels", batch["input_ids"]), mesh, "tp", batch.get("loss_mask"),
-                            reduction, cfg.vocab_size)
+    return D.lm_loss(_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:

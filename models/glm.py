@@ -16,19 +16,15 @@ from the shards; a tp that does not divide the kv heads replicates k/v (each ran
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import einops
 import torch
-import torch.nn.functional as F
 
 import funcpar as fp
-from funcpar import P
 from funcpar import collectives as C
-from funcpar import attention as A
+from funcpar import decoder as D
 from funcpar import layers as L
-from funcpar.models import llama
 
 MODEL_TYPES = ("glm",)
 # transformers' GlmConfig defaults: what a config.json key that is absent means
@@ -41,25 +37,13 @@ def _bad(key: str, value: Any, why: str) -> ValueError:
     return ValueError(f"config key '{key}' is {value!r}: {why}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Config(L.VocabPadding):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(D.RotaryConfig):
     rms_norm_eps: float = 1.5625e-07
-    rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.5
     max_position_embeddings: int = 131072
-    tie_word_embeddings: bool = False
     attention_bias: bool = True
-    pad_token_id: int | None = None  # the embedding's padding_idx (None: no padding row)
     model_type: str = "glm"
-    vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
-    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         """Validated however it was built; errors name the config.json key."""
@@ -111,23 +95,19 @@ class Config(L.VocabPadding):
         def get(key):
             return d.get(key, _DEFAULTS[key])
 
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=get("num_key_value_heads"), head_dim=get("head_dim"),
+        return cls(**cls.sizes_of(
+            d, num_key_value_heads=get("num_key_value_heads"), head_dim=get("head_dim"),
             rms_norm_eps=float(get("rms_norm_eps")), rope_theta=float(theta), partial_rotary_factor=factor,
             max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
-            pad_token_id=get("pad_token_id"), hf=dict(d),
-        )
+            pad_token_id=get("pad_token_id"),
+        ))
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict: the original one where this config came from a folder, with our fields set."""
         d = dict(self.hf)
         d.update(
-            model_type="glm", architectures=d.get("architectures") or ["GlmForCausalLM"],
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            model_type="glm", architectures=d.get("architectures") or ["GlmForCausalLM"], **self.hf_sizes(),
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
             attention_bias=self.attention_bias, pad_token_id=self.pad_token_id, hidden_act="silu",
@@ -143,50 +123,21 @@ class Config(L.VocabPadding):
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
     """Global parameters, N(0, 0.02) weights, zero biases and unit norms as transformers initialises them (the
     padding row of the embedding zero). ``device="meta"`` gives shapes only."""
-    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    w, ones, zeros = D.normal_init(seed, dtype, device)
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hq, hkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
 
-    def w(*shape):
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
-
-    def const(n, v):
-        return torch.full((n,), float(v), dtype=dtype, device=device)
-
     layers = []
     for _ in range(cfg.num_hidden_layers):
-        lp = {"attn_norm": const(d, 1), "wq": w(hq, d), "wk": w(hkv, d), "wv": w(hkv, d), "wo": w(d, hq),
-              "mlp_norm": const(d, 1), "w_gate": w(inter, d), "w_up": w(inter, d), "w_down": w(d, inter)}
+        lp = {"attn_norm": ones(d), "wq": w(hq, d), "wk": w(hkv, d), "wv": w(hkv, d), "wo": w(d, hq),
+              "mlp_norm": ones(d), "w_gate": w(inter, d), "w_up": w(inter, d), "w_down": w(d, inter)}
         if cfg.attention_bias:
-            lp |= {"bq": const(hq, 0), "bk": const(hkv, 0), "bv": const(hkv, 0)}
+            lp |= {"bq": zeros(hq), "bk": zeros(hkv), "bv": zeros(hkv)}
         layers.append(lp)
-    params = {"embed": llama.vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": const(d, 1)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = llama.vocab_table(w(cfg.rows, d), cfg)
-    return params
+    return D.tables(w, ones, cfg, layers)
 
 
-_LAYER_SPECS = {
-    "attn_norm": P(), "mlp_norm": P(),
-    "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None), "wo": P(None, "tp"),
-    "bq": P("tp"), "bk": P("tp"), "bv": P("tp"),
-    "w_gate": P("tp", None), "w_up": P("tp", None), "w_down": P(None, "tp"),
-}
-
-
-def specs(cfg: Config, mesh=None):
-    """Megatron's plan: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and head; k/v
-    replicated where tp does not divide the kv heads (GLM-4-9B has 2), so no head is cut apart."""
-    shapes = init(cfg, device="meta")
-    cfg.check_mesh(mesh)
-    layer = dict(_LAYER_SPECS)
-    if mesh is not None and cfg.num_key_value_heads % mesh.axis_size("tp"):
-        layer |= {"wk": P(), "wv": P(), "bk": P(), "bv": P()}
-    out = {"embed": P("tp", None), "layers": [{k: layer[k] for k in lp} for lp in shapes["layers"]], "norm": P()}
-    if "lm_head" in shapes:
-        out["lm_head"] = P("tp", None)
-    return out
+specs = D.specs_of(init)  # Megatron's plan; k/v replicated where tp does not divide the kv heads (GLM-4-9B has 2)
 
 
 _LAYER_HF = {  # pytree key in a layer -> transformers name under model.layers.{i}
@@ -255,64 +206,38 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
     q, k, v = L.column_parallel(x, [p["wq"], wk, wv], mesh, "tp", [p.get("bq"), bk, bv])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (B, H/tp, T, hd)
-    o = A.causal(q, k, v)  # (B, Hq/tp, T, hd)
-    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
-    return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
+    return D.attend(q, k, v, p["wo"], mesh)  # (B, T, d)
 
 
-
-def _layer(lp, x, cos, sin, cfg: Config, mesh):
-    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
-    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
-
-
-def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
-    # nn.Embedding(padding_idx=pad) as transformers builds it: no gradient into the pad row from its lookups
-    return L.padding_row_embedding(params["embed"], batch["input_ids"], mesh, "tp", cfg.pad_token_id)  # (B, T, d)
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, R/2)
-    return _layer(lp, x, cos, sin, cfg, mesh)
-
-
-def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
-    """The last block's output (B, T, d), replicated over tp. ``remat``: keep only each layer's input and
-    recompute the layer in the backward pass (activation checkpointing)."""
-    x = _embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
-    cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, R/2)
-    layer = functools.partial(_layer, cfg=cfg, mesh=mesh)
-    for lp in params["layers"]:
-        x = fp.remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
-    return x
-
-
-def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return L.column_parallel(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), [head], mesh)[0]  # (B, T, V/tp)
+    x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps)
+    return D.mlp_residual(lp, x, cfg.rms_norm_eps, mesh)
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    logits = _head_logits(params, x, cfg, mesh)
-    return L.causal_lm_loss(logits, batch.get("labels", batch["input_ids"]), mesh, "tp", batch.get("loss_mask"),
-                            reduction, cfg.vocab_size)
+    return D.lm_loss(D.rms_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+
+
+STAGES = fp.Stages(D.embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
+                   head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"])
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """This rank's logits, (B, T, V/tp): vocab-sharded over tp (the full logits at ``Mesh()``), the columns of a
     padded vocabulary dropped, so the ranks' blocks concatenate to exactly ``vocab_size`` columns."""
-    return L.unpad_logits(_head_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh), mesh, "tp",
-                          cfg.vocab_size)
+    x = STAGES.hidden(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
+    return L.unpad_logits(D.rms_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat: bool = False) -> torch.Tensor:
     """transformers' ``labels=`` loss (shifted cross-entropy, ``-100`` ignored, ``batch["loss_mask"]`` optional,
     ``labels`` defaulting to ``input_ids``), computed vocab-parallel; ``remat`` recomputes each layer backward."""
-    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh, remat), batch, cfg, mesh, reduction)
+    return STAGES.loss(params, batch, cfg, mesh, reduction, remat)
 
 
 MODEL = fp.register_model(fp.ModelSpec(
     name="glm", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True,
-    stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
-                     head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"]),
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
 ))

@@ -18,6 +18,7 @@ import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
 from funcpar import attention as A
+from funcpar import decoder as D
 from funcpar import layers as L
 
 MODEL_TYPES = ("gpt2",)
@@ -49,17 +50,17 @@ class Config(L.VocabPadding):
             raise ValueError(f"gpt2.Config: layer_norm_epsilon={self.layer_norm_epsilon} must be positive")
 
     @property
-    def inner(self) -> int:
-        return self.n_inner or 4 * self.n_embd
-
-    @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def inner(self) -> int:
+        """The MLP's width: ``n_inner``, or 4 * n_embd where config.json leaves it null."""
+        return self.n_inner or 4 * self.n_embd
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Config":
-        if d.get("model_type", "gpt2") != "gpt2":
-            raise ValueError(f"model_type '{d.get('model_type')}' is not gpt2")
+        D.check_model_type(d, "gpt2")
         act = d.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"activation_function '{act}' is not supported (gelu_new, gelu_pytorch_tanh, gelu)")
@@ -93,31 +94,22 @@ class Config(L.VocabPadding):
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
-    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    w, ones, zeros = D.normal_init(seed, dtype, device)
     d, inner = cfg.n_embd, cfg.inner
-
-    def w(*shape):
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
-
-    def const(n, v):
-        return torch.full((n,), float(v), dtype=dtype, device=device)
 
     layers = [
         {
-            "ln1_w": const(d, 1), "ln1_b": const(d, 0),
-            "wq": w(d, d), "wk": w(d, d), "wv": w(d, d), "bq": const(d, 0), "bk": const(d, 0), "bv": const(d, 0),
-            "wo": w(d, d), "bo": const(d, 0),
-            "ln2_w": const(d, 1), "ln2_b": const(d, 0),
-            "w_fc": w(inner, d), "b_fc": const(inner, 0), "w_proj": w(d, inner), "b_proj": const(d, 0),
+            "ln1_w": ones(d), "ln1_b": zeros(d),
+            "wq": w(d, d), "wk": w(d, d), "wv": w(d, d), "bq": zeros(d), "bk": zeros(d), "bv": zeros(d),
+            "wo": w(d, d), "bo": zeros(d),
+            "ln2_w": ones(d), "ln2_b": zeros(d),
+            "w_fc": w(inner, d), "b_fc": zeros(inner), "w_proj": w(d, inner), "b_proj": zeros(d),
         }
         for _ in range(cfg.n_layer)
     ]
-    wte = w(cfg.rows, d)
-    if cfg.rows > cfg.vocab_size and g is not None:
-        wte[cfg.vocab_size :] = 0  # padding rows: no token uses them
+    wte = D.vocab_table(w(cfg.rows, d), cfg)
     return {"wte": wte, "wpe": w(cfg.n_positions, d), "layers": layers,
-            "ln_f_w": const(d, 1), "ln_f_b": const(d, 0)}
+            "ln_f_w": ones(d), "ln_f_b": zeros(d)}
 
 
 def specs(cfg: Config, mesh=None):
@@ -175,10 +167,6 @@ def _gelu(x, cfg: Config):
     return F.gelu(x) if cfg.activation_function == "gelu" else F.gelu(x, approximate="tanh")
 
 
-def _block(p, x, cfg: Config, mesh):
-    return _mlp_half(p, _attention_half(p, x, None, cfg, mesh), None, cfg, mesh)
-
-
 def _attention_half(p, x, i: int | None, cfg: Config, mesh):
     """Attention and its residual (a pipeline's first half of a layer)."""
     hd = cfg.head_dim
@@ -208,8 +196,8 @@ def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
     return L.vocab_embedding(params["wte"], batch["input_ids"], mesh, "tp") + params["wpe"][:T]  # (B, T, d)
 
 
-def _stage_block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
-    return _block(lp, x, cfg, mesh)
+def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
+    return _mlp_half(lp, _attention_half(lp, x, i, cfg, mesh), i, cfg, mesh)
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
@@ -218,32 +206,27 @@ def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    logits = _head_logits(params, x, cfg, mesh)
-    return L.causal_lm_loss(logits, batch.get("labels", batch["input_ids"]), mesh, "tp", batch.get("loss_mask"),
-                            reduction, cfg.vocab_size)
+    return D.lm_loss(_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
 
 
-def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    x = _embed(params, {"input_ids": tokens}, cfg, mesh)
-    for lp in params["layers"]:
-        x = _block(lp, x, cfg, mesh)
-    return x
+STAGES = fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["wte", "wpe"],
+                   head_leaves=lambda cfg: ["ln_f_w", "ln_f_b", "wte"],
+                   halves=(_attention_half, _mlp_half), first_leaves=lambda cfg: ATTENTION_LEAVES)
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """This rank's logits (B, T, V/tp), vocab-sharded over tp, padded vocabulary columns dropped."""
-    logits = _head_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh)
-    return L.unpad_logits(logits, mesh, "tp", cfg.vocab_size)
+    x = STAGES.hidden(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
+    return L.unpad_logits(_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh), batch, cfg, mesh, reduction)
+    """transformers' ``labels=`` loss (shifted cross-entropy, ``-100`` ignored, ``loss_mask`` optional), computed
+    vocab-parallel."""
+    return STAGES.loss(params, batch, cfg, mesh, reduction)
 
 
 MODEL = fp.register_model(fp.ModelSpec(
     name="gpt2", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=False,
-    stages=fp.Stages(_embed, _stage_block, _head, embed_leaves=lambda cfg: ["wte", "wpe"],
-                     head_leaves=lambda cfg: ["ln_f_w", "ln_f_b", "wte"],
-                     halves=(_attention_half, _mlp_half), first_leaves=lambda cfg: ATTENTION_LEAVES),
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=False, stages=STAGES,
 ))

@@ -10,46 +10,31 @@ in)`` layout, so this model's HF table needs no transposes. Local head counts ar
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 import einops
 import torch
-import torch.nn.functional as F
 
 import funcpar as fp
-from funcpar import P
 from funcpar import collectives as C
-from funcpar import attention as A
+from funcpar import decoder as D
 from funcpar import layers as L
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Config(L.VocabPadding):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(D.RotaryConfig):
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
     rope_scaling: dict | None = dataclasses.field(default=None, hash=False, compare=False)
     max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_windows: tuple = ()  # per layer: a window size or None
-    pad_token_id: int | None = None  # nn.Embedding's padding_idx: its row learns nothing from lookups (None: none)
     model_type: str = "llama"
-    vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
-    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         """Validated and completed however it was built: per-layer fields sized to the layer count."""
@@ -99,11 +84,7 @@ class Config(L.VocabPadding):
             windows = tuple([None] * n)
         bias = bool(d.get("attention_bias", False))
         return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=n,
-            num_attention_heads=heads,
+            **cls.sizes_of(d),
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -115,9 +96,7 @@ class Config(L.VocabPadding):
             o_bias=False if mt == "qwen2" else bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_windows=windows,
-            pad_token_id=d.get("pad_token_id"),
             model_type=mt,
-            hf=dict(d),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -126,11 +105,7 @@ class Config(L.VocabPadding):
         d.update(
             model_type=self.model_type,
             architectures=d.get("architectures") or [ARCHITECTURES[self.model_type]],
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
+            **self.hf_sizes(),
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
@@ -154,19 +129,8 @@ class Config(L.VocabPadding):
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
     """Global parameters, N(0, 0.02) weights and unit norms as transformers initialises them. ``device="meta"``
     gives shapes only."""
-    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    w, ones, zeros = D.normal_init(seed, dtype, device)
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-
-    def w(*shape):
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
-
-    def ones(n):
-        return torch.ones(n, dtype=dtype, device=device)
-
-    def zeros(n):
-        return torch.zeros(n, dtype=dtype, device=device)
-
     layers = []
     for _ in range(cfg.num_hidden_layers):
         lp = {
@@ -188,50 +152,12 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
         if cfg.mlp_bias:
             lp |= {"b_gate": zeros(inter), "b_up": zeros(inter), "b_down": zeros(d)}
         layers.append(lp)
-    params = {"embed": vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = vocab_table(w(cfg.rows, d), cfg)
-    return params
+    return D.tables(w, ones, cfg, layers)
 
 
-def vocab_table(t: torch.Tensor, cfg: Any, pad: int | None = None) -> torch.Tensor:
-    """A new embedding or head table ``t`` (``cfg.rows`` rows) as transformers starts it: the tp padding rows beyond
-    ``cfg.vocab_size`` and the ``padding_idx`` row ``pad`` zero (shared by the models that have such tables)."""
-    if t.device.type != "meta":
-        t[cfg.vocab_size :] = 0  # tp padding rows: no token uses them
-        if pad is not None:
-            t[pad] = 0  # transformers zeroes the padding_idx row
-    return t
-
-
-_LAYER_SPECS = {
-    "attn_norm": P(), "mlp_norm": P(),
-    "wq": P("tp", None), "wk": P("tp", None), "wv": P("tp", None), "wo": P(None, "tp"),
-    "bq": P("tp"), "bk": P("tp"), "bv": P("tp"), "bo": P(),
-    "w_gate": P("tp", None), "w_up": P("tp", None), "w_down": P(None, "tp"),
-    "b_gate": P("tp"), "b_up": P("tp"), "b_down": P(),
-}
-
-
-def specs(cfg: Config, mesh=None):
-    """Megatron's plan: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and head.
-
-    Given the mesh, a tp larger than (or not dividing) the kv-head count replicates the k/v projections instead of
-    cutting heads apart; each rank then uses the kv heads its query heads need (see ``_attention``).
-    """
-    shapes = init(cfg, device="meta")
-    cfg.check_mesh(mesh)
-    layer = dict(_LAYER_SPECS)
-    if mesh is not None and cfg.num_key_value_heads % mesh.axis_size("tp"):
-        layer |= {"wk": P(), "wv": P(), "bk": P(), "bv": P()}
-    out = {
-        "embed": P("tp", None),
-        "layers": [{k: layer[k] for k in lp} for lp in shapes["layers"]],
-        "norm": P(),
-    }
-    if "lm_head" in shapes:
-        out["lm_head"] = P("tp", None)
-    return out
+# Megatron's plan; where tp does not divide the kv heads, k/v are replicated and each rank takes the kv heads its
+# query heads use (``_kv_weights``)
+specs = D.specs_of(init)
 
 
 # transformers name <-> pytree path: a literal table ({i} = layer index); this model stores weights as HF does,
@@ -306,90 +232,57 @@ def _kv_weights(p, cfg: Config, mesh):
 
 def _attention(p, x, cos, sin, window, cfg: Config, mesh):
     hd = cfg.head_dim
-    T = x.shape[1]
     wk, wv, bk, bv = _kv_weights(p, cfg, mesh)
     # (B, T, d) -> (B, T, Hq/tp*hd), (B, T, Hkv/tp*hd) twice; x's gradient summed over tp
     q, k, v = L.column_parallel(x, [p["wq"], wk, wv], mesh, "tp", [p.get("bq"), bk, bv])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     q = L.rotary(q, cos, sin)  # (B, Hq/tp, T, hd)
     k = L.rotary(k, cos, sin)  # (B, Hkv/tp, T, hd)
-    if window is not None and T > window:
-        i = torch.arange(T, device=x.device)
-        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T): causal, last `window`
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq/tp, T, hd)
-    else:
-        o = A.causal(q, k, v)  # (B, Hq/tp, T, hd)
-    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
-    y = C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
+    y = D.attend(q, k, v, p["wo"], mesh, window)  # (B, T, d)
     return y + p["bo"] if "bo" in p else y
 
 
-def _layer(lp, x, cos, sin, window, cfg: Config, mesh):
-    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, window, cfg, mesh)
-    return _mlp_half(lp, x, None, cfg, mesh)
-
-
 def _attention_half(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
-    """A pipeline's first half of layer ``i``: attention and its residual."""
+    """Layer ``i``'s attention and its residual (a pipeline may cut a layer after it)."""
     cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
-    return x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg.sliding_windows[i],
-                          cfg, mesh)
+    window = cfg.sliding_windows[i]
+    return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, window, cfg, mesh), cfg.rms_norm_eps)
 
 
-def _mlp_half(lp, x, i: int | None, cfg: Config, mesh) -> torch.Tensor:
-    """The MLP and its residual (a pipeline's second half of a layer)."""
-    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), mesh)
-
-
-def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
-    return L.padding_row_embedding(params["embed"], batch["input_ids"], mesh, "tp", cfg.pad_token_id)  # (B, T, d)
+def _mlp_half(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
+    """The MLP and its residual."""
+    return D.mlp_residual(lp, x, cfg.rms_norm_eps, mesh)
 
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     return _mlp_half(lp, _attention_half(lp, x, i, cfg, mesh), i, cfg, mesh)
 
 
-def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh, remat: bool = False) -> torch.Tensor:
-    """The last block's output (B, T, d), replicated over tp. ``remat``: keep only each layer's input and
-    recompute the layer in the backward pass (activation checkpointing)."""
-    x = _embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
-    cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
-    for lp, window in zip(params["layers"], cfg.sliding_windows, strict=True):
-        layer = functools.partial(_layer, window=window, cfg=cfg, mesh=mesh)
-        x = fp.remat(layer)(lp, x, cos, sin) if remat else layer(lp, x, cos, sin)
-    return x
-
-
-def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return L.column_parallel(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), [head], mesh)[0]  # (B, T, V/tp)
-
-
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    labels = batch.get("labels", batch["input_ids"])
-    logits = _head_logits(params, x, cfg, mesh)
-    return L.causal_lm_loss(logits, labels, mesh, "tp", batch.get("loss_mask"), reduction, cfg.vocab_size)
+    return D.lm_loss(D.rms_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+
+
+STAGES = fp.Stages(D.embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
+                   head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"],
+                   halves=(_attention_half, _mlp_half),  # first_leaves: the attention's; the rest, the MLP's
+                   first_leaves=lambda cfg: ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo"))
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """This rank's logits, (B, T, V/tp): vocab-sharded over tp (the full logits at ``Mesh()``). Columns of a padded
     vocabulary are dropped, so concatenating the ranks' blocks gives exactly ``vocab_size`` columns."""
-    return L.unpad_logits(_head_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh), mesh, "tp",
-                          cfg.vocab_size)
+    x = STAGES.hidden(params, {"input_ids": tokens}, cfg, mesh)  # (B, T, d)
+    return L.unpad_logits(D.rms_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat: bool = False) -> torch.Tensor:
     """transformers' ``labels=`` loss: mean over counted tokens of the shifted cross-entropy (``-100`` ignored,
     ``batch["loss_mask"]`` optional), computed vocab-parallel. ``labels`` defaults to ``input_ids``. ``remat``
     recomputes each layer in the backward pass instead of keeping its activations."""
-    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh, remat), batch, cfg, mesh, reduction)
+    return STAGES.loss(params, batch, cfg, mesh, reduction, remat)
 
 
 MODEL = fp.register_model(fp.ModelSpec(
     name="llama", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True,
-    stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"],
-                     head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"],
-                     halves=(_attention_half, _mlp_half),  # first_leaves: the attention's; the rest, the MLP's
-                     first_leaves=lambda cfg: ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")),
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
 ))

@@ -48,35 +48,23 @@ import torch.nn.functional as F
 import funcpar as fp
 from funcpar import P
 from funcpar import collectives as C
-from funcpar import attention as A
+from funcpar import decoder as D
 from funcpar import layers as L
-from funcpar.models import llama
 
 DATA_AXES = ("dp", "ep")  # the axes the batch is split over (the load-balancing statistics are summed over them)
 
 
-@dataclasses.dataclass(frozen=True)
-class Config(L.VocabPadding):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(D.RotaryConfig):
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 1e6
+    rope_theta: float = 1e6  # (transformers' MixtralConfig default)
     max_position_embeddings: int = 4096 * 32
-    tie_word_embeddings: bool = False
     sliding_window: int | None = None
-    pad_token_id: int | None = None  # nn.Embedding's padding_idx: its row learns nothing from lookups (None: none)
     model_type: str = "mixtral"
-    vocab_rows: int | None = None  # rows of embed/lm_head when padded for tp (see with_mesh); None = vocab_size
-    hf: dict = dataclasses.field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         L.check_sizes(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -106,8 +94,7 @@ class Config(L.VocabPadding):
             raise ValueError(f"rope type '{kind}' is not supported by funcpar's mixtral (only 'default')")
         heads = d["num_attention_heads"]
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+            **cls.sizes_of(d),
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             num_local_experts=d.get("num_local_experts", 8), num_experts_per_tok=d.get("num_experts_per_tok", 2),
@@ -116,16 +103,13 @@ class Config(L.VocabPadding):
             rms_norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 1e6))),
             max_position_embeddings=d.get("max_position_embeddings", 4096 * 32),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), sliding_window=d.get("sliding_window"),
-            pad_token_id=d.get("pad_token_id"), hf=dict(d),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict: the original one where this config came from a folder, with our fields set."""
         d = dict(self.hf)
         d.update(
-            model_type="mixtral", architectures=d.get("architectures") or ["MixtralForCausalLM"],
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            model_type="mixtral", architectures=d.get("architectures") or ["MixtralForCausalLM"], **self.hf_sizes(),
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
             router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=self.output_router_logits,
@@ -143,25 +127,14 @@ class Config(L.VocabPadding):
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
     """Global parameters, N(0, 0.02) weights and unit norms as transformers initialises them. ``device="meta"``
     gives shapes only. Expert weights are stacked: ``w_gate``/``w_up`` (E, I, d), ``w_down`` (E, d, I)."""
-    g = None if torch.device(device or "cpu").type == "meta" else torch.Generator().manual_seed(seed)
+    w, ones, _ = D.normal_init(seed, dtype, device)
     d, hd, inter, E = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_local_experts
-
-    def w(*shape):
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t if g is None else t.copy_(torch.randn(*shape, generator=g) * 0.02)
-
-    def ones(n):
-        return torch.ones(n, dtype=dtype, device=device)
-
     layers = [{
         "attn_norm": ones(d), "wq": w(cfg.num_attention_heads * hd, d), "wk": w(cfg.num_key_value_heads * hd, d),
         "wv": w(cfg.num_key_value_heads * hd, d), "wo": w(d, cfg.num_attention_heads * hd), "mlp_norm": ones(d),
         "router": w(E, d), "w_gate": w(E, inter, d), "w_up": w(E, inter, d), "w_down": w(E, d, inter),
     } for _ in range(cfg.num_hidden_layers)]
-    params = {"embed": llama.vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id), "layers": layers, "norm": ones(d)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = llama.vocab_table(w(cfg.rows, d), cfg)
-    return params
+    return D.tables(w, ones, cfg, layers)
 
 
 def _size(mesh, axis: str) -> int:
@@ -223,20 +196,12 @@ def _rope_cos_sin(cfg: Config, T: int, device, dtype):
 
 
 def _attention(p, x, cos, sin, cfg: Config, mesh):
-    hd, T = cfg.head_dim, x.shape[1]
+    hd = cfg.head_dim
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd)  # (B, T, d) -> (B, H/tp, T, hd)
                for t in L.column_parallel(x, [p["wq"], p["wk"], p["wv"]], mesh))
     q = L.rotary(q, cos, sin)  # (B, Hq/tp, T, hd)
     k = L.rotary(k, cos, sin)  # (B, Hkv/tp, T, hd)
-    window = cfg.sliding_window
-    if window is not None and T > window:
-        i = torch.arange(T, device=x.device)
-        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T): causal, last `window`
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq/tp, T, hd)
-    else:
-        o = A.causal(q, k, v)  # (B, Hq/tp, T, hd)
-    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
-    return C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp")  # (B, T, Hq/tp*hd) -> (B, T, d), summed over tp
+    return D.attend(q, k, v, p["wo"], mesh, cfg.sliding_window)  # (B, T, d)
 
 
 def _route(p, h: torch.Tensor, cfg: Config):
@@ -289,7 +254,7 @@ def _moe(p, x: torch.Tensor, cfg: Config, mesh):
 
 
 def _layer(lp, x, cos, sin, cfg: Config, mesh):
-    x = x + _attention(lp, L.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, mesh)
+    x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps)
     y, counts, prob_sum = _moe(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
     return x + y, counts, prob_sum
 
@@ -297,7 +262,7 @@ def _layer(lp, x, cos, sin, cfg: Config, mesh):
 def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh):
     """The last layer's output (B, T, d), replicated over tp, and the load-balancing statistics summed over the
     layers (assignments per expert, router probability per expert)."""
-    x = L.padding_row_embedding(params["embed"], tokens, mesh, "tp", cfg.pad_token_id)  # (B, T) -> (B, T, d)
+    x = D.embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T) -> (B, T, d)
     cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
     counts = prob_sum = 0
     for lp in params["layers"]:
@@ -326,15 +291,10 @@ def _balance_loss(counts: torch.Tensor, prob_sum: torch.Tensor, rows: int, cfg: 
     return (stats[:-1] / total * (_data_sum(prob_sum, mesh) / total)).sum() * cfg.num_local_experts
 
 
-def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return L.column_parallel(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), [head], mesh)[0]  # (B, T, V/tp)
-
-
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     """This rank's logits (B, T, V/tp) for its rows ``tokens``: vocab-sharded over tp (full logits at tp=1)."""
     x, _, _ = _trunk(params, tokens, cfg, mesh)
-    return L.unpad_logits(_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
+    return L.unpad_logits(D.rms_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
 def router_aux_loss(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
@@ -350,9 +310,7 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", aux: b
     the load-balancing term is added as it is."""
     tokens = batch["input_ids"]
     x, counts, prob_sum = _trunk(params, tokens, cfg, mesh)
-    labels = batch.get("labels", tokens)
-    ce = L.causal_lm_loss(_head_logits(params, x, cfg, mesh), labels, mesh, "tp", batch.get("loss_mask"),
-                          reduction, cfg.vocab_size)
+    ce = D.lm_loss(D.rms_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
     if not (cfg.output_router_logits if aux is None else aux):
         return ce
     rows = tokens.numel() * cfg.num_hidden_layers

@@ -18,9 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ("core", ["funcpar.tree", "funcpar.spec", "funcpar.state", "funcpar.model", "funcpar.mesh",
               "funcpar.lifeline", "funcpar.hostmem", "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*", "funcpar.pipeline",
-              "funcpar.stagecut", "funcpar.splitgrad"]),
+              "funcpar.stagecut", "funcpar.splitgrad", "funcpar.remat"]),
     ("communication", ["funcpar.transport", "funcpar.collectives", "funcpar.p2p"]),
-    ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_options", "funcpar.layers", "funcpar.remat", "funcpar.atomic", "funcpar.data",
+    ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_options", "funcpar.layers", "funcpar.decoder", "funcpar.atomic", "funcpar.data",
                 "funcpar._ckpt_source", "funcpar._hf_folder", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),
     ("io", ["funcpar.hf", "funcpar.checkpoint", "funcpar.lora"]),
     ("step", ["funcpar.step"]),
