@@ -14,9 +14,13 @@ A step reads as accumulate -> reduce -> update -> gather:
 - **update**: the optimizer (clipping, loss scaling as wrappers) on this rank's part, fused where it can be (AdamW);
 - **gather**: the updated parts all-gathered back into whole local leaves.
 
-``zero=0``: all-reduce gradients over the data axes; every rank updates its whole local leaves. ``zero=1``: accumulate
-micro-batch gradients locally, then one reduce-scatter per bucket. ``zero=2``: reduce-scatter after every micro-batch
-and keep only the local part across micro-batches.
+The gradient phase is one implementation per mode (:mod:`funcpar.step_gradients`, chosen once at ``init``):
+``Plain`` for ``zero`` 0-2 (``zero=0``: all-reduce over the data axes, every rank updates its whole local leaves;
+``zero=1``: micro-batch gradients accumulated locally, then one reduce-scatter per bucket; ``zero=2``:
+reduce-scatter after every micro-batch, only the local part kept), ``Zero3`` (the parts gathered unit by unit,
+:mod:`funcpar.zero3`) and ``Pipelined`` (a ``pp`` mesh, :mod:`funcpar.pipe`). Each returns the same bucket parts,
+so reduce, update and gather read every mode alike. The non-finite policy is
+:class:`funcpar.step_options.NonfinitePolicy`, which owns its count of skipped steps.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ from .optim.transforms import sums_of_squares
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
 from .tree import leaves_with_path
-from .step_options import (gradient_of, nonfinite_policy, pipeline_executor, resolve_compile, validate_options,
+from .step_gradients import Mode, Pipelined, Plain, Zero3
+from .step_options import (NonfinitePolicy, gradient_of, pipeline_executor, resolve_compile, validate_options,
                            zero3_model)
-from .zero3 import Zero3Loss, gather_params, units_of
+from .zero3 import Zero3Loss, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
 
@@ -78,10 +83,7 @@ class Step:
         self.compiled = compile  # what "auto" chose (a compiler failure under "auto" sets it to False)
         if host_malloc not in ("keep", "system"):
             raise StepError(f"host_malloc must be 'keep' or 'system', got {host_malloc!r}")
-        if nonfinite not in ("error", "skip") or not isinstance(max_skips, int) or max_skips < 0:
-            raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got {nonfinite!r}, "
-                            f"{max_skips!r}")
-        self.nonfinite, self.max_skips, self._skips = nonfinite, max_skips, 0
+        self.nonfinite = NonfinitePolicy(nonfinite, max_skips)
         if offload not in (None, "cpu"):
             raise StepError(f"offload must be None or 'cpu', got {offload!r}")
         self.offload = offload
@@ -108,6 +110,7 @@ class Step:
         self._grad = gradient_of(self, compile, self._scaled_loss, grad_and_value(self._scaled_loss))
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
+        self.mode: Mode | None = None  # the gradient phase of this step's mode (funcpar.step_gradients), at init
         self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
         self._staged = zero3_model(loss_fn, zero, param_dtype, offload)
         self.pipe = pipeline_executor(loss_fn, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
@@ -151,15 +154,21 @@ class Step:
         units = n_blocks = None
         if self.pipe is not None:  # this pp rank's stage tree: None for the leaves other stages hold
             params = self.pipe.plan.select(params)
-        if self.zero == 3:
+        elif self._staged is not None:  # zero=3: the layout's units are the model's blocks
             model, cfg, mesh = self._staged
-            paths = [p for p, _, _ in broadcast_specs(self.specs, params)]
-            units, n_blocks = units_of(paths, model.stages, cfg)
+            units, n_blocks = units_of([p for p, _, _ in broadcast_specs(self.specs, params)], model.stages, cfg)
         self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=self.zero, data_axes=self.data_axes,
                                              bucket_bytes=self.bucket_bytes,
                                              master_dtype=torch.float32 if mixed else None, units=units)
-        if self.zero == 3:
+        # the one dispatch on the mode: its gradient phase, and how it evaluates, gathers and counts
+        if self.pipe is not None:
+            self.mode = Pipelined(lay, self._objective, self.pipe, self.has_aux)
+        elif units is not None:
             self._objective = Zero3Loss(lay, model, cfg, mesh, self.data_axes, n_blocks)
+            self.mode = Zero3(lay, self._objective, self._grad, self.has_aux)
+        else:  # reduce each bucket once full under ZeRO-2, and under ZeRO-1 with one micro-batch
+            eager = self.zero == 2 or (self.zero == 1 and self.accum_steps == 1)
+            self.mode = Plain(lay, self._objective, self._grad, self.has_aux, eager)
         # the fp32 masters live where the parameters do (the host under offload)
         first = next((x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
         masters_on = torch.device("cpu") if self.offload else (first.device if mixed and first is not None else None)
@@ -180,12 +189,11 @@ class Step:
         rows = self._check_batch(state, batch)
         inner = self.buffers.take(state, self.donate)
         scale = loss_scale(inner)
-        params = self.buffers.params if self.zero == 3 else self.buffers.params_tree()
-        parts, loss_sum, auxes = self._accumulate(params, batch, scale)
+        parts, loss_sum, auxes = self._accumulate(self.mode.params(self.buffers), batch, scale)
         if self.loss_scale is not None:
             parts = [p.div_(scale.to(p.device)) for p in parts]
         grad_norm, loss_value, finite = self._statistics(parts, loss_sum)
-        skip = nonfinite_policy(self, state, inner, loss_value, grad_norm.item(), finite)
+        skip = self.nonfinite.check(self, state, inner, loss_value, grad_norm.item(), finite)
         if skip is not None:
             return skip
         lay, slices = self.layout, self.buffers.part_slices()
@@ -202,7 +210,7 @@ class Step:
             metrics |= {"grad_norm": float("inf"), "lr": float("nan"), "tokens": 0, "tokens_per_s": 0.0,
                         "skipped": True, "loss_scale": loss_scale(inner).item()}
             return self.buffers.state(inner, state.step), metrics
-        self._skips = 0
+        self.nonfinite.skips = 0
         self._apply(slices, updates)
         del updates
         self.buffers.publish()
@@ -234,16 +242,16 @@ class Step:
                 f"{d} x accum_steps = {dp * A}: make it a multiple of {dp * A}"
             )
         if self.check and not self._checked and not self.mesh.simulated:  # (a plan's meta batch holds no values)
-            params = None if self.zero == 3 else state.params  # (zero=3 parts differ across the data axes)
             pp = ("pp",) if self.pipe is not None else ()
-            check_consistency(self.mesh, self.specs, params, batch, self.model_axes + pp,
+            check_consistency(self.mesh, self.specs, self.mode.replicated(state), batch, self.model_axes + pp,
                               self.model_axes + self.data_axes)
             self._checked = True
         return rows
 
     def _accumulate(self, params: Any, batch: Any, scale: torch.Tensor):
-        """Accumulate: this rank's (ZeRO-2: already reduced) bucket gradients over the micro-batches, weighted."""
-        lay, mesh = self.layout, self.mesh
+        """Accumulate: this rank's bucket gradients over the micro-batches, each weighted by its share of the
+        global batch's weight (checked here, on every data rank alike), in the step's mode."""
+        mesh = self.mesh
         micro = _split(batch, self.accum_steps)
         w = torch.tensor([self.weight_fn(mb) if self.weight_fn else float(_rows(mb)) for mb in micro],
                          dtype=torch.float64)
@@ -256,36 +264,12 @@ class Step:
                             f"batch (its error names them)")
         if total <= 0:
             raise StepError("the global batch has no targets to train on (every label is -100 or masked)")
-        acc: list = [None] * len(lay.buckets)
-        # reduce each bucket as soon as it is full (its flat copy freed) under ZeRO-2, and under ZeRO-1 when there
-        # is one micro-batch (reducing before or after a loop of one is the same sum)
-        eager = self.zero == 2 or (self.zero == 1 and len(micro) == 1)
-        loss_sum, auxes = torch.zeros((), dtype=torch.float64), []
-        if self.pipe is not None:  # every micro-batch through the pipeline, then one reduction per bucket
-            g_leaves, loss_sum = self.pipe.run(params, micro, [wm / total for wm in w.tolist()], scale)
-            return [lay.reduce_leaves(b, g_leaves) for b in lay.buckets], loss_sum, auxes
-        for mb, wm in zip(micro, w.tolist(), strict=True):
-            # the weight as a tensor: a Python float would be a constant to torch.compile (a recompile per value)
-            grads, (_, out) = self._grad(params, mb, torch.tensor(wm / total, dtype=torch.float32) * scale)
-            loss, aux = out if self.has_aux else (out, None)
-            auxes.append(aux)
-            loss_sum += loss.detach().double().cpu() * (wm / total)
-            if self.zero == 3:  # the gradients of the parts, summed over the data axes by the gathers' backward
-                acc = grads if acc[0] is None else [a.add_(g) for a, g in zip(acc, grads, strict=True)]
-                continue
-            g_leaves = lay.treedef.flatten_up_to(grads)
-            del grads  # each leaf's gradient is dropped once copied into its bucket
-            flats = [  # (reduced from the leaves where they lie: no flat copy on host)
-                lay.reduce_leaves(b, g_leaves) if eager else lay.flat(b, g_leaves, free=True) for b in lay.buckets]
-            acc = [f if a is None else a.add_(f) for a, f in zip(acc, flats, strict=True)]
-        parts = acc if self.zero == 3 or eager else [lay.reduce(b, f) for b, f in zip(lay.buckets, acc, strict=True)]
-        return parts, loss_sum, auxes
+        return self.mode.accumulate(params, micro, [wm / total for wm in w.tolist()], scale)
 
     def _statistics(self, parts: list[torch.Tensor], loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
         """Reduce: the global gradient norm (every element once), the global loss and whether all is finite."""
         mesh, buckets = self.mesh, self.layout.buckets
-        if self.zero == 3 or self.pipe is not None:  # count per leaf (a zero=3 unit mixes leaves sharded and
-            # replicated over the model axes; a pipeline's tied leaf counts on one stage)
+        if self.mode.per_leaf_norm:  # (see the mode: a leaf counted on one rank only)
             sq = sums_of_squares([v for v, c in zip(self.layout.views(parts), self._counted, strict=True) if c]).sum()
         else:  # (float64 on the host, one device sync)
             sq = sums_of_squares([p for b, p in zip(buckets, parts, strict=True) if b.counted]).sum()
@@ -314,15 +298,7 @@ class Step:
         saved tensors are the step's activations; :func:`funcpar.planning.trace_step` measures them)."""
         if self.layout is None:
             raise StepError("call step.init(params) before step.loss")
-        if self.pipe is not None:  # forward through every stage; the loss on every rank
-            return self.pipe.evaluate(state.params, batch)
-        leaves = self.layout.treedef.flatten_up_to(state.params)
-        leaves = self.layout.slices_of(leaves) if self.zero == 3 else leaves  # zero=3: the parts, per unit
-        leaves = [x.detach().requires_grad_(requires_grad and x.is_floating_point()) for x in leaves]
-        params = leaves if self.zero == 3 else self.layout.unflatten(leaves)
-        with torch.set_grad_enabled(requires_grad):
-            out = self._objective(params, batch)
-        return out[0] if self.has_aux else out
+        return self.mode.evaluate(state, batch, requires_grad)
 
     def holds(self, path: str) -> bool:
         """Whether this rank holds the parameter at ``path`` (a pipeline stage holds its layers' only; for
@@ -333,9 +309,9 @@ class Step:
         """Whole local leaves of ``state``'s parameters: ``state.params`` itself, except at ``zero=3``, where they are
         all-gathered from the parts (collective; for export and evaluation: ``fp.hf.save(out,
         step.gather_params(state), ...)``)."""
-        if self.zero != 3:
-            return state.params
-        return gather_params(self.layout, self.layout.slices_of(self.layout.treedef.flatten_up_to(state.params)))
+        if self.layout is None:
+            raise StepError("call step.init(params) before step.gather_params")
+        return self.mode.whole(state)
 
     def _tokens(self, batch: Any, rows: int) -> int:
         """Elements of the batch's first tensor over all data ranks (B x T for token batches)."""

@@ -75,36 +75,45 @@ def validate_options(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss
         raise StepError(f"loss_scale must be 'dynamic', a number or None, got {loss_scale!r}")
 
 
-def nonfinite_policy(step, state, inner, loss: float, norm: float, finite: bool):
-    """The non-finite policy of ``step`` (a :class:`funcpar.step.Step`), decided alike on every rank (the values are
-    global). A step whose loss or gradient norm is not finite updates nothing; by default (``nonfinite="error"``)
-    it raises, the state before it kept as the error's ``.state``; ``"skip"`` skips it, and so does loss scaling
-    when it overflows, up to ``max_skips`` in a row. Returns ``(state, metrics)`` of a skipped step, or ``None`` to
-    go on."""
-    lr = step.schedule(state.step) if step.schedule else 0.0
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):  # before the update touches anything
-        e = StepError(f"step {state.step + 1}: the learning rate schedule gives {lr!r}, not a finite number >= 0; "
-                      f"nothing was updated")
-        e.state = step.buffers.state(inner, state.step)
-        raise e
-    bad = "loss" if not math.isfinite(loss) else "gradient norm" if not math.isfinite(norm) else None
-    if bad is None and finite:
-        return None
-    step._skips += 1
-    kept = step.buffers.state(inner, state.step)
-    what = f"the {bad} is {loss if bad == 'loss' else norm}" if bad else "the gradients overflow"
-    if step.loss_scale is None and step.nonfinite == "error" or step._skips > step.max_skips:
-        why = (f"{step._skips} steps in a row skipped (max_skips={step.max_skips}"
-               + (f", loss scale now {loss_scale(inner).item():g})" if step.loss_scale is not None else ")")
-               if step._skips > 1 or step.nonfinite == "skip" else "nonfinite='error'")
-        e = StepError(f"step {state.step + 1}: {what}; nothing was updated and training stops ({why}): lower "
-                      f"the learning rate, check the data and the weights, or resume from the last checkpoint")
-        e.state = kept
-        raise e
-    if step.loss_scale is not None:
-        return None  # the loss-scaling wrapper skips the update and adapts the scale
-    return kept, {"loss": loss, "step": state.step, "grad_norm": norm, "lr": float("nan"), "tokens": 0,
-                  "tokens_per_s": 0.0, "skipped": True}
+class NonfinitePolicy:
+    """What a step does when its loss or gradient norm is not finite, decided alike on every rank (the values are
+    global): it updates nothing, and by default (``nonfinite="error"``) raises, the state before it kept as the
+    error's ``.state``; ``"skip"`` skips it, and so does loss scaling when it overflows, up to ``max_skips`` in a
+    row. ``skips`` counts the steps skipped in a row (the step resets it after an update)."""
+
+    def __init__(self, nonfinite: str = "error", max_skips: int = 20):
+        if nonfinite not in ("error", "skip") or not isinstance(max_skips, int) or max_skips < 0:
+            raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got {nonfinite!r}, "
+                            f"{max_skips!r}")
+        self.mode, self.max_skips, self.skips = nonfinite, max_skips, 0
+
+    def check(self, step, state, inner, loss: float, norm: float, finite: bool):
+        """For ``step`` (a :class:`funcpar.step.Step`) about to update ``state`` (``inner``: its optimizer state):
+        ``(state, metrics)`` of a skipped step, or ``None`` to go on; raises where training must stop."""
+        lr = step.schedule(state.step) if step.schedule else 0.0
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):  # before the update touches anything
+            e = StepError(f"step {state.step + 1}: the learning rate schedule gives {lr!r}, not a finite number >= 0; "
+                          f"nothing was updated")
+            e.state = step.buffers.state(inner, state.step)
+            raise e
+        bad = "loss" if not math.isfinite(loss) else "gradient norm" if not math.isfinite(norm) else None
+        if bad is None and finite:
+            return None
+        self.skips += 1
+        kept = step.buffers.state(inner, state.step)
+        what = f"the {bad} is {loss if bad == 'loss' else norm}" if bad else "the gradients overflow"
+        if step.loss_scale is None and self.mode == "error" or self.skips > self.max_skips:
+            why = (f"{self.skips} steps in a row skipped (max_skips={self.max_skips}"
+                   + (f", loss scale now {loss_scale(inner).item():g})" if step.loss_scale is not None else ")")
+                   if self.skips > 1 or self.mode == "skip" else "nonfinite='error'")
+            e = StepError(f"step {state.step + 1}: {what}; nothing was updated and training stops ({why}): lower "
+                          f"the learning rate, check the data and the weights, or resume from the last checkpoint")
+            e.state = kept
+            raise e
+        if step.loss_scale is not None:
+            return None  # the loss-scaling wrapper skips the update and adapts the scale
+        return kept, {"loss": loss, "step": state.step, "grad_norm": norm, "lr": float("nan"), "tokens": 0,
+                      "tokens_per_s": 0.0, "skipped": True}
 
 
 def resolve_compile(compile, mesh: Mesh, zero, offload, loss_fn, data_axes=("dp",)) -> tuple:
