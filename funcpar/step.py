@@ -5,7 +5,7 @@ The state lives in the step's flat buffers and a call consumes the state it is g
 
 A step reads as accumulate -> reduce -> update -> gather:
 
-- - **accumulate**: gradients (:func:`funcpar.remat.grad_and_value`) over ``accum_steps`` micro-batches, each
+- **accumulate**: gradients (:func:`funcpar.remat.grad_and_value`) over ``accum_steps`` micro-batches, each
   micro-batch's loss weighted by its share of the global batch's weight (``weight_fn``: by default the weight the loss
   function carries, e.g. a language model's target-token count, else rows), so the result is exactly the loss of the
   global batch as one process would compute it;
