@@ -58,6 +58,7 @@ def test_bare_train_writes_everything_and_the_loss_falls(bare_run):
     assert "greedy answers" not in stdout and "answers to the built-in task are checked after 100 steps" in stdout
 
 
+@pytest.mark.subprocess
 def test_torchrun_and_bare_give_the_same_losses(bare_run, tmp_path):
     out, _ = bare_run
     out2 = str(tmp_path / "torchrun")
@@ -66,6 +67,7 @@ def test_torchrun_and_bare_give_the_same_losses(bare_run, tmp_path):
     assert losses(out2) == losses(out)
 
 
+@pytest.mark.subprocess
 def test_two_torchrun_agents_train_as_one_node_and_resume_on_one_node(bare_run, tmp_path):
     # multi-node as torchrun runs it: two agents (--nnodes 2, c10d rendezvous) of 2 ranks each on localhost; the
     # ranks on the second agent are global ranks 2-3 but local ranks 0-1 (each node's own devices)
@@ -93,6 +95,7 @@ def test_two_torchrun_agents_train_as_one_node_and_resume_on_one_node(bare_run, 
     assert losses(out2) == losses(out)
 
 
+@pytest.mark.subprocess
 def test_resume_continues_exactly(bare_run, tmp_path):
     out, _ = bare_run
     out2 = str(tmp_path / "resumed")
@@ -174,6 +177,7 @@ def test_convert_round_trip(tmp_path):
     assert m["step"] == 1
 
 
+@pytest.mark.subprocess
 def test_examples_run_as_written(tmp_path):
     import transformers as tf
 
@@ -193,6 +197,7 @@ def test_examples_run_as_written(tmp_path):
     tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ft")
 
 
+@pytest.mark.subprocess
 def test_progress_bar_on_a_terminal(tmp_path):
     import fcntl
     import pty
@@ -221,6 +226,7 @@ def test_progress_bar_on_a_terminal(tmp_path):
     assert text.count("step     3/3  loss ") == 1  # the interval line, written above the bar (tests/test_cli_run.py)
 
 
+@pytest.mark.subprocess
 def test_precision_and_remat_flags(tmp_path):
     out = str(tmp_path / "bf16")
     run(["-m", "funcpar", "train", *TINY, "--mesh", "dp=2", "--steps", "4", "--precision", "bf16", "--remat",
@@ -261,6 +267,7 @@ def test_planning_on_an_abstract_mesh():
     assert abs(zero1["total"] - zero1["params"] - zero1["grads"] - zero1["optimizer"]) < 1e-9
 
 
+@pytest.mark.subprocess
 def test_zero3_from_the_command_line_gives_the_zero1_losses_and_exports(tmp_path):
     outs = {}
     for zero in ("1", "3"):
@@ -273,6 +280,7 @@ def test_zero3_from_the_command_line_gives_the_zero1_losses_and_exports(tmp_path
     tf.AutoModelForCausalLM.from_pretrained(os.path.join(outs["3"], "hf"))  # exported from the zero=3 parts
 
 
+@pytest.mark.subprocess
 def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, tmp_path, capsys):
     out, _ = bare_run
     out2 = str(tmp_path / "pp")

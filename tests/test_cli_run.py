@@ -36,6 +36,7 @@ def _rows(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.subprocess
 def test_twelve_samples_are_refused_before_step_1_with_what_to_change_then_train_to_the_end(tmp_path):
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SFT))
     before = _snapshot(tmp_path)
@@ -54,6 +55,7 @@ def test_twelve_samples_are_refused_before_step_1_with_what_to_change_then_train
     assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, message", [
     (["--global-batch", "6", "--micro-batches", "4"],
      "funcpar: --global-batch 6 does not split over dp=1 x --micro-batches 4: use a multiple of 4 (e.g. 4)"),
@@ -86,6 +88,7 @@ def test_warnings_for_warmup_and_positions_and_a_learned_position_table_is_a_lim
                             100, 5)
 
 
+@pytest.mark.subprocess
 def test_an_earlier_run_in_out_is_refused_unless_resumed_or_overwritten(tmp_path):
     args = ["train", *SMALL, "--mesh", "1", "--global-batch", "8", "--seq-len", "32", "--steps", "2",
             "--eval-every", "0"]
@@ -108,6 +111,7 @@ def test_a_resumed_run_reports_the_whole_runs_first_loss_and_its_own_pace():
     assert eta_seconds(elapsed=2.0, done_here=1, remaining=99) == 198.0  # resumed at step 100 of 200
 
 
+@pytest.mark.subprocess
 def test_resume_summary_and_a_run_folders_config_is_a_config(tmp_path):
     args = ["train", *SMALL, "--mesh", "1", "--global-batch", "8", "--seq-len", "32", "--eval-every", "0"]
     assert _funcpar(tmp_path, *args, "--steps", "2").returncode == 0
@@ -127,6 +131,7 @@ def test_resume_summary_and_a_run_folders_config_is_a_config(tmp_path):
     assert [r["loss"] for r in _rows(tmp_path / "again")] == [r["loss"] for r in rows]
 
 
+@pytest.mark.subprocess
 def test_exported_and_checkpoint_files_are_readable_by_others(tmp_path):
     old = os.umask(0o022)
     try:
@@ -140,6 +145,7 @@ def test_exported_and_checkpoint_files_are_readable_by_others(tmp_path):
     assert modes and set(modes.values()) == {0o644}, modes
 
 
+@pytest.mark.subprocess
 def test_help_names_every_flag_with_its_default_and_plan_only_its_own():
     p = _funcpar(ROOT, "train", "--help")
     text = " ".join(p.stdout.split()).replace("micro- batches", "micro-batches")  # argparse wraps at hyphens
@@ -165,6 +171,7 @@ def test_toml_configs_need_tomllib_or_tomli_and_say_so(tmp_path, monkeypatch):
         options.read_options(["--config", str(tmp_path / "bad.json")], "train")
 
 
+@pytest.mark.subprocess
 def test_on_a_terminal_the_interval_line_with_eval_shows_above_the_progress_bar(tmp_path):
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
@@ -191,6 +198,7 @@ def test_on_a_terminal_the_interval_line_with_eval_shows_above_the_progress_bar(
     assert " tok/s  MFU " in shown[0] and " mem " in shown[0] and " eta " in shown[0]
 
 
+@pytest.mark.subprocess
 def test_convert_writes_only_its_destination(tmp_path):
     import hf_fixtures
 
@@ -215,6 +223,7 @@ def test_the_byte_tokenizer_exports_as_an_hf_tokenizer_with_the_same_ids(tmp_pat
     assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, len(hf)) == (256, 257, 258, 259)
 
 
+@pytest.mark.subprocess
 def test_transformers_pipeline_answers_a_shipped_arithmetic_prompt_from_the_export(tmp_path):
     import transformers
 
@@ -238,6 +247,7 @@ def test_transformers_pipeline_answers_a_shipped_arithmetic_prompt_from_the_expo
     assert int(line.split("; ")[1].split("/")[0]) >= 95, line
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_saves_at_the_current_step_on_every_rank_and_prints_the_resume_command(tmp_path):
     import signal
 
@@ -292,6 +302,7 @@ def test_conversations_follow_the_tokenizers_chat_template_and_train_only_the_an
     assert builtin == data.encode(sample, data.ByteTokenizer())
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, message", [
     (["plan", "--mesh", "tp=3"], "funcpar: leaf 'layers.0.wo' with shape (128, 128): dimension 1 (size 128) is not "
                                  "divisible by axis tp=3 of Mesh(pp=1, dp=1, tp=3); pad it to a multiple of 3 or leave "

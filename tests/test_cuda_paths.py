@@ -98,6 +98,7 @@ open(os.path.join(sys.argv[1], f"rank{mesh.rank}.json"), "w").write(json.dumps(o
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("device", ["default", "cuda"])
 def test_a_multi_rank_mesh_on_cuda_starts_its_job(tmp_path, device):
     # issue 40: `import torch._dynamo` inside _join_world made `torch` local there; set_device raised
@@ -135,6 +136,7 @@ def _cli(gpus, *args, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_train_on_cuda_with_fewer_gpus_than_ranks_prints_one_line_before_starting_any(gpus, tmp_path):
     p = _cli(gpus, "train", "--mesh", "tp=2,dp=2", "--device", "cuda", "--out", str(tmp_path / "out"))
@@ -149,6 +151,7 @@ def test_train_on_cuda_with_fewer_gpus_than_ranks_prints_one_line_before_startin
     assert not (tmp_path / "out").exists()  # no rank started, nothing written
 
 
+@pytest.mark.subprocess
 def test_device_option_is_checked_and_plan_takes_it(capsys):
     p = _cli(0, "train", "--device", "gpu")
     assert p.returncode != 0 and "funcpar: --device 'gpu'" in p.stderr and "auto, cpu, cuda" in p.stderr
@@ -181,6 +184,7 @@ def test_the_plan_of_a_step_auto_compiles_says_its_peak_is_the_eager_traces(caps
     assert f"peak {t_auto['peak'] / 2**20:,.1f} MiB" in line and "the eager step's trace: compile='auto'" in line
 
 
+@pytest.mark.subprocess
 def test_auto_runs_the_ranks_on_the_cpu_beside_too_few_gpus_and_says_why(tmp_path):
     # one GPU, the README's 4-rank main job: auto takes the CPU for every rank (the same run), with one warning
     out = tmp_path / "out"

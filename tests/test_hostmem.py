@@ -44,6 +44,7 @@ def _run(**env) -> dict:
     return json.loads(p.stdout.split("RESULT ", 1)[1])
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(hostmem._glibc() is None, reason="glibc's malloc only (this C library is not glibc)")
 def test_cpu_step_faults_no_page_in_after_warmup_and_system_malloc_does():
     kept, system = _run(), _run(FUNCPAR_HOST_MALLOC="system")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--eval-every", "0", "--save-every", "0"]
 

@@ -205,6 +205,7 @@ def test_lora_at_tp2_dp2_equals_one_process_and_exports(base, tmp_path):
     assert (logits - r0["logits"]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.subprocess
 def test_funcpar_train_with_lora_exports_merged_and_peft_folders(tmp_path):
     import os
     import subprocess

@@ -135,6 +135,7 @@ def _torchrun(tmp_path, text: str, *args: str):
                           timeout=120)
 
 
+@pytest.mark.subprocess
 def test_a_job_tears_its_process_groups_down_before_the_interpreter_exits(tmp_path):
     # left to interpreter finalization, gloo can abort a rank with SIGABRT (pytorch/pytorch#190489, issue 16)
     p = _torchrun(tmp_path, _EXIT_SCRIPT, str(tmp_path))
@@ -163,6 +164,7 @@ fp.collectives.all_reduce(torch.ones(3), mesh, "dp")  # rank 0 waits here for th
 """
 
 
+@pytest.mark.subprocess
 def test_a_rank_that_aborts_leaves_its_python_stack_and_the_survivor_names_the_collective(tmp_path):
     # issue 16: an abort must not be silent; the dying rank says where it was, the others what they were waiting on
     p = _torchrun(tmp_path, _ABORT_SCRIPT)

@@ -134,6 +134,7 @@ def test_never_under_torch_func_transforms_or_a_differentiated_backward(calls, m
     assert (g2 - c2).abs().max().item() <= 1e-5 * c2.abs().max().item()
 
 
+@pytest.mark.subprocess
 def test_a_bad_setting_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(Pw, "FUSE", "yes")
     with pytest.raises(ValueError, match=r"FUNCPAR_FUSE in the environment\) is 'yes'; one of \('auto', 'on', 'off'\)"):

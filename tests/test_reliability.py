@@ -150,6 +150,7 @@ def test_a_schedule_that_goes_non_finite_stops_before_updating():
     assert len(after) == len(before) and all(torch.equal(x, y) for x, y in zip(after, before, strict=True))  # moments too
 
 
+@pytest.mark.subprocess
 def test_the_command_line_refuses_a_non_finite_learning_rate_before_writing_anything(tmp_path):
     import os
     import subprocess
@@ -408,6 +409,7 @@ def test_funcpar_replaces_its_own_folders_an_empty_one_or_any_with_overwrite(tmp
     assert not (tmp_path / "mine" / "notes.txt").exists() and (tmp_path / "mine" / ".funcpar").is_file()
 
 
+@pytest.mark.subprocess
 def test_convert_refuses_a_destination_funcpar_did_not_write(tmp_path):
     import subprocess
     import sys
@@ -482,6 +484,7 @@ def test_keep_does_not_take_a_folder_whose_metadata_was_edited_to_claim_the_run(
     assert _snapshot(ckpts / "theirs") == before
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("config, message", [
     ("[1, 2]", "config.json holds an array, not an object of config keys: is it a model's config.json?"),
     ("{", "config.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
@@ -501,6 +504,7 @@ def test_the_command_line_names_a_bad_config_json_of_a_model_folder(tmp_path, co
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.subprocess
 def test_convert_reads_only_verified_checkpoint_metadata(tmp_path):
     import json
     import subprocess

@@ -10,10 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from test_lifeline import _Job, _children, _rank_of
+
+pytestmark = [pytest.mark.soak, pytest.mark.subprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--mesh", "tp=2,dp=2", "--steps", "200", "--global-batch", "8", "--seq-len", "32", "--warmup", "10",

@@ -136,6 +136,7 @@ def block(t, spec, n, r):
     return t
 
 
+@pytest.mark.subprocess
 def test_tp_mlp_example_trains_on_four_ranks():
     """``python examples/tp_mlp.py`` starts its own 4 ranks (Mesh(tp=2, dp=2)) and its loss falls."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
