@@ -5,9 +5,8 @@ On CPU (float32, ``BLOCKED_T`` = 64 to 512 positions, plain tensors) it runs *bl
 in blocks of ``tb`` (32, or 64 beyond 256 positions); block ``i`` meets only the keys before its end, so of the masked
 upper triangle only the diagonal block's part is computed (the matmuls do (n+1)/2n of the full T x T work over n
 blocks), and a key/value head's query heads are folded into the rows of one matmul (no repeated k/v). Its backward
-keeps the probabilities (B·H·T²·(n+1)/2n floats, which ``BLOCKED_T`` bounds) instead of recomputing them. Measured
-on one thread, forward and backward against torch's CPU flash kernel: (4, 8 heads / 4 kv, 256, 64) 19.4 against
-30.1 ms; (2, 8/4, 512, 64) 32.3 against 56.4; (4, 8/4, 128, 64) 5.7 against 7.8.
+keeps the probabilities (B·H·T²·(n+1)/2n floats, which ``BLOCKED_T`` bounds) instead of recomputing them. It is
+faster than torch's CPU flash kernel at these sizes (figures: docs/MEASUREMENTS.md).
 
 Elsewhere (CUDA, whose kernels are better; other dtypes; longer or shorter sequences; inside ``torch.func``
 transforms or ``torch.compile``, where the inputs are wrapped) it is torch's kernel. Differentiated twice, the block

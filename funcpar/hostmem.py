@@ -4,8 +4,7 @@ By default glibc serves a block of 32 MiB or more (less, until the first large b
 ``mmap`` and gives it back to the kernel when it is freed; the heap's free top is given back too once it passes
 128 KiB. A train step allocates and frees the same activation-sized tensors every step, so each step pays the
 kernel's page faults again: every 4 KiB page of every such tensor is faulted in and zeroed before the first
-write (measured here on the small benchmark model, one process: about 34,000 faults per step, a logits-sized
-temporary of 16 MiB taking 14 ms to write where 4 ms do once its pages are mapped). :func:`keep_freed_memory`
+write (docs/MEASUREMENTS.md has what that cost on the benchmark model). :func:`keep_freed_memory`
 makes the process keep its freed memory for the next step instead (``M_MMAP_MAX = 0``: every block from the
 heap; ``M_TRIM_THRESHOLD`` at its largest: the heap is never trimmed), so that after the first steps no page
 is faulted in again. The price is that the process holds its high-water mark of memory until it ends, which is

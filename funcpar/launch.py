@@ -121,8 +121,7 @@ def run_and_exit(command: Callable[[], None]) -> NoReturn:
     threads, then every ``atexit`` handler (funcpar's process-group teardown, logging's flush, inductor's pools),
     then stdout and stderr flushed; a ``SystemExit`` gives the status (a message: printed to stderr, status 1).
     What is skipped is the interpreter's finalization of its modules, which after a run that loaded torch (and
-    matplotlib or inductor) takes 0.5-1 s of one core per process (measured: a 2-rank ``funcpar train`` whose ranks
-    had ended their last atexit handler exited 1.0 s later, and its launcher 0.5 s after that). By then every file
+    matplotlib or inductor) takes a second or so of one core per process (docs/MEASUREMENTS.md). By then every file
     the run wrote is closed. Only for the command line (``python -m funcpar``, the ``funcpar`` script): a program
     that calls :func:`funcpar.cli.main` keeps its process. Another exception propagates as usual (a traceback)."""
     code: object = 0

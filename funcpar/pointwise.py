@@ -7,12 +7,9 @@ those passes, not the arithmetic, are the time. Where :func:`fusable` says so, R
 SwiGLU forward and backward and the cross-entropy's ``exp(logits - max)`` with its row sums
 (:func:`exp_and_sum`) run as ``torch.compile``d kernels of the same formulas (inductor: one loop over the
 tensors instead of three to seven; compiled at first use with dynamic sizes, again for a new number of dimensions,
-dtype or device, and kept in inductor's on-disk cache for later processes). Measured on this project's CPU machine
-(one thread, standalone, the benchmark's small Llama's shapes): the SwiGLU backward 3.9 -> 1.8 ms, RMSNorm's
-backward 3.3 -> 0.7 ms, the cross-entropy's exp 6.3 -> 3.7 ms; in the train step, fused and eager steps alternating
-in one job, 5-15 ms a step at dp=2 (about 1%), 14 ms in one process, 45 ms at tp=2 for the hidden-1024 Llama.
-Rotary embedding was no faster compiled (0.39 against 0.42 ms) and stays eager. The fused results are the eager
-ones to round-off (an FMA or a summation order: about 1e-7 relative), not bit for bit.
+dtype or device, and kept in inductor's on-disk cache for later processes). Rotary embedding was no faster compiled
+and stays eager (docs/MEASUREMENTS.md). The fused results are the eager ones to round-off (an FMA or a summation
+order: about 1e-7 relative), not bit for bit.
 
 :data:`FUSE` (``FUNCPAR_FUSE`` in the environment): ``"auto"`` (default) fuses float32 host tensors of at least
 :data:`MIN_NUMEL` elements (below it a compiled call's fixed cost outweighs the passes it saves; the unmeasured
@@ -127,9 +124,8 @@ def _rms_backward_kernel(x, w, r, g, need_w: bool):
 
 
 def _rms_backward(x, w, r, g, need_w: bool):
-    """The input's gradient and the weight's. The kernel writes ``g x r`` out and torch's row sum reduces it: inductor's
-    own reduction down the rows was slower at (8, 256, 1024) on one thread than the write and the sum (4.5 against
-    2.5 ms), and less accurate (max error 1.8e-4 against 1.8e-5, against the float64 sum)."""
+    """The input's gradient and the weight's. The kernel writes ``g x r`` out and torch's row sum reduces it:
+    inductor's own reduction down the rows was slower and less accurate (docs/MEASUREMENTS.md)."""
     gi, gxr = _rms_backward_kernel(x, w, r, g, need_w)
     return gi, gxr.reshape(-1, x.shape[-1]).sum(0) if need_w else None
 
@@ -213,7 +209,7 @@ class _RMSNorm(torch.autograd.Function):
         if fused:
             return (*_rms_backward(x, w, r, g, need_w), None)
         # d/dx (x_j r) = r (e_j - x x_j r²/d): gx = g x; the input's gradient r (g w - x r dot), dot = r (gx @ w)/d;
-        # the weight's: the rows' sum of gx r (2048 x 1024, one thread: 4.1 ms against 5.2 for r (g w - n mean(g w n)))
+        # the weight's: the rows' sum of gx r (faster than r (g w - n mean(g w n)): docs/MEASUREMENTS.md)
         gx, d = g * x, x.shape[-1]
         dot = torch.mv(gx.reshape(-1, d), w).view(r.shape)
         if again:

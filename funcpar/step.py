@@ -332,7 +332,7 @@ def compile_step(loss_fn: Callable, specs: Any, **options: Any) -> Step:
     is split over: gradients are summed and ZeRO-partitioned over them); ``bucket_mb`` (largest gradient bucket);
     ``compile`` (``torch.compile`` the per-micro-batch gradient: ``True``, ``False``, or ``"auto"``, the default:
     compiled on a CUDA mesh of data axes only, without pipeline stages, ZeRO-3, offload or remat, where it was
-    measured 18-32% faster on one GPU, eager elsewhere (on the CPU it did not pay); under ``"auto"`` a compiler failure
+    measured to pay, eager elsewhere (benchmarks/GPU.md); under ``"auto"`` a compiler failure
     warns once and the eager gradient takes over; ``step.compiled`` and ``step.compile_reason`` say what was chosen,
     :func:`funcpar.step_options.resolve_compile`); ``param_dtype`` (mixed precision: compute copies in this dtype, fp32
     masters as ZeRO parts in the optimizer state); ``loss_scale`` (``"dynamic"``, the default for float16, or a

@@ -120,11 +120,10 @@ def resolve_compile(compile, mesh: Mesh, zero, offload, loss_fn, data_axes=("dp"
     """``compile_step``'s ``compile`` as the step uses it, and why: ``True`` or ``False`` as given; ``"auto"`` (the
     default) stays ``"auto"`` (compile, falling back to the eager gradient on a compiler failure) where it was
     measured to pay and nothing is given up: a CUDA mesh whose only axes of size > 1 split the batch (its collectives
-    run outside the compiled gradient), without pipeline stages, ZeRO-3, offload or remat. Measured on one
-    H200, one process (benchmarks/GPU.md): 0.136 -> 0.112 s a step at 0.87B parameters in bf16, 0.034 -> 0.023 s
-    at 63M in fp32. Elsewhere eager: on the 2-core CPU it did not pay (dp=2 small: forward+backward 1216-1311 against
-    1220-1240 ms eager); on a tp axis the compiled gradient, differentiated through ``torch.func``, gives up
-    ``column_parallel``'s all-reduce beside the weight gradients, unmeasured on GPUs."""
+    run outside the compiled gradient), without pipeline stages, ZeRO-3, offload or remat (one GPU:
+    benchmarks/GPU.md). Elsewhere eager: on host tensors it did not pay (docs/MEASUREMENTS.md); on a tp axis the
+    compiled gradient, differentiated through ``torch.func``, gives up ``column_parallel``'s all-reduce beside the
+    weight gradients, unmeasured on GPUs."""
     if compile is True or compile is False:
         return compile, f"compile={compile}"
     if compile != "auto":

@@ -4,11 +4,11 @@
 naming the axis and the ranks; :func:`count` adds what a ring sends to ``mesh.traffic``. :mod:`funcpar.collectives`
 and :mod:`funcpar.p2p` are the only other modules that call torch.distributed.
 
-The rings. gloo's own reduce-scatter and all-gather stage whole copies of their tensors and take 2.5-3x the time of
-its all-reduce of the same bytes (64 MB over 2 ranks on the 2-core benchmark machine: 82 and 82 ms against 40 ms).
-On host tensors (gloo) funcpar runs them as rings of send/recv pairs instead (torch.distributed's
-``batch_isend_irecv``, in messages of at most ``MESSAGE_BYTES``): 22 and 20-26 ms there, (n-1)/n of the bytes sent
-per rank as a ring's, the sums in one fixed order. CUDA tensors (NCCL) keep the native collectives.
+The rings. gloo's own reduce-scatter and all-gather stage whole copies of their tensors and take several times the
+time of its all-reduce of the same bytes. On host tensors (gloo) funcpar runs them as rings of send/recv pairs
+instead (torch.distributed's ``batch_isend_irecv``, in messages of at most ``MESSAGE_BYTES``; figures in
+docs/MEASUREMENTS.md): (n-1)/n of the bytes sent per rank as a ring's, the sums in one fixed order. CUDA tensors
+(NCCL) keep the native collectives.
 
 A reduce-scatter's input need not exist as one tensor: it is given as *segments*, ``[(offset, 1-D tensor)]`` placed
 in a flat range of ``total`` elements (zeros between them). The train step hands its gradient leaves so, and the

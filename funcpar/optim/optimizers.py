@@ -41,7 +41,7 @@ def adamw(
 def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: Any, schedule: Schedule) -> Fused:
     """AdamW's update written into the parameters by torch's fused kernel (``torch._fused_adamw_``, CPU and CUDA):
     one pass over each leaf's parameter, gradient and moments, where the chain makes about eleven ``_foreach``
-    passes over all of them (8M parameters on one core: 10 against 37 ms). Torch's arithmetic (``p *= 1 - lr*wd``,
+    passes over all of them (docs/MEASUREMENTS.md). Torch's arithmetic (``p *= 1 - lr*wd``,
     then ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``), so it equals ``torch.optim.AdamW`` to round-off as the
     chain does; the same state, counts included. ``coef`` (from :func:`chain`: the clipping or scaling stages ahead
     of it): the kernel's ``grad_scale`` is ``1/coef``, each gradient divided as it is read, no pass of its own."""

@@ -94,13 +94,11 @@ def sums_of_squares(xs: list[torch.Tensor], chunk: int = 1 << 20, row: int = 128
     """``(x ** 2).sum()`` of each of ``xs`` in float64, as one float64 tensor on the host: what the step's gradient
     norm needs, with one device sync (two where a result needs the exact path).
 
-    A float32 norm of a million-element tensor is off by ~1e-3 relative (measured 8.8e-4 on 8M elements on the CPU),
-    enough to move clipping off the single-process run's. Here a float, bf16 or fp16 ``x`` takes the float32 2-norms
-    of ``row``-element rows, squared and summed in float64: each row within a float32 rounding, which mostly
-    averages out over rows (measured 4e-9 relative on 8M elements, 4e-8 on 350K): a handful of kernels per tensor
-    whatever its size (on the CPU 2.5 ms against 5.5-14 ms for float64 copies a chunk at a time, the benchmark's
-    ZeRO-1 step at dp=2, 8M-element shards; on a GPU, a 0.87B-parameter model's gradients, float64 chunks of 1M
-    elements launched about 1,700 kernels a step: 0.180 -> 0.136 s a step, benchmarks/GPU.md). A result the rows
+    A float32 norm of a million-element tensor is off by ~1e-3 relative, enough to move clipping off the
+    single-process run's. Here a float, bf16 or fp16 ``x`` takes the float32 2-norms of ``row``-element rows, squared
+    and summed in float64: each row within a float32 rounding, which mostly averages out over rows; a handful of
+    kernels per tensor whatever its size, where float64 copies a chunk at a time cost more on the CPU and launched
+    thousands of kernels a step on a GPU (docs/MEASUREMENTS.md, benchmarks/GPU.md). A result the rows
     may have got wrong (:func:`_needs_exact`) and any other dtype: float64 copies of ``chunk`` elements at a time,
     all copied to the host together."""
     xs = [x.detach().reshape(-1) for x in xs]
