@@ -110,15 +110,31 @@ def save(path, state: TrainState, layout: ZeroLayout | None, *, run: str, extra:
          latest: bool = True) -> None:
     """Write the whole train ``state`` to ``path``; collective over ``layout.mesh``. (``Step.save`` calls it.)
 
+    Every rank writes the pieces it owns, in global coordinates, so the checkpoint loads onto any mesh; the torch
+    RNG state of every rank goes in too. The folder is renamed into place only once every rank's file is complete
+    (:func:`funcpar.atomic.write_folder`), then ``latest`` and ``keep`` apply: a crash mid-save leaves the previous
+    checkpoint and ``latest`` as they were.
+
     Args:
+        path: the checkpoint folder to write (e.g. ``ckpt/step-1000``); ``latest`` and the other checkpoints of
+            the run are beside it.
+        state: the :class:`funcpar.TrainState` to save: this rank's parameters, its optimizer state and the step.
         layout: the :class:`funcpar.ZeroLayout` of the step that made ``state``: which part of each leaf this
             rank's optimizer state covers (``None``: the step has not been initialised, refused).
         run: the id of the run the checkpoint belongs to (``keep`` prunes only that run's checkpoints).
-        extra: anything JSON-serialisable (data position, config, ...), returned by :func:`load`.
-        uncounted: per leaf of ``layout``, True where another pipeline stage holds and writes it (a tied leaf).
-        keep: after saving, delete all but the ``keep`` newest checkpoints of this run beside ``path``.
+        extra: anything JSON-serialisable (data position, config, ...), returned by :func:`load`; default ``None``.
+        uncounted: per leaf of ``layout``, True where another pipeline stage holds and writes it (a tied leaf);
+            default ``None``: this rank writes every leaf it owns.
+        keep: after saving, delete all but the ``keep`` newest checkpoints (by step) of this run beside ``path``,
+            never the one just written; default ``None``: delete none.
         overwrite: replace ``path`` even if funcpar did not write it (otherwise refused, naming the folder).
-        latest: point ``latest`` beside ``path`` at it (off for a checkpoint saved alone, e.g. by convert).
+        latest: point ``latest`` beside ``path`` at it (off for a checkpoint saved alone, e.g. by convert); default
+            True.
+
+    Raises:
+        CheckpointError: no ``layout``, an ``extra`` that is not JSON-serialisable, an existing ``path`` funcpar may
+            not replace, or a write that failed on another rank (nothing is written then, and what was at ``path``
+            is unchanged).
     """
     if layout is None:
         raise CheckpointError("save: the step has no layout yet; call step.init(params) first")
@@ -291,20 +307,30 @@ def load_params(path, like: Any, specs: Any, mesh: Mesh | None = None) -> Any:
 
 def load(path, layout: ZeroLayout | None, init: Callable[[Any], TrainState], *, known: list[str] | None = None,
          restore_rng: bool = True, stats: dict | None = None) -> tuple[TrainState, Any, str | None]:
-    """The checkpoint in ``path`` (a folder, or the folder holding ``latest``) onto ``layout``'s mesh and ZeRO parts,
-    which may differ from the ones it was saved on: pieces are resharded. (``Step.load`` calls it.)
+    """Load the checkpoint in ``path`` onto ``layout``'s mesh and ZeRO parts, which may differ from the ones it was
+    saved on: pieces are resharded. (``Step.load`` calls it.)
+
+    Parameters and optimizer state are read for this rank's blocks and ZeRO parts only. The metadata is checked
+    against its schema and checksum and every piece against its CRC-32 before it is used; nothing is unpickled.
 
     Args:
+        path: a checkpoint folder, or the folder holding ``latest`` (the checkpoint it names is loaded).
         layout: the :class:`funcpar.ZeroLayout` of the initialised step to resume (``None``: refused).
         init: the step's ``init``: turns the loaded parameters (whole local leaves) into a fresh state of the step.
-        known: on a pipeline stage, the paths of the whole model's leaves (the checkpoint holds every stage's).
-        restore_rng: restore the torch RNG state this rank (or, on a larger mesh, rank 0) had at save time.
+        known: on a pipeline stage, the paths of the whole model's leaves (the checkpoint holds every stage's);
+            default ``None``: the checkpoint must hold exactly ``layout``'s leaves.
+        restore_rng: restore the torch RNG state this rank (or, on a larger mesh, rank 0) had at save time; default
+            True.
         stats: a dict to receive ``bytes_read``.
 
     Returns:
         ``(state, extra, run)``: the state, the ``extra`` given to :func:`save`, and the run id to save on with.
-        Parameters and optimizer state are read for this rank's blocks and ZeRO parts only; a checkpoint of
-        parameters only (``funcpar convert``) loads with a fresh optimizer state.
+        A checkpoint of parameters only (``funcpar convert``) loads with a fresh optimizer state.
+
+    Raises:
+        CheckpointError: no ``layout``; ``path`` is not a checkpoint (no ``meta.json``, nor a ``latest`` naming a
+            complete one); metadata or a piece that fails its checks; a checkpoint of another model (a leaf
+            missing, extra or of another shape) or saved with another optimizer's state.
     """
     if layout is None:
         raise CheckpointError("load: call step.init(params) first (params of the right shapes; values are replaced)")

@@ -153,14 +153,34 @@ def load(
     stats: dict | None = None,
     keep: Any = None,
 ):
-    """``(params, cfg)``: this rank's shards of the checkpoint in ``path``, as ``model`` lays them out.
+    """Load this rank's shards of the Hugging Face checkpoint in ``path``, as ``model`` lays them out for ``mesh``.
 
-    ``model`` (a :class:`funcpar.ModelSpec`, a model module or a registered name) defaults to the registered model
-    of the folder's ``model_type``; ``specs`` to ``model.specs(cfg, mesh)``; ``dtype`` to the checkpoint's, which
-    every tensor read must then have (the one config.json names; a tensor in another is refused by name), while a
-    ``dtype`` given converts each tensor to it. Pass a dict as ``stats`` to get ``bytes_read`` (tensor bytes this
-    rank read). ``keep(path) -> bool`` reads only the leaves it accepts, the others are ``None``: a pipeline
-    stage's with ``keep=step.holds`` (see :meth:`funcpar.Step.holds`).
+    Each rank reads only the bytes of its own blocks (never a whole tensor), and the check against the model is
+    strict: every missing, unexpected or mis-shaped tensor is reported at once. Only JSON and raw tensor bytes are
+    read; nothing is unpickled.
+
+    Args:
+        path: the checkpoint folder: ``config.json`` and ``model.safetensors`` (or a sharded
+            ``model.safetensors.index.json``).
+        model: a :class:`funcpar.ModelSpec`, a model module or a registered name; default the registered model of
+            the folder's ``model_type``.
+        mesh: the mesh to shard for; default ``Mesh()``, a one-process mesh (whole tensors), not the mesh in scope.
+        specs: the parameters' specs; default ``model.specs(cfg, mesh)``.
+        dtype: the dtype to convert each tensor to; default ``None``, the checkpoint's: every tensor read must then
+            have the one ``config.json`` names (a tensor in another is refused by name).
+        stats: a dict to receive ``bytes_read`` (tensor bytes this rank read).
+        keep: ``keep(path) -> bool``; only the leaves it accepts are read, the others are ``None``: a pipeline
+            stage's with ``keep=step.holds`` (see :meth:`funcpar.Step.holds`). Default ``None``: every leaf.
+
+    Returns:
+        ``(params, cfg)``: the parameter tree of this rank's shards, on ``mesh.device``, and the model's config read
+        from ``config.json`` (its vocabulary padded where ``mesh``'s tp does not divide it).
+
+    Raises:
+        HFError: the folder is not a checkpoint this model can read (no ``config.json`` or weights, a
+            ``model_type`` funcpar or ``model`` does not know, a config key of the wrong type or value), or its
+            tensors do not match the model (missing, unexpected, wrong shape, wrong dtype).
+        ModelError: ``model`` is not a model spec, a model module or a registered name.
     """
     folder = Path(path)
     raw = read_config(folder)
@@ -258,14 +278,33 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
          max_shard_size: int | str = "2GB", overwrite: bool = False, tokenizer: Any = None) -> None:
     """Write ``params`` (this rank's shards) as a transformers checkpoint folder; collective over the mesh.
 
-    ``tokenizer`` (a :mod:`funcpar.data` tokenizer): its files and a ``generation_config.json`` with its
-    bos/eos/pad ids go in too, so ``transformers.pipeline("text-generation", path)`` works on the folder.
+    Every leaf is gathered onto rank 0 (each distinct block moves once), and rank 0 writes sharded safetensors
+    files, their index and ``config.json``. The folder appears complete or not at all
+    (:func:`funcpar.atomic.write_folder`): an existing one is replaced only once the new one is fully written, and
+    only if funcpar wrote it or ``overwrite``.
 
-    A model whose names are read only (``HFNames.export_as``: ChatGLM's) is written as the model it names (GLM).
+    Args:
+        path: the folder to write.
+        params: this rank's shards of the parameters; on a pipeline mesh each rank passes its stage tree.
+        model: a :class:`funcpar.ModelSpec`, a model module or a registered name. A model whose names are read only
+            (``HFNames.export_as``: ChatGLM's) is written as the model it names (GLM).
+        cfg: the model's config (as :func:`load` returns it); ``config.json`` is written from it, with the dtype
+            the tensors are in where they share one.
+        mesh: the mesh ``params`` are sharded over; default ``Mesh()``, a one-process mesh, not the mesh in scope.
+        specs: the parameters' specs; default ``model.specs(cfg, mesh)``.
+        max_shard_size: the largest safetensors file, in bytes or as a size such as ``"500MB"`` or ``"5GB"``
+            (``KiB``, ``MiB``, ``GiB`` too); default ``"2GB"``. A tensor larger than that gets a file of its own; a
+            checkpoint that fits one file is ``model.safetensors``, without an index.
+        overwrite: replace an existing folder funcpar did not write (its contents are deleted); default False,
+            refused naming the folder.
+        tokenizer: a :mod:`funcpar.data` tokenizer; its files and a ``generation_config.json`` with its
+            bos/eos/pad ids go in too, so ``transformers.pipeline("text-generation", path)`` works on the folder.
+            Default ``None``: weights and ``config.json`` only.
 
-    Rank 0 writes; the folder appears complete or not at all (:func:`funcpar.atomic.write_folder`: an existing one is
-    replaced only once the new one is fully written, and only if funcpar wrote it or ``overwrite``). On a pipeline
-    mesh each rank passes its stage tree.
+    Raises:
+        HFError: a leaf that is not a parameter of ``model``, a ``max_shard_size`` that is not a size, an existing
+            ``path`` funcpar may not replace, or a write that failed on another rank (nothing is written then,
+            and what was at ``path`` is unchanged).
     """
     model = get_model(model)
     model = get_model(model.hf.export_as) if model.hf.export_as else model  # a layout read, never written

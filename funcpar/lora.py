@@ -155,7 +155,26 @@ def _matches(target: str, path: str, module: str) -> bool:
 
 class Lora:
     """The adapters of a model: which weights (``targets``), their specs, init, the frozen-base loss, merging and
-    the PEFT folder. ``mesh`` is the one the model's parameters are sharded over."""
+    the PEFT folder.
+
+    Each targeted weight ``W`` (out, in) gets ``A`` (r, in) and ``B`` (out, r), sharded as ``W`` is (see
+    :mod:`funcpar.lora`). The targets are resolved here, once, against the model's Hugging Face names: a target
+    matching no weight is refused with the model's modules listed.
+
+    Args:
+        model: a :class:`funcpar.ModelSpec`, a model module or a registered name; its Hugging Face names table
+            says which leaf is which module.
+        cfg: the model's config (as :func:`funcpar.hf.load` returns it); padded here for ``mesh``'s tp.
+        config: the :class:`LoraConfig`: rank ``r``, ``alpha``, ``targets`` and ``dropout``.
+        mesh: the mesh the model's parameters are sharded over; default ``Mesh()``, a one-process mesh, not the mesh
+            in scope.
+        specs: the base parameters' specs; default ``model.specs(cfg, mesh)``. The adapters' follow them
+            (:meth:`specs`).
+
+    Raises:
+        LoraError: a target that matches no weight of the model, or matches a leaf that is not a 2-D weight.
+        ModelError: ``model`` is not a model spec, a model module or a registered name.
+    """
 
     def __init__(self, model: Any, cfg: Any, config: LoraConfig, mesh: Mesh | None = None, specs: Any = None):
         self.model, self.config, self.mesh = get_model(model), config, mesh or Mesh()

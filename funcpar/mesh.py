@@ -166,18 +166,29 @@ def _axis_sizes(axes: dict[str, Any]) -> dict[str, int]:
 class Mesh:
     """A named mesh over the processes of a torch.distributed job.
 
+    Collectives, specs and the train step name axes of a mesh rather than process groups. A mesh of size 1 needs no
+    torch.distributed; a larger one joins the job it runs in (starting torch.distributed if it is not yet started)
+    and builds a process group for every group along each axis.
+
     Args:
-        **axes: axis sizes by name (positive ints), e.g. ``tp=4, dp=2``; ``pp``, ``dp`` and ``tp`` default to 1.
-            Their product must equal the world size, unless it is 1.
         timeout: seconds (or a ``timedelta``) any collective of this mesh may wait for a peer before it raises
             instead of hanging; default ``$FUNCPAR_TIMEOUT`` or 600 s.
         device: where tensors live: ``"auto"`` (the default: ``cuda:$LOCAL_RANK`` when this node has a GPU for each
             of its ranks, else ``cpu`` with a warning), ``"cpu"``, ``"cuda"`` (refused when the node's ranks
             outnumber its GPUs), ``"cuda:N"`` or a ``torch.device`` (:func:`resolve_device`).
-        backend: torch.distributed's backend when this mesh starts the job; default ``gloo`` on the CPU and
-            ``cpu:gloo,cuda:nccl`` on CUDA.
-        heartbeat: seconds without progress after which a peer reports a stopped or hung rank and ends the job
-            (:mod:`funcpar.lifeline`); default ``$FUNCPAR_HEARTBEAT`` or 60 s; 0 turns it off.
+        heartbeat: on a mesh of more than one process, seconds without progress after which a peer reports a
+            stopped or hung rank and ends the job (:mod:`funcpar.lifeline`); default ``$FUNCPAR_HEARTBEAT`` or
+            60 s; 0 turns it off.
+        backend: torch.distributed's backend when this mesh starts the job (unused if it is already started);
+            default ``gloo`` on the CPU and ``cpu:gloo,cuda:nccl`` on CUDA.
+        **axes: axis sizes by name (identifiers, positive ints), e.g. ``tp=4, dp=2``; ``pp``, ``dp`` and ``tp``
+            default to 1. Their product must equal the world size, unless it is 1. Order, outermost first: ``pp``,
+            ``dp``, the other axes as given, ``tp``.
+
+    Raises:
+        MeshError: an axis name or size that is not valid; a mesh of more than one process outside a
+            torch.distributed job (``RANK``/``WORLD_SIZE`` unset) or of another size than its world; a device
+            that is unknown or not available here (:func:`resolve_device`).
     """
 
     def __init__(

@@ -66,7 +66,9 @@ def default_optimizer() -> GradientTransformation:
 class Step:
     """A compiled train step: ``state = step.init(params)``, ``state, metrics = step(state, batch)``.
 
-    The state passed to a step is not modified; a new one is returned. See :func:`compile_step` for the options.
+    A call consumes the state it is given (``donate=True``, the default: its buffers are updated in place, and the
+    consumed state passed again raises) and returns the new one; ``donate=False`` copies the state first and leaves
+    the old one valid. See :func:`compile_step` for the options.
     """
 
     def __init__(self, loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
@@ -322,37 +324,88 @@ class Step:
 def compile_step(loss_fn: Callable, specs: Any, **options: Any) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
-    ``mesh``: default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, or the only one built).
-    ``optimizer``: default :func:`default_optimizer` (``adamw(1e-3, weight_decay=0.01)``, torch's AdamW defaults).
-    ``zero`` (0, 1, 2); ``accum_steps`` (micro-batches per step); ``clip_norm`` (clip by the global gradient norm);
-    ``has_aux`` (``loss_fn`` returns ``(loss, aux)``); ``check`` (default True: verify on the first step that the batch
-    and the replicated leaves agree across ranks; a model's ``check_batch`` runs on every batch regardless);
-    ``weight_fn`` (a micro-batch's weight in the global mean; default the ``batch_weight`` the loss function carries, as
-    ``ModelSpec.loss_fn`` and the models' ``loss`` do: target tokens, else rows); ``data_axes`` (the mesh axes the batch
-    is split over: gradients are summed and ZeRO-partitioned over them); ``bucket_mb`` (largest gradient bucket);
-    ``compile`` (``torch.compile`` the per-micro-batch gradient: ``True``, ``False``, or ``"auto"``, the default:
-    compiled on a CUDA mesh of data axes only, without pipeline stages, ZeRO-3, offload or remat, where it was
-    measured to pay, eager elsewhere (benchmarks/GPU.md); under ``"auto"`` a compiler failure
-    warns once and the eager gradient takes over; ``step.compiled`` and ``step.compile_reason`` say what was chosen,
-    :func:`funcpar.step_options.resolve_compile`); ``param_dtype`` (mixed precision: compute copies in this dtype, fp32
-    masters as ZeRO parts in the optimizer state); ``loss_scale`` (``"dynamic"``, the default for float16, or a
-    constant: the optimizer is wrapped in :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on
-    any rank and adapts the scale); ``donate`` (default True: the state passed to the step is consumed, its buffers
-    updated in place, as JAX's ``donate_argnums``; a consumed state passed again raises. False: every call copies the
-    state first and leaves the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`); ``offload``
-    (``"cpu"``: this rank's optimizer state and master parts live in host memory, pinned on CUDA, and the update runs
-    there, as ZeRO-Offload does; the gradient parts go to the host, the updated parts come back. On a CPU-only machine
-    the host is the device: the same code path). On a mesh with ``pp > 1`` the model's staged form is cut into pipeline
-    stages (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``pipeline`` (``"1f1b"``,
-    ``"gpipe"``, ``"interleaved"`` or ``"zb"``: zero-bubble, each backward split into the input's gradient and the
-    weights', the latter filling the bubble; not with remat), ``chunks`` (virtual stages per rank, interleaved (default
-    2) or zb (default 1)), ``parts`` (layers per virtual stage, in halves where the model's staged form has them:
-    ``[2.5, 1.5]``; default: cut by the units' weights, :func:`funcpar.pipeline.assign_units`). ``nonfinite``: a step
-    whose loss or gradient norm is not finite raises (``"error"``, the default; nothing updated, the state kept as the
-    error's ``.state``) or is skipped (``"skip"``); ``max_skips`` bounds the steps skipped in a row, by that policy or
-    by loss scaling. ``host_malloc``: on a CPU mesh, ``"keep"`` (default) has glibc keep the memory a step frees for
-    the next step instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`;
-    process-wide, left alone where the environment configures malloc); ``"system"`` leaves malloc as it is.
+    The step runs accumulate -> reduce -> update -> gather (see :mod:`funcpar.step`): use it as
+    ``state = step.init(params)``, then ``state, metrics = step(state, batch)``. The options are the keyword-only
+    parameters of :class:`Step`, which this function builds after refusing any name that is not one of them.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch)``, the loss of this rank's parameter shards on this rank's batch, a scalar
+            tensor (or ``(loss, aux)`` with ``has_aux``); e.g. ``model.loss_fn(cfg, mesh)``.
+        specs: the :class:`funcpar.P` specs of the parameters: the tree of ``params`` or a prefix of it
+            (:func:`funcpar.spec.broadcast_specs`).
+        mesh: the mesh to run on; default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, else the
+            only multi-process mesh built, else ``Mesh()`` in a one-process program).
+        optimizer: a :class:`funcpar.optim.GradientTransformation`; default :func:`default_optimizer`
+            (``adamw(1e-3, weight_decay=0.01)``, torch's AdamW defaults).
+        zero: the ZeRO stage, 0, 1 (the default), 2 or 3. ``0``: gradients all-reduced over ``data_axes``, every
+            rank updates its whole local leaves; ``1``: the optimizer state partitioned over ``data_axes``,
+            micro-batch gradients accumulated locally, then one reduce-scatter per bucket; ``2``: a reduce-scatter
+            after every micro-batch, only the local part kept; ``3``: the parameters partitioned too, gathered
+            block by block inside the loss (:mod:`funcpar.zero3`). ``zero=3`` needs a loss built with
+            ``model.loss_fn(cfg, mesh)`` of a model with a staged form (llama, gpt2 have one), and for now float32
+            (no ``param_dtype``) without ``offload`` or pipeline stages.
+        accum_steps: micro-batches per step (a positive int); the rows of the global batch must divide by the
+            data-parallel size x ``accum_steps``. Each micro-batch's loss is weighted by its share of the global
+            batch's weight, so the step's loss is the global batch's.
+        clip_norm: clip by the global gradient norm (every shard, each element counted once) to this value before
+            the optimizer; default ``None``, no clipping.
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; the micro-batches' auxes come back as ``metrics["aux"]``. Not
+            with pipeline stages.
+        check: default True: verify on the first step that the batch and the replicated leaves agree across ranks;
+            a model's ``check_batch`` runs on every batch regardless.
+        weight_fn: ``weight_fn(micro_batch) -> float``, a micro-batch's weight in the global mean; default the
+            ``batch_weight`` the loss function carries, as ``ModelSpec.loss_fn`` and the models' ``loss`` do
+            (target tokens), else rows.
+        data_axes: the mesh axes the batch is split over (default ``("dp",)``; never ``pp``): gradients are summed
+            and ZeRO-partitioned over them. The mesh's other axes are model axes.
+        bucket_mb: the largest gradient bucket, in MiB (default 64): leaves are packed into flat buckets up to this
+            size (a larger leaf is a bucket of its own), each reduced by one collective; ``zero=3`` buckets by block.
+        compile: ``torch.compile`` the per-micro-batch gradient: ``True``, ``False``, or ``"auto"``, the default:
+            compiled on a CUDA mesh whose only axes of size > 1 are data axes, without pipeline stages, ZeRO-3,
+            offload or remat, where it was measured to pay, eager elsewhere (benchmarks/GPU.md,
+            docs/MEASUREMENTS.md); under ``"auto"`` a compiler failure warns once and the eager gradient takes
+            over; ``step.compiled`` and ``step.compile_reason`` say what was chosen
+            (:func:`funcpar.step_options.resolve_compile`). ``True`` is refused with pipeline stages.
+        param_dtype: mixed precision: compute copies of the parameters in this floating dtype, fp32 masters as ZeRO
+            parts in the optimizer state; default ``None``, everything in the parameters' own dtype.
+        loss_scale: ``"dynamic"`` (the default for ``param_dtype=torch.float16``), a positive constant, or ``None``
+            (no scaling; the default otherwise); needs ``param_dtype``. The optimizer is wrapped in
+            :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on any rank and adapts the
+            scale: ``"dynamic"`` starts at 2**16, halves on an overflow and doubles after ``growth_interval``
+            finite steps in a row; a constant stays as given.
+        growth_interval: finite steps in a row after which a ``"dynamic"`` loss scale doubles (default 2000);
+            unused otherwise.
+        donate: default True: the state passed to the step is consumed, its buffers updated in place, as JAX's
+            ``donate_argnums``; a consumed state passed again raises. False: every call copies the state first and
+            leaves the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`.
+        offload: ``None`` (the default) or ``"cpu"``: this rank's optimizer state and master parts live in host
+            memory, pinned on CUDA, and the update runs there, as ZeRO-Offload does; the gradient parts go to the
+            host, the updated parts come back. On a CPU-only machine the host is the device: the same code path.
+        pipeline: the schedule on a mesh with ``pp > 1``, where the model's staged form is cut into pipeline stages
+            (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``"1f1b"`` (the
+            default), ``"gpipe"``, ``"interleaved"`` or ``"zb"`` (zero-bubble: each backward split into the
+            input's gradient and the weights', the latter filling the bubble; not with remat). Unused at ``pp=1``.
+        chunks: virtual stages per rank, for ``"interleaved"`` (default 2) or ``"zb"`` (default 1); the other
+            schedules run one.
+        parts: layers per virtual stage, in halves where the model's staged form has them: ``[2.5, 1.5]``; default
+            ``None``: cut by the units' weights (:func:`funcpar.pipeline.assign_units`).
+        nonfinite: a step whose loss or gradient norm is not finite raises (``"error"``, the default; nothing
+            updated, the state kept as the error's ``.state``) or is skipped (``"skip"``).
+        max_skips: bounds the steps skipped in a row (an int >= 0, default 20), by the ``nonfinite`` policy or by
+            loss scaling; one more raises as ``"error"`` does.
+        host_malloc: on a CPU mesh, ``"keep"`` (default) has glibc keep the memory a step frees for the next step
+            instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`; process-wide,
+            left alone where the environment configures malloc); ``"system"`` leaves malloc as it is.
+
+    Returns:
+        The :class:`Step`; call its :meth:`Step.init` on the parameters before the first step.
+
+    Raises:
+        StepError: an invalid option or combination of options (a value out of range, a ``data_axes`` name not a
+            data axis of the mesh, ``loss_scale`` without ``param_dtype``, ``zero=3`` or pipeline stages on a loss
+            without a staged model, a pipeline schedule that does not fit ``accum_steps``, ...).
+        TypeError: an option that is not one of the above.
+        MeshError: ``mesh`` not given and no mesh in scope can be chosen (:meth:`funcpar.Mesh.current`).
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
