@@ -7,7 +7,7 @@ A model composes these with its own attention (rotary, partial rotary, ALiBi, ..
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import einops
 import torch
@@ -27,8 +27,6 @@ class DecoderConfig(L.VocabPadding):
     keyword-only). ``pad_token_id``: the embedding's padding_idx, whose row learns nothing from lookups (None: no
     such row); ``vocab_rows``: the rows of the vocab tables when padded for tp (see ``with_mesh``; None: vocab_size);
     ``hf``: the config.json it came from, which an export writes back with these fields set."""
-
-    SIZES: ClassVar[tuple[str, ...]] = SIZES
 
     vocab_size: int
     hidden_size: int
@@ -102,11 +100,9 @@ def attention_residual(lp, x: torch.Tensor, attention: Callable[[torch.Tensor], 
     return x + attention(L.rms_norm(x, lp["attn_norm"], eps))
 
 
-def mlp_residual(lp, x: torch.Tensor, eps: float, mesh, mlp: Callable | None = None) -> torch.Tensor:
-    """A pre-norm layer's second half: ``x + mlp(rms_norm(x, mlp_norm))``, the MLP a tp-parallel SwiGLU unless
-    ``mlp`` (``h -> y``) is given."""
-    h = L.rms_norm(x, lp["mlp_norm"], eps)
-    return x + (L.swiglu_mlp(lp, h, mesh) if mlp is None else mlp(h))
+def mlp_residual(lp, x: torch.Tensor, eps: float, mesh) -> torch.Tensor:
+    """A pre-norm layer's second half: ``x + swiglu_mlp(rms_norm(x, mlp_norm))``, the MLP tp-parallel."""
+    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], eps), mesh)
 
 
 def rms_head_logits(params, x: torch.Tensor, cfg, mesh) -> torch.Tensor:

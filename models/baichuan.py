@@ -139,12 +139,8 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device:
          "w_gate": w(inter, d), "w_up": w(inter, d), "w_down": w(d, inter)}
         for _ in range(cfg.num_hidden_layers)
     ]
-    embed, head = w(cfg.rows, d), w(cfg.rows, d, bound=1 / math.sqrt(d))
-    if g is not None:
-        embed[cfg.vocab_size :] = 0  # padding rows of a vocabulary tp does not divide: no token uses them
-        head[cfg.vocab_size :] = 0
-        if cfg.pad_token_id is not None:
-            embed[cfg.pad_token_id] = 0
+    embed = D.vocab_table(w(cfg.rows, d), cfg, cfg.pad_token_id)
+    head = D.vocab_table(w(cfg.rows, d, bound=1 / math.sqrt(d)), cfg)
     return {"embed": embed, "layers": layers, "norm": ones(d), "lm_head": head}
 
 
