@@ -43,7 +43,7 @@ from .layout import ZeroLayout
 from .mesh import Mesh
 from .model import carried_check, carried_weight
 from .remat import grad_and_value
-from .optim import GradientTransformation, adamw, chain, clip_by_global_norm
+from .optim import EVERYTHING, GradientTransformation, adamw, chain, clip_by_global_norm, update_with
 from .optim.loss_scale import apply_if_finite, loss_scale
 from .optim.transforms import sums_of_squares
 from .spec import broadcast_specs
@@ -205,7 +205,7 @@ class Step:
         extra |= {"finite": finite} if self.loss_scale is not None else {}
         fused = fused if fused is not None and fused.can(g_views, p_views) else None  # written into the params
         updates, inner = ((None, fused.apply(g_views, inner, p_views, **extra)) if fused is not None else
-                          self.optimizer.update(g_views, inner, p_views, _fresh=True, inplace_state=True, **extra))
+                          update_with(self.optimizer, g_views, inner, p_views, inplace=EVERYTHING, **extra))
         del parts, g_views
         metrics = {"loss": loss_value, "step": state.step}
         if not finite:  # an overflow anywhere: no update anywhere (the wrapper adapted the scale)

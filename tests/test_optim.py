@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import funcpar as fp
-from funcpar.optim.base import fresh_protocol
 
 STEPS = 6
 
@@ -161,11 +160,11 @@ def test_scalar_stages_fold_into_the_fused_kernel():
     assert muls == [] and len(seen) == STEPS and all(s is not None and s.item() > 2.0 for s in seen)
     _assert_close(ours, _run(folded, params))  # the unfused chain: every stage a pass of its own
 
-    def shift(grads, state, params=None, _fresh=False, **extra):  # not a scalar: sees the scaled gradients
+    def shift(grads, state, params=None, *, inplace=fp.optim.NOTHING, **extra):  # not a scalar: sees them scaled
         return {k: v + 1e-3 for k, v in grads.items()}, state
 
     mixed = fp.optim.chain(fp.optim.clip_by_global_norm(0.5), fp.optim.GradientTransformation(
-        lambda p: (), fresh_protocol(shift, lambda fresh: True)), fp.optim.scale(2.0), opt)
+        lambda p: (), shift, fresh=lambda fresh: True), fp.optim.scale(2.0), opt)
     _assert_close(_run_fused(mixed, params)[0], _run(mixed, params))
     assert not torch.allclose(_run(mixed, params)["w"], _run(folded, params)["w"])
 
@@ -360,6 +359,38 @@ def test_callers_grads_params_and_state_are_not_written(make):
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(after), strict=True))
         assert optree.tree_structure(new_state) == optree.tree_structure(state)
         params, state = fp.optim.apply_updates(params, updates), new_state
+
+
+def test_inplace_reaches_only_stages_that_declare_it():
+    """``inplace`` is one typed argument: the train step's call (``update_with(..., inplace=EVERYTHING)``) gives it to
+    the stages that declare ``fresh`` and never to a stage written without the protocol, whose inputs stay intact;
+    the declared stages then work in place, so the step's own gradient tensors hold the update."""
+    seen = []
+
+    def plain(grads, state, params=None, **extra):  # no ``fresh``: must never see ``inplace``
+        seen.append(sorted(extra))
+        return {k: v * 1.0 for k, v in grads.items()}, state
+
+    opt = fp.optim.chain(fp.optim.clip_by_global_norm(1e9), fp.optim.GradientTransformation(lambda p: (), plain),
+                         fp.optim.scale(-0.5))
+    assert opt.fresh is not None and opt.fresh(False) and opt.fused is None
+    params = _params(5)
+    grads = _grads(params, 0)
+    mine = optree.tree_map(torch.clone, grads)
+    updates, _ = fp.optim.update_with(opt, mine, opt.init(params), params, inplace=fp.optim.EVERYTHING,
+                                      global_norm=torch.tensor(1.0))
+    assert seen == [["global_norm"]]
+    assert all(torch.equal(mine[k], grads[k]) for k in grads)  # the plain stage made new tensors: nothing written
+    assert all(torch.equal(updates[k], -0.5 * grads[k]) for k in grads)
+    adam = fp.optim.adamw(1e-2)
+    own = optree.tree_map(torch.clone, grads)
+    state = adam.init(params)
+    mu = optree.tree_leaves(state)[1]
+    fp.optim.update_with(adam, own, state, params, inplace=fp.optim.EVERYTHING)
+    assert not torch.equal(own["w"], grads["w"]) and mu.abs().sum() > 0  # the gradients and the moments, in place
+    fp.optim.update_with(fp.optim.GradientTransformation(lambda p: (), plain, fresh=lambda f: f), grads, (),
+                         inplace=fp.optim.EVERYTHING)
+    assert seen[-1] == ["inplace"]  # declared: given it
 
 
 # ------------------------------------------------------------------------------------------ schedule

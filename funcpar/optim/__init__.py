@@ -17,11 +17,15 @@ sharded caller passes ``global_norm=`` to :func:`clip_by_global_norm`. Masks are
 """
 
 from .base import Fused as Fused
+from .base import EVERYTHING as EVERYTHING
+from .base import NOTHING as NOTHING
 from .base import GradientTransformation as GradientTransformation
+from .base import InPlace as InPlace
 from .base import apply_updates as apply_updates
 from .base import chain as chain
 from .base import decay_mask as decay_mask
 from .base import masked as masked
+from .base import update_with as update_with
 from .optimizers import adamw as adamw
 from .optimizers import lion as lion
 from .optimizers import sgd as sgd

@@ -1,12 +1,14 @@
 """The GradientTransformation pair, chain, masked, apply_updates, and tree plumbing shared by the optimizers.
 
-In-place work inside a chain: an ``update`` that knows the protocol takes a private keyword ``_fresh`` and carries
-an attribute ``_fresh_out`` (set by :func:`fresh_protocol`), a function ``fresh_in -> fresh_out``. ``_fresh=True``
-means the incoming update tensors were created by an earlier stage of the same chain and nothing else holds them,
-so the stage may overwrite them; ``_fresh_out(fresh_in)`` says whether the stage's outputs are again such private
-tensors (not the caller's grads, not params, not aliased to any state). :func:`chain` passes ``_fresh`` only to
-stages that carry ``_fresh_out``, and treats the output of any other stage as not fresh; the caller of the outermost
-update never passes it, so the caller's grads and params are never written.
+In-place work is one explicit, typed argument: ``update(grads, state, params=None, *, inplace=InPlace(...))``.
+``inplace.updates`` says the incoming update tensors belong to the caller alone (the train step's own gradients,
+or tensors an earlier stage of the same chain made), so the stage may overwrite them; ``inplace.state`` says the
+caller donated the state, so its tensors may be updated where they lie. A transformation that takes ``inplace``
+declares it with its ``fresh`` field, ``fresh(updates_in) -> updates_out``: whether its outputs are again such
+private tensors (not the caller's grads, not params, not aliased to any state). :func:`chain` passes ``inplace``
+only to stages that declare ``fresh`` and treats any other stage's output as not private; an update called without
+``inplace`` writes nothing it was given. A stage whose update multiplies every leaf by one scalar declares
+``factor``, so a fused last stage folds it into its own pass.
 """
 
 from __future__ import annotations
@@ -28,11 +30,30 @@ class Fused(NamedTuple):
     scales: bool = False  # ``apply`` takes ``coef=``: a scalar every gradient is multiplied by first, in its pass
 
 
+class InPlace(NamedTuple):
+    """What an ``update`` may overwrite (see the module docstring); the default, nothing."""
+
+    updates: bool = False  # the incoming update tensors are the caller's alone
+    state: bool = False  # the state was donated: its tensors may be updated where they lie
+
+
+NOTHING = InPlace()
+EVERYTHING = InPlace(updates=True, state=True)  # the train step's call: its own gradients, its donated state
+
+
 class GradientTransformation(NamedTuple):
+    """An optimizer or one stage of it, as optax has them: ``init(params) -> state`` and ``update(grads, state,
+    params=None, *, [inplace=InPlace(...),] **extra) -> (updates, new_state)``. ``extra`` are keyword-only values
+    the caller supplies and a stage may read (``global_norm=``, ``finite=``); a stage passes on what it does not."""
+
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
     schedule: Callable[[int], float] | None = None  # the learning rate at a step, for reporting
     fused: Fused | None = None  # the same update fused with its application (``None``: not available)
+    # ``update`` takes ``inplace=``; ``fresh(updates_in) -> updates_out``: its outputs are private tensors again
+    fresh: Callable[[bool], bool] | None = None
+    # ``factor(grads, state, params=None, **extra) -> (scalar, new_state)``: ``update`` multiplies every leaf by it
+    factor: Callable[..., tuple[Any, Any]] | None = None
 
 
 def leaves(tree: Any) -> list:
@@ -65,30 +86,21 @@ def decay_mask(params: Any) -> Any:
     return optree.tree_map(lambda x: x.ndim >= 2, params)
 
 
-def fresh_protocol(update: Callable, fresh_out: Callable[[bool], bool]) -> Callable:
-    """Mark ``update`` as taking ``_fresh=`` and producing fresh outputs when ``fresh_out(fresh_in)`` (see above)."""
-    update._fresh_out = fresh_out
-    return update
-
-
-def factor_protocol(update: Callable, factor: Callable) -> Callable:
-    """Mark ``update`` as multiplying every leaf by one scalar: ``factor(grads, state, params, **extra)`` returns
-    ``(scalar, new_state)`` without touching ``grads``, so a fused last stage can fold the product of such stages into
-    its own pass (clipping: one pass over the gradients fewer a step)."""
-    update._factor = factor
-    return update
-
-
 def _fresh_after(t: GradientTransformation, fresh_in: bool) -> bool:
-    fresh_out = getattr(t.update, "_fresh_out", None)
-    return bool(fresh_out is not None and fresh_out(fresh_in))
+    return bool(t.fresh is not None and t.fresh(fresh_in))
 
 
-def _call(t: GradientTransformation, grads, state, params, fresh: bool, extra: dict):
-    """``t.update``, with ``_fresh`` passed only if ``t`` knows the protocol; returns (updates, state), fresh_out."""
-    if getattr(t.update, "_fresh_out", None) is None:
+def _call(t: GradientTransformation, grads, state, params, inplace: InPlace, extra: dict):
+    """``t.update``, given ``inplace`` only if ``t`` declares ``fresh``; returns (updates, state), fresh_out."""
+    if t.fresh is None:
         return t.update(grads, state, params, **extra), False
-    return t.update(grads, state, params, _fresh=fresh, **extra), _fresh_after(t, fresh)
+    return t.update(grads, state, params, inplace=inplace, **extra), _fresh_after(t, inplace.updates)
+
+
+def update_with(t: GradientTransformation, grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
+    """``t.update(grads, state, params, **extra)``, given ``inplace`` where ``t`` declares that it takes it (a
+    transformation written without the protocol is called without it, and so writes nothing it is given)."""
+    return _call(t, grads, state, params, inplace, extra)[0]
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -100,10 +112,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
-    def update(grads, state, params=None, _fresh=False, **extra):
-        new = []
+    def update(grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
+        new, fresh = [], inplace.updates
         for t, s in zip(transforms, state, strict=True):
-            (grads, s), _fresh = _call(t, grads, s, params, _fresh, extra)
+            (grads, s), fresh = _call(t, grads, s, params, inplace._replace(updates=fresh), extra)
             new.append(s)
         return grads, tuple(new)
 
@@ -113,26 +125,26 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return fresh
 
     schedule = next((t.schedule for t in transforms if t.schedule is not None), None)
-    return GradientTransformation(init, fresh_protocol(update, fresh_out), schedule, _chain_fused(transforms))
+    return GradientTransformation(init, update, schedule, _chain_fused(transforms), fresh=fresh_out)
 
 
 def _chain_fused(transforms: tuple) -> Fused | None:
-    """A chain is fused when its last stage is and every earlier one turns fresh updates into fresh ones (clipping,
-    scaling, in place): those run as they are, on the step's own gradients, then the last stage's fused update."""
+    """A chain is fused when its last stage is and every earlier one turns private updates into private ones
+    (clipping, scaling, in place): those run as they are, on the step's own gradients, then the last stage's fused
+    update. A stage that declares ``factor`` adds no pass: its scalar joins the product the fused stage applies."""
     if not transforms or transforms[-1].fused is None or not all(_fresh_after(t, True) for t in transforms[:-1]):
         return None
     last = transforms[-1].fused
 
-    def apply(grads, state, params=None, coef=None, **extra):
+    def apply(grads, state, params=None, *, coef=None, **extra):
         new, fresh = [], True
         for t, s in zip(transforms[:-1], state[:-1], strict=True):
-            factor = getattr(t.update, "_factor", None)
-            if factor is not None:  # a scalar: folded into the product, the gradients untouched
-                c, s = factor(grads, s, params, **extra)
+            if t.factor is not None:  # a scalar: folded into the product, the gradients untouched
+                c, s = t.factor(grads, s, params, **extra)
                 coef = c if coef is None else coef * c
             else:
                 grads, fresh, coef = _scaled(grads, coef, fresh), fresh or coef is not None, None
-                (grads, s), fresh = _call(t, grads, s, params, fresh, extra)
+                (grads, s), fresh = _call(t, grads, s, params, InPlace(updates=fresh), extra)
             new.append(s)
         if coef is not None and not last.scales:
             grads, coef = _scaled(grads, coef, fresh), None
@@ -173,13 +185,12 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     def init(params):
         return inner.init(_select(params, keep_of(params)))
 
-    def update(grads, state, params=None, _fresh=False, **extra):
+    def update(grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
         keep = keep_of(grads)
         sel_params = None if params is None else _select(params, keep)
-        return _call(inner, _select(grads, keep), state, sel_params, _fresh, extra)[0]
+        return update_with(inner, _select(grads, keep), state, sel_params, inplace=inplace, **extra)
 
-    fresh_protocol(update, lambda fresh: _fresh_after(inner, fresh))
-    return GradientTransformation(init, update, inner.schedule)
+    return GradientTransformation(init, update, inner.schedule, fresh=lambda fresh: _fresh_after(inner, fresh))
 
 
 def apply_updates(params: Any, updates: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, leaves
+from .base import NOTHING, GradientTransformation, InPlace, leaves, update_with
 
 
 class LossScaleState(NamedTuple):
@@ -47,17 +47,18 @@ def apply_if_finite(
         return LossScaleState(torch.tensor(float(scale), dtype=torch.float32), torch.zeros((), dtype=torch.int64),
                               inner.init(params))
 
-    def update(grads, state, params=None, finite=None, **extra):
+    def update(grads, state, params=None, *, finite=None, inplace: InPlace = NOTHING, **extra):
         if finite is None:
             finite = _all_finite(grads)
         if not finite:
             skipped = optree.tree_map(lambda _: None, grads)
             new_scale = state.scale * 0.5 if dynamic else state.scale
             return skipped, LossScaleState(new_scale, torch.zeros((), dtype=torch.int64), state.inner)
-        updates, new_inner = inner.update(grads, state.inner, params, **extra)
+        updates, new_inner = update_with(inner, grads, state.inner, params, inplace=inplace, **extra)
         good, new_scale = state.good_steps + 1, state.scale
         if dynamic and int(good) >= growth_interval:
             new_scale, good = state.scale * 2.0, torch.zeros((), dtype=torch.int64)
         return updates, LossScaleState(new_scale, good, new_inner)
 
-    return GradientTransformation(init, update, inner.schedule)
+    # the inner update's outputs, or ``None`` leaves on a skipped step: private exactly when the inner ones are
+    return GradientTransformation(init, update, inner.schedule, fresh=inner.fresh or (lambda fresh: False))

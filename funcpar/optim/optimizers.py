@@ -12,8 +12,8 @@ import torch
 
 from .base import Fused, GradientTransformation, chain, leaves, mask_list
 from .schedules import Schedule
-from .transforms import (count_value, as_schedule, add_decayed_weights, lr_at, scale_by_adam, scale_by_learning_rate,
-                         scale_by_lion, trace)
+from .transforms import (ScaleByAdamState, ScaleByLearningRateState, as_schedule, add_decayed_weights, count_value,
+                         lr_at, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace)
 
 
 def _decay(weight_decay: float, mask: Any) -> list[GradientTransformation]:
@@ -51,8 +51,8 @@ def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: An
         return (hasattr(torch, "_fused_adamw_") and len(gs) == len(ps) > 0 and
                 all(x.dtype == torch.float32 and x.device == ps[0].device for x in gs + ps))
 
-    def apply(grads, state, params=None, coef=None, **extra):
-        adam, lrs = state[0], state[-1]
+    def apply(grads, state, params=None, *, coef=None, **extra):
+        adam, lrs = _stage(state, ScaleByAdamState), _stage(state, ScaleByLearningRateState)
         lr = lr_at(schedule, lrs.count)
         gs, ps, mus, nus = leaves(grads), leaves(params), leaves(adam.mu), leaves(adam.nu)
         # the kernel divides each gradient by grad_scale as it reads it: clipping's coefficient costs no pass of its own
@@ -66,9 +66,17 @@ def _fused_adamw(b1: float, b2: float, eps: float, weight_decay: float, mask: An
                                     [nus[i] for i in idx], [], [t] * len(idx), lr=float(lr), beta1=b1, beta2=b2,
                                     weight_decay=weight_decay if decay else 0.0, eps=eps, amsgrad=False,
                                     maximize=False, grad_scale=inv)
-        return (adam._replace(count=adam.count + 1), *state[1:-1], lrs._replace(count=lrs.count + 1))
+        return tuple(s._replace(count=s.count + 1) if s is adam or s is lrs else s for s in state)
 
     return Fused(can, apply, scales=True)
+
+
+def _stage(state: tuple, kind: type):
+    """The one stage state of type ``kind`` in a chain's state (found by type, not by its position)."""
+    found = [s for s in state if isinstance(s, kind)]
+    if len(found) != 1:
+        raise ValueError(f"adamw's fused update: expected one {kind.__name__} in the state, found {len(found)}")
+    return found[0]
 
 
 def lion(

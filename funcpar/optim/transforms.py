@@ -2,10 +2,9 @@
 
 Every ``update`` skips ``None`` leaves (frozen under :func:`~funcpar.optim.masked`), accepts leaves of any shape
 (ZeRO's 1-D slices, some of them empty), never writes the caller's grads, params or state unless told (the train step
-passes ``_fresh=True``: the gradients are its own, and ``inplace_state=True``: it donated the state), and passes
-``**extra`` by.
-Inside a :func:`~funcpar.optim.chain` a stage overwrites update tensors an earlier stage created (``_fresh``, see
-:mod:`funcpar.optim.base`) instead of making one more temporary.
+passes ``inplace=InPlace(updates=True, state=True)``: the gradients are its own and it donated the state), and
+passes ``**extra`` by. Inside a :func:`~funcpar.optim.chain` a stage overwrites update tensors an earlier stage
+created (``inplace.updates``, see :mod:`funcpar.optim.base`) instead of making one more temporary.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import (GradientTransformation, factor_protocol, fresh_protocol, leaves, mask_list, mul_leaves as _mul,
-                   unflatten_like)
+from .base import NOTHING, GradientTransformation, InPlace, leaves, mask_list, mul_leaves as _mul, unflatten_like
 from .schedules import Schedule, check_hyper, constant
 
 
@@ -149,20 +147,21 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params):
         return ClipState()
 
-    def factor(grads, state, params=None, global_norm=None, **extra):
+    def factor(grads, state, params=None, *, global_norm=None, **extra):
         xs = leaves(grads)
         if not xs:
             return 1.0, state
         norm = global_norm if global_norm is not None else _tree_norm(grads)
         return torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(xs[0].device), state
 
-    def update(grads, state, params=None, global_norm=None, _fresh=False, **extra):
+    def update(grads, state, params=None, *, global_norm=None, inplace: InPlace = NOTHING, **extra):
         xs = leaves(grads)
         if not xs:
             return grads, state
-        return unflatten_like(grads, _mul(xs, factor(grads, state, params, global_norm)[0], _fresh)), state
+        c = factor(grads, state, params, global_norm=global_norm)[0]
+        return unflatten_like(grads, _mul(xs, c, inplace.updates)), state
 
-    return GradientTransformation(init, factor_protocol(fresh_protocol(update, _always), factor))
+    return GradientTransformation(init, update, fresh=_always, factor=factor)
 
 
 class ScaleState(NamedTuple):
@@ -175,14 +174,14 @@ def scale(factor: float) -> GradientTransformation:
     def init(params):
         return ScaleState()
 
-    def update(grads, state, params=None, _fresh=False, **extra):
+    def update(grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
         xs = leaves(grads)
-        return (unflatten_like(grads, _mul(xs, factor, _fresh)) if xs else grads), state
+        return (unflatten_like(grads, _mul(xs, factor, inplace.updates)) if xs else grads), state
 
     def scalar(grads, state, *args, **extra):
         return factor, state
 
-    return GradientTransformation(init, factor_protocol(fresh_protocol(update, _always), scalar))
+    return GradientTransformation(init, update, fresh=_always, factor=scalar)
 
 
 def lr_at(schedule: Schedule, count: torch.Tensor) -> float:
@@ -204,14 +203,14 @@ def scale_by_learning_rate(lr: float | Schedule) -> GradientTransformation:
     def init(params):
         return ScaleByLearningRateState(_zero_count())
 
-    def update(grads, state, params=None, _fresh=False, **extra):
+    def update(grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
         xs = leaves(grads)
         new = ScaleByLearningRateState(state.count + 1)
         if not xs:
             return grads, new
-        return unflatten_like(grads, _mul(xs, -lr_at(schedule, state.count), _fresh)), new
+        return unflatten_like(grads, _mul(xs, -lr_at(schedule, state.count), inplace.updates)), new
 
-    return GradientTransformation(init, fresh_protocol(update, _always), schedule)
+    return GradientTransformation(init, update, schedule, fresh=_always)
 
 
 class AddDecayedWeightsState(NamedTuple):
@@ -228,7 +227,7 @@ def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransf
     def init(params):
         return AddDecayedWeightsState()
 
-    def update(grads, state, params=None, _fresh=False, **extra):
+    def update(grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
         if params is None:
             raise ValueError("add_decayed_weights: update needs params")
         us, ps = leaves(grads), leaves(params)
@@ -236,7 +235,7 @@ def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransf
         if not idx or not weight_decay:
             return grads, state
         sub_u, sub_p = [us[i] for i in idx], [ps[i] for i in idx]
-        if _fresh:
+        if inplace.updates:
             torch._foreach_add_(sub_u, sub_p, alpha=weight_decay)
             return grads, state
         out = list(us)
@@ -245,8 +244,7 @@ def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransf
         return unflatten_like(grads, out), state
 
     # fresh out unless the input was not and some leaves pass through undecayed (the caller's tensors)
-    fresh_protocol(update, lambda fresh: fresh or (all_leaves and bool(weight_decay)))
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, fresh=lambda fresh: fresh or (all_leaves and bool(weight_decay)))
 
 
 class ScaleByAdamState(NamedTuple):
@@ -268,29 +266,28 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def init(params):
         return ScaleByAdamState(_zero_count(), _zeros_like(params), _zeros_like(params))
 
-    def update(grads, state, params=None, _fresh=False, inplace_state=False, **extra):
+    def update(grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
         g = leaves(grads)
         if not g:
             return grads, state._replace(count=state.count + 1)
         t = count_value(state.count) + 1
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         mu, nu = leaves(state.mu), leaves(state.nu)
-        if inplace_state:  # the caller donated the state: update the moments where they are
+        if inplace.state:  # the caller donated the state: update the moments where they are
             torch._foreach_lerp_(mu, g, 1 - b1)
             torch._foreach_mul_(nu, b2)
         else:
             mu, nu = torch._foreach_lerp(mu, g, 1 - b1), torch._foreach_mul(nu, b2)
         torch._foreach_addcmul_(nu, g, g, 1 - b2)
-        if _fresh:  # the gradient tensors are ours and done with: they hold the denominator, then the update
+        if inplace.updates:  # the gradient tensors are ours and done with: they hold the denominator, then the update
             torch._foreach_copy_(g, nu)
             denom = g
+            torch._foreach_sqrt_(denom)
         else:
             denom = torch._foreach_sqrt(nu)
-        if _fresh:
-            torch._foreach_sqrt_(denom)
         torch._foreach_mul_(denom, bc1 / math.sqrt(bc2))
         torch._foreach_add_(denom, eps * bc1)
-        if _fresh:
+        if inplace.updates:
             for m, d in zip(mu, denom, strict=True):
                 torch.div(m, d, out=d)  # element-wise, so writing over the divisor is safe: no temporary
             upd = g
@@ -299,7 +296,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         new = ScaleByAdamState(state.count + 1, unflatten_like(grads, mu), unflatten_like(grads, nu))
         return unflatten_like(grads, upd), new
 
-    return GradientTransformation(init, fresh_protocol(update, _always))
+    return GradientTransformation(init, update, fresh=_always)
 
 
 class ScaleByLionState(NamedTuple):
@@ -315,17 +312,17 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         return ScaleByLionState(_zeros_like(params))
 
     @_on_leaves
-    def update(g, grads, state, params=None, _fresh=False, inplace_state=False, **extra):
+    def update(g, grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
         mu = leaves(state.mu)
         upd = torch._foreach_lerp(mu, g, 1 - b1)
         torch._foreach_sign_(upd)
-        if inplace_state:  # the caller donated the state
+        if inplace.state:  # the caller donated the state
             torch._foreach_lerp_(mu, g, 1 - b2)
             return unflatten_like(grads, upd), ScaleByLionState(unflatten_like(grads, mu))
         new_mu = torch._foreach_lerp(mu, g, 1 - b2)
         return unflatten_like(grads, upd), ScaleByLionState(unflatten_like(grads, new_mu))
 
-    return GradientTransformation(init, fresh_protocol(update, _always))
+    return GradientTransformation(init, update, fresh=_always)
 
 
 class TraceState(NamedTuple):
@@ -341,9 +338,9 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         return TraceState(_zeros_like(params))
 
     @_on_leaves
-    def update(g, grads, state, params=None, _fresh=False, inplace_state=False, **extra):
+    def update(g, grads, state, params=None, *, inplace: InPlace = NOTHING, **extra):
         buf = leaves(state.trace)
-        if inplace_state:  # the caller donated the state
+        if inplace.state:  # the caller donated the state
             torch._foreach_mul_(buf, decay)
         else:
             buf = torch._foreach_mul(buf, decay)
@@ -351,9 +348,9 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         new = TraceState(unflatten_like(grads, buf))
         if not nesterov:
             return new.trace, new  # the update is the new state itself: not fresh
-        if _fresh:
+        if inplace.updates:
             torch._foreach_add_(g, buf, alpha=decay)
             return grads, new
         return unflatten_like(grads, torch._foreach_add(g, buf, alpha=decay)), new
 
-    return GradientTransformation(init, fresh_protocol(update, lambda fresh: nesterov))
+    return GradientTransformation(init, update, fresh=lambda fresh: nesterov)
