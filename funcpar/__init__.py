@@ -24,6 +24,7 @@ from .mesh import Mesh as Mesh
 from .mesh import MeshError as MeshError
 from .model import HFNames as HFNames
 from .model import ModelError as ModelError
+from .model import Loss as Loss
 from .model import ModelSpec as ModelSpec
 from .model import Stages as Stages
 from .model import get_model as get_model

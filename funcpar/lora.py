@@ -41,7 +41,7 @@ from . import collectives as C
 from .atomic import write_folder
 from .hf import name_plan
 from .mesh import Mesh
-from .model import carried_check, carried_weight, get_model
+from .model import Loss, get_model
 from .sharding import gathered_leaves
 from .spec import P, block_index, broadcast_specs, local_slice
 
@@ -296,14 +296,17 @@ class Lora:
                 return (w.double() + (b.double() @ a.double()) * self.config.scale).to(w.dtype)
         return self._over(params, adapters, one)
 
-    def loss_fn(self, loss_fn: Callable, params: Any) -> Callable:
-        """``loss(adapters, batch)`` for ``compile_step``: ``loss_fn`` on the frozen ``params`` (this rank's
-        shards, held by reference, never differentiated) with the adapters applied."""
-        if self.config.dropout > 0 and getattr(loss_fn, "remat", False):
+    def loss_fn(self, loss_fn: Callable, params: Any) -> Loss:
+        """The :class:`funcpar.Loss` ``loss(adapters, batch)`` for ``compile_step``: ``loss_fn`` on the frozen
+        ``params`` (this rank's shards, held by reference, never differentiated) with the adapters applied,
+        carrying the base loss's remat, batch weight and batch check (not its model: its staged form trains the
+        base weights, not adapters)."""
+        base = Loss.of(loss_fn)
+        if self.config.dropout > 0 and base.remat:
             raise LoraError(f"LoRA dropout={self.config.dropout} with remat: the recomputed forward would draw other "
                             f"masks than the first; train with dropout=0 or without remat")
-        return _LoraLoss(self, loss_fn, optree.tree_map(lambda t: t.detach(), params),
-                         merged=bool(getattr(loss_fn, "remat", False)))
+        fn = _LoraLoss(self, base.fn, optree.tree_map(lambda t: t.detach(), params), merged=base.remat)
+        return Loss(fn=fn, remat=base.remat, batch_weight=base.batch_weight, check_batch=base.check_batch)
 
     # ---------------------------------------------------------------------------------------------- PEFT
     def save_peft(self, path, adapters: Any, base_model: str | None = None, overwrite: bool = False) -> None:
@@ -359,11 +362,10 @@ class _Dropout:
 
 
 class _LoraLoss:
-    """The loss of the adapters, the base frozen; carries the base loss's micro-batch weight and batch check."""
+    """The loss of the adapters, the base frozen."""
 
     def __init__(self, lora: Lora, fn: Callable, base: Any, merged: bool):
         self.lora, self.fn, self.base, self.merged = lora, fn, base, merged
-        self.batch_weight, self.check_batch = carried_weight(fn), carried_check(fn)
 
     def __call__(self, adapters, batch):
         return self.fn(self.lora.apply(self.base, adapters, merged=self.merged), batch)

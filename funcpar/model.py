@@ -38,8 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .remat import remat as remat_fn
 
-__all__ = ["ModelSpec", "HFNames", "Stages", "ModelError", "register_model", "get_model", "known_models",
-           "carried_weight", "carried_check", "model_of_loss"]
+__all__ = ["ModelSpec", "HFNames", "Stages", "Loss", "ModelError", "register_model", "get_model", "known_models"]
 
 
 class ModelError(ValueError):
@@ -159,12 +158,15 @@ class ModelSpec:
             raise ModelError(f"config key '{key}' is missing, and model '{self.name}' cannot do without it") from None
         return cfg if mesh is None else cfg.with_mesh(mesh)
 
-    def loss_fn(self, cfg: Any, mesh, *, remat: bool = False) -> Callable:
-        """``loss_fn(params, batch) -> scalar`` for :func:`funcpar.compile_step` (carrying ``batch_weight``)."""
+    def loss_fn(self, cfg: Any, mesh, *, remat: bool = False) -> "Loss":
+        """The :class:`Loss` of this model for :func:`funcpar.compile_step`: ``loss(params, batch) -> scalar`` on
+        ``cfg`` and ``mesh``, carrying the model's batch weight and batch check, and the model for its staged form."""
         if remat and not self.remat:
             raise ModelError(f"model '{self.name}' does not support remat (activation checkpointing)")
         kw = {"remat": True} if remat else {}
-        return _ModelLoss(self, functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), cfg, mesh, remat)
+        check = functools.partial(self.check_batch, cfg=cfg) if self.check_batch else None
+        return Loss(fn=functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), model=self, cfg=cfg, mesh=mesh,
+                    remat=remat, batch_weight=self.batch_weight, check_batch=check)
 
 
 # The JSON types of the config.json keys models read, as transformers writes them (the same in every model that
@@ -214,57 +216,55 @@ def _check_hf_config(hf_config: Any) -> None:
                              f"{' or '.join(_WANT[k] for k in kinds)}")
 
 
-class _ModelLoss:
-    """A model's loss for compile_step: carries its micro-batch weight and, for ``zero=3``, the model it came from."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Loss:
+    """A loss for :func:`funcpar.compile_step`, ``loss(params, batch) -> scalar``, with what it carries as fields.
 
-    def __init__(self, model: ModelSpec, fn: Callable, cfg: Any, mesh: Any, remat: bool = False):
-        self.model, self.fn, self.cfg, self.mesh, self.remat = model, fn, cfg, mesh, remat
-        self.batch_weight = model.batch_weight
-        self.check_batch = functools.partial(model.check_batch, cfg=cfg) if model.check_batch else None
+    ``fn``: the function. ``model``, ``cfg``, ``mesh``: the model, config and mesh it computes (``None`` for a loss
+    that is not a registered model's); ZeRO-3 and pipeline stages run the model's staged form through them.
+    ``remat``: it recomputes each block in the backward pass. ``batch_weight``: ``weight(micro_batch) -> number``,
+    a micro-batch's weight in the step's mean (``None``: rows). ``check_batch``: ``check(batch) -> [messages]``,
+    what is wrong with a batch, run by the step on every batch (``None``: nothing checked).
+    """
+
+    fn: Callable
+    model: ModelSpec | None = None
+    cfg: Any = None
+    mesh: Any = None
+    remat: bool = False
+    batch_weight: Callable[[Any], float] | None = None
+    check_batch: Callable[[Any], list] | None = None
 
     def __call__(self, params, batch):
         return self.fn(params, batch)
 
+    @property
+    def stages(self) -> Stages | None:
+        """The staged form of the model behind this loss (``None``: no model, or one without stages)."""
+        return None if self.model is None else self.model.stages
 
-def model_of_loss(loss_fn: Callable) -> tuple[ModelSpec, Any, Any] | None:
-    """``(model, cfg, mesh)`` behind a loss function (``ModelSpec.loss_fn``, or a ``functools.partial`` of a
-    registered model's ``loss`` with ``cfg`` and ``mesh``), else ``None``."""
-    if isinstance(loss_fn, _ModelLoss):
-        return loss_fn.model, loss_fn.cfg, loss_fn.mesh
-    func, kw = getattr(loss_fn, "func", None), getattr(loss_fn, "keywords", {})
-    owner = _owner(func)
-    if owner is not None and "cfg" in kw and "mesh" in kw:
-        return owner, kw["cfg"], kw["mesh"]
-    return None
+    @staticmethod
+    def of(fn: Callable) -> "Loss":
+        """``fn`` as a :class:`Loss`: a ``Loss`` as it is; ``functools.partial(model.loss, cfg=..., mesh=...)`` of a
+        registered model as ``model.loss_fn(cfg, mesh)`` would build it (the ``remat`` keyword included), so the two
+        ways of naming a model's loss weigh and check batches alike; any other callable carries nothing."""
+        if isinstance(fn, Loss):
+            return fn
+        kw = getattr(fn, "keywords", None) if isinstance(fn, functools.partial) else None
+        owner = _owner(fn.func) if kw is not None else None
+        if owner is None:
+            return Loss(fn=fn)
+        cfg = kw.get("cfg")
+        check = functools.partial(owner.check_batch, cfg=cfg) if owner.check_batch and "cfg" in kw else None
+        known = "cfg" in kw and "mesh" in kw
+        return Loss(fn=fn, model=owner if known else None, cfg=cfg if known else None,
+                    mesh=kw["mesh"] if known else None, remat=bool(kw.get("remat", False)),
+                    batch_weight=owner.batch_weight, check_batch=check)
 
 
 def _owner(fn: Any) -> ModelSpec | None:
     """The registered model whose ``loss`` is ``fn``, if any."""
     return next((m for m in _REGISTRY.values() if m.loss is fn), None)
-
-
-def carried_weight(loss_fn: Callable) -> Callable | None:
-    """The micro-batch weight a loss function carries: its own ``batch_weight`` (``ModelSpec.loss_fn``), or that of
-    the registered model whose ``loss`` it is (also through ``functools.partial``); ``None`` if neither."""
-    fn = loss_fn
-    while fn is not None:
-        w = getattr(fn, "batch_weight", None)
-        if w is not None:
-            return w
-        owner = _owner(fn)
-        if owner is not None:
-            return owner.batch_weight
-        fn = getattr(fn, "func", None)  # functools.partial
-    return None
-
-
-def carried_check(loss_fn: Callable) -> Callable | None:
-    """``check(batch) -> [messages]``: the batch check of the model behind ``loss_fn`` (see ``check_batch``)."""
-    check = getattr(loss_fn, "check_batch", None)
-    found = model_of_loss(loss_fn) if check is None else None
-    if found is not None and found[0].check_batch is not None:
-        check = functools.partial(found[0].check_batch, cfg=found[1])
-    return check
 
 
 # -------------------------------------------------------------------------------------------------- registry

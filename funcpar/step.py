@@ -41,7 +41,7 @@ from .batching import batch_items, check_consistency, rows as _rows, split as _s
 from .buffers import StateBuffers
 from .layout import ZeroLayout
 from .mesh import Mesh
-from .model import carried_check, carried_weight
+from .model import Loss
 from .remat import grad_and_value
 from .optim import EVERYTHING, GradientTransformation, adamw, chain, clip_by_global_norm, update_with
 from .optim.loss_scale import apply_if_finite, loss_scale
@@ -50,8 +50,8 @@ from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
 from .tree import leaves_with_path
 from .step_gradients import Mode, Pipelined, Plain, Zero3
-from .step_options import (NonfinitePolicy, gradient_of, pipeline_executor, resolve_compile, validate_options,
-                           zero3_model)
+from .step_options import (NonfinitePolicy, check_zero3, gradient_of, pipeline_executor, resolve_compile,
+                           validate_options)
 from .zero3 import Zero3Loss, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
@@ -81,7 +81,8 @@ class Step:
                  parts: list[float] | None = None, nonfinite: str = "error", max_skips: int = 20,
                  host_malloc: str = "keep"):
         mesh = mesh if mesh is not None else Mesh.current()
-        compile, self.compile_reason = resolve_compile(compile, mesh, zero, offload, loss_fn, data_axes)
+        self.loss_fn = loss = Loss.of(loss_fn)  # what the loss carries (model, remat, batch weight, check), as fields
+        compile, self.compile_reason = resolve_compile(compile, mesh, zero, offload, loss, data_axes)
         self.compiled = compile  # what "auto" chose (a compiler failure under "auto" sets it to False)
         if host_malloc not in ("keep", "system"):
             raise StepError(f"host_malloc must be 'keep' or 'system', got {host_malloc!r}")
@@ -90,11 +91,11 @@ class Step:
             raise StepError(f"offload must be None or 'cpu', got {offload!r}")
         self.offload = offload
         validate_options(mesh, zero, accum_steps, data_axes, param_dtype, loss_scale)
-        self.loss_fn, self.specs, self.mesh = loss_fn, specs, mesh
+        self.specs, self.mesh = specs, mesh
         self.zero, self.accum_steps, self.clip_norm = zero, accum_steps, clip_norm
         self.has_aux, self.check, self.donate = has_aux, check, donate
-        self.weight_fn = weight_fn if weight_fn is not None else carried_weight(loss_fn)
-        self.check_batch = carried_check(loss_fn)  # a model's range checks, on every batch
+        self.weight_fn = weight_fn if weight_fn is not None else loss.batch_weight
+        self.check_batch = loss.check_batch  # a model's range checks, on every batch
         self.data_axes = tuple(data_axes)
         self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in self.data_axes)
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -113,9 +114,9 @@ class Step:
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self.mode: Mode | None = None  # the gradient phase of this step's mode (funcpar.step_gradients), at init
-        self._objective = loss_fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
-        self._staged = zero3_model(loss_fn, zero, param_dtype, offload)
-        self.pipe = pipeline_executor(loss_fn, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
+        self._objective = loss.fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
+        check_zero3(loss, zero, param_dtype, offload)
+        self.pipe = pipeline_executor(loss, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
         self._checked = False
         self.run_id: str | None = None  # the run its checkpoints belong to (see funcpar.checkpoint.save)
         # on the CPU, the memory a step frees is kept for the next one (funcpar.hostmem): process-wide, so only once
@@ -156,8 +157,8 @@ class Step:
         units = n_blocks = None
         if self.pipe is not None:  # this pp rank's stage tree: None for the leaves other stages hold
             params = self.pipe.plan.select(params)
-        elif self._staged is not None:  # zero=3: the layout's units are the model's blocks
-            model, cfg, mesh = self._staged
+        elif self.zero == 3:  # the layout's units are the model's blocks
+            model, cfg, mesh = self.loss_fn.model, self.loss_fn.cfg, self.loss_fn.mesh
             units, n_blocks = units_of([p for p, _, _ in broadcast_specs(self.specs, params)], model.stages, cfg)
         self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=self.zero, data_axes=self.data_axes,
                                              bucket_bytes=self.bucket_bytes,

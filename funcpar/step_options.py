@@ -11,41 +11,37 @@ from typing import Callable
 import torch
 
 from .mesh import Mesh
-from .model import model_of_loss
+from .model import Loss
 from .optim.loss_scale import loss_scale
 from .pipe import Executor, StagePlan
 from .pipeline import PipelineError, make_schedule
 from .state import StepError
 
 
-def zero3_model(loss_fn: Callable, zero: int, param_dtype, offload):
-    """``(model, cfg, mesh)`` for ``zero=3``, which runs the model's staged form (else ``None``)."""
+def check_zero3(loss: Loss, zero: int, param_dtype, offload) -> None:
+    """Refuse ``zero=3`` for a loss without a staged model (it gathers the model block by block through it)."""
     if zero != 3:
-        return None
-    found = model_of_loss(loss_fn)
-    if found is None or found[0].stages is None:
+        return
+    if loss.stages is None:
         raise StepError("zero=3 gathers the model block by block through its staged form: build the loss with "
                         "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
     if param_dtype is not None or offload:
         raise StepError("zero=3 trains in float32 without offload for now: drop param_dtype / offload, or use zero=2")
-    return found
 
 
-def pipeline_executor(loss_fn: Callable, mesh: Mesh, zero, accum_steps, has_aux, compile, name, chunks, parts):
+def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compile, name, chunks, parts):
     """The executor of this rank's pipeline stage when ``mesh`` has ``pp > 1`` (else ``None``)."""
     pp = mesh.axis_size("pp")
     if pp == 1:
         return None
-    found = model_of_loss(loss_fn)
-    if found is None or found[0].stages is None:
+    if loss.stages is None:
         raise StepError(f"{mesh!r}: pipeline stages cut the model through its staged form: build the loss with "
                         "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
     for bad, what in ((zero == 3, "zero=3 (use zero=1 or 2: stages already split the parameters)"),
                       (has_aux, "has_aux"), (compile, "compile=True")):
         if bad:
             raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
-    model, cfg, _ = found
-    remat = getattr(loss_fn, "remat", False)
+    remat = loss.remat
     if remat and name == "zb":
         raise StepError(f"{mesh!r}: pipeline='zb' splits each backward into the input's gradient and the weights', "
                         "but remat recomputes a block and forms both in one pass: use remat=False with 'zb', or "
@@ -53,7 +49,7 @@ def pipeline_executor(loss_fn: Callable, mesh: Mesh, zero, accum_steps, has_aux,
     try:
         chunks = chunks if chunks is not None else (2 if name == "interleaved" else 1)
         sched = make_schedule(name, pp, accum_steps, chunks)
-        plan = StagePlan(model, cfg, mesh, sched.validate(), parts)
+        plan = StagePlan(loss.model, loss.cfg, mesh, sched.validate(), parts)
     except PipelineError as e:
         raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None
     return Executor(plan, remat_blocks=remat)
@@ -116,7 +112,7 @@ class NonfinitePolicy:
                       "tokens_per_s": 0.0, "skipped": True}
 
 
-def resolve_compile(compile, mesh: Mesh, zero, offload, loss_fn, data_axes=("dp",)) -> tuple:
+def resolve_compile(compile, mesh: Mesh, zero, offload, loss: Loss, data_axes=("dp",)) -> tuple:
     """``compile_step``'s ``compile`` as the step uses it, and why: ``True`` or ``False`` as given; ``"auto"`` (the
     default) stays ``"auto"`` (compile, falling back to the eager gradient on a compiler failure) where it was
     measured to pay and nothing is given up: a CUDA mesh whose only axes of size > 1 split the batch (its collectives
@@ -132,7 +128,7 @@ def resolve_compile(compile, mesh: Mesh, zero, offload, loss_fn, data_axes=("dp"
     off = [(mesh.device.type != "cuda", f"{mesh.device.type} tensors: measured not to pay on the host"),
            (mesh.axis_size("pp") > 1, "pipeline stages"), (zero == 3, "zero=3"), (offload is not None, "offload"),
            (bool(model_axes), f"a model axis ({', '.join(model_axes)})"),
-           (bool(getattr(loss_fn, "remat", False)), "remat")]
+           (loss.remat, "remat")]
     why = next((w for bad, w in off if bad), None)
     return (False, f"auto: eager ({why})") if why else ("auto", "auto: compiled (a CUDA mesh)")
 

@@ -125,11 +125,25 @@ def test_registry_lookups_and_errors():
         gpt2.MODEL.loss_fn(None, fp.Mesh(), remat=True)
 
 
-def test_a_partial_of_a_registered_loss_weighs_micro_batches_by_tokens():
+def test_a_loss_carries_its_capabilities_as_fields():
+    """``Loss.of`` is the one place a loss's capabilities are read: a model's ``loss_fn`` and a
+    ``functools.partial`` of its ``loss`` carry the same ones (tokens as the weight, the batch check, the model for
+    its staged form, remat); a bare function carries none, so it weighs rows and has no staged form."""
     import functools
 
-    from funcpar.model import carried_weight
-
-    fn = functools.partial(llama.loss, cfg=None, mesh=None)
-    assert carried_weight(fn) is fp.layers.count_targets
-    assert carried_weight(lambda p, b: 0) is None
+    cfg = llama.Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    mesh = fp.Mesh()
+    built = llama.MODEL.loss_fn(cfg, mesh, remat=True)
+    named = fp.Loss.of(functools.partial(llama.loss, cfg=cfg, mesh=mesh, remat=True))
+    for loss in (built, named):
+        assert isinstance(loss, fp.Loss) and loss.model is llama.MODEL and loss.cfg is cfg and loss.mesh is mesh
+        assert loss.remat and loss.batch_weight is fp.layers.count_targets and loss.stages is llama.MODEL.stages
+        assert loss.check_batch({"input_ids": torch.tensor([[cfg.vocab_size]])})  # out of range: named
+    assert fp.Loss.of(built) is built
+    partial = fp.Loss.of(functools.partial(llama.loss, cfg=None))  # no mesh: weighs tokens, no model to stage
+    assert partial.batch_weight is fp.layers.count_targets and partial.model is None and not partial.remat
+    bare = fp.Loss.of(lambda p, b: 0)
+    assert (bare.model, bare.remat, bare.batch_weight, bare.check_batch, bare.stages) == (None, False, None, None, None)
+    with pytest.raises(fp.StepError, match="zero=3 gathers the model block by block"):
+        fp.compile_step(bare, {}, mesh=mesh, zero=3)
