@@ -43,5 +43,10 @@ from .state import TrainState as TrainState
 from .step import Step as Step
 from .step import StepError as StepError
 from .step import compile_step as compile_step
+from .step_config import Guards as Guards
+from .step_config import Parallel as Parallel
+from .step_config import Pipelining as Pipelining
+from .step_config import Precision as Precision
+from .step_config import StepOptions as StepOptions
 
 __version__ = "0.1.0"

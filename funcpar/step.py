@@ -25,7 +25,6 @@ so reduce, update and gather read every mode alike. The non-finite policy is
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 import uuid
@@ -50,8 +49,9 @@ from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
 from .tree import leaves_with_path
 from .step_gradients import Mode, Pipelined, Plain, Zero3
-from .step_options import (NonfinitePolicy, check_zero3, gradient_of, pipeline_executor, resolve_compile,
-                           validate_options)
+from .step_config import StepOptions
+from .step_options import (NonfinitePolicy, check_data_axes, check_zero3, gradient_of, pipeline_executor,
+                           resolve_compile)
 from .zero3 import Zero3Loss, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
@@ -71,57 +71,42 @@ class Step:
     the old one valid. See :func:`compile_step` for the options.
     """
 
-    def __init__(self, loss_fn: Callable, specs: Any, *, mesh: Mesh | None = None,
-                 optimizer: GradientTransformation | None = None, zero: int = 1, accum_steps: int = 1,
-                 clip_norm: float | None = None, has_aux: bool = False, check: bool = True,
-                 weight_fn: Callable[[Any], float] | None = None, data_axes: tuple[str, ...] = ("dp",),
-                 bucket_mb: float = 64, compile: bool | str = "auto", param_dtype: torch.dtype | None = None,
-                 loss_scale: str | float | None = None, growth_interval: int = 2000, donate: bool = True,
-                 offload: str | None = None, pipeline: str = "1f1b", chunks: int | None = None,
-                 parts: list[float] | None = None, nonfinite: str = "error", max_skips: int = 20,
-                 host_malloc: str = "keep"):
-        mesh = mesh if mesh is not None else Mesh.current()
+    def __init__(self, loss_fn: Callable, specs: Any, options: StepOptions | None = None):
+        o = self.options = options if options is not None else StepOptions()
+        par, pipe, prec = o.parallel, o.pipelining, o.precision
+        self.mesh = mesh = o.mesh if o.mesh is not None else Mesh.current()
         self.loss_fn = loss = Loss.of(loss_fn)  # what the loss carries (model, remat, batch weight, check), as fields
-        compile, self.compile_reason = resolve_compile(compile, mesh, zero, offload, loss, data_axes)
+        compile, self.compile_reason = resolve_compile(o.compile, mesh, par.zero, par.offload, loss, par.data_axes)
         self.compiled = compile  # what "auto" chose (a compiler failure under "auto" sets it to False)
-        if host_malloc not in ("keep", "system"):
-            raise StepError(f"host_malloc must be 'keep' or 'system', got {host_malloc!r}")
-        self.nonfinite = NonfinitePolicy(nonfinite, max_skips)
-        if offload not in (None, "cpu"):
-            raise StepError(f"offload must be None or 'cpu', got {offload!r}")
-        self.offload = offload
-        validate_options(mesh, zero, accum_steps, data_axes, param_dtype, loss_scale)
-        self.specs, self.mesh = specs, mesh
-        self.zero, self.accum_steps, self.clip_norm = zero, accum_steps, clip_norm
-        self.has_aux, self.check, self.donate = has_aux, check, donate
-        self.weight_fn = weight_fn if weight_fn is not None else loss.batch_weight
+        self.nonfinite = NonfinitePolicy(o.guards)
+        check_data_axes(mesh, par.data_axes)
+        self.specs, self.zero, self.offload, self.data_axes = specs, par.zero, par.offload, par.data_axes
+        self.accum_steps, self.clip_norm, self.has_aux, self.donate = o.accum_steps, o.clip_norm, o.has_aux, o.donate
+        self.check = o.guards.check
+        self.weight_fn = o.weight_fn if o.weight_fn is not None else loss.batch_weight
         self.check_batch = loss.check_batch  # a model's range checks, on every batch
-        self.data_axes = tuple(data_axes)
         self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in self.data_axes)
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.param_dtype = param_dtype
-        if loss_scale is None and param_dtype == torch.float16:
-            loss_scale = "dynamic"
-        self.loss_scale = loss_scale
-        opt = optimizer if optimizer is not None else default_optimizer()
+        self.bucket_bytes = int(par.bucket_mb * 2**20)
+        self.param_dtype, self.loss_scale = prec.param_dtype, prec.scaling
+        opt = o.optimizer if o.optimizer is not None else default_optimizer()
         self.schedule = opt.schedule
-        opt = chain(clip_by_global_norm(clip_norm), opt) if clip_norm else opt
-        if loss_scale is not None:
-            dynamic = loss_scale == "dynamic"
-            opt = apply_if_finite(opt, 2.0**16 if dynamic else float(loss_scale), dynamic, growth_interval)
+        opt = chain(clip_by_global_norm(o.clip_norm), opt) if o.clip_norm else opt
+        if self.loss_scale is not None:
+            dynamic = self.loss_scale == "dynamic"
+            opt = apply_if_finite(opt, 2.0**16 if dynamic else float(self.loss_scale), dynamic, prec.growth_interval)
         self.optimizer = opt
         self._grad = gradient_of(self, compile, self._scaled_loss, grad_and_value(self._scaled_loss))
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
         self.mode: Mode | None = None  # the gradient phase of this step's mode (funcpar.step_gradients), at init
         self._objective = loss.fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
-        check_zero3(loss, zero, param_dtype, offload)
-        self.pipe = pipeline_executor(loss, mesh, zero, accum_steps, has_aux, compile, pipeline, chunks, parts)
+        check_zero3(loss, par.zero, prec.param_dtype, par.offload)
+        self.pipe = pipeline_executor(loss, mesh, par.zero, o.accum_steps, o.has_aux, compile, pipe)
         self._checked = False
         self.run_id: str | None = None  # the run its checkpoints belong to (see funcpar.checkpoint.save)
         # on the CPU, the memory a step frees is kept for the next one (funcpar.hostmem): process-wide, so only once
         # every option has been accepted
-        self.host_malloc = hostmem.keep_freed_memory() if host_malloc == "keep" and mesh.device.type == "cpu" \
+        self.host_malloc = hostmem.keep_freed_memory() if o.host_malloc == "keep" and mesh.device.type == "cpu" \
             else "system"
 
     def _scaled_loss(self, params, batch, scale):
@@ -322,81 +307,28 @@ class Step:
         return rows * self._data_size() * (first.numel() // max(1, first.shape[0]) if first.ndim > 1 else 1)
 
 
-def compile_step(loss_fn: Callable, specs: Any, **options: Any) -> Step:
+def compile_step(loss_fn: Callable, specs: Any, options: StepOptions | None = None, **flat: Any) -> Step:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` (this rank's shards and batch).
 
     The step runs accumulate -> reduce -> update -> gather (see :mod:`funcpar.step`): use it as
-    ``state = step.init(params)``, then ``state, metrics = step(state, batch)``. The options are the keyword-only
-    parameters of :class:`Step`, which this function builds after refusing any name that is not one of them.
+    ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
 
     Args:
         loss_fn: ``loss_fn(params, batch)``, the loss of this rank's parameter shards on this rank's batch, a scalar
-            tensor (or ``(loss, aux)`` with ``has_aux``); e.g. ``model.loss_fn(cfg, mesh)``.
+            tensor (or ``(loss, aux)`` with ``has_aux``); a :class:`funcpar.Loss` carries what the step uses beyond
+            the function (``model.loss_fn(cfg, mesh)`` builds one), a bare function carries nothing
+            (:meth:`funcpar.Loss.of`).
         specs: the :class:`funcpar.P` specs of the parameters: the tree of ``params`` or a prefix of it
             (:func:`funcpar.spec.broadcast_specs`).
-        mesh: the mesh to run on; default the mesh in scope (:meth:`funcpar.Mesh.current`: ``with mesh:``, else the
-            only multi-process mesh built, else ``Mesh()`` in a one-process program).
-        optimizer: a :class:`funcpar.optim.GradientTransformation`; default :func:`default_optimizer`
-            (``adamw(1e-3, weight_decay=0.01)``, torch's AdamW defaults).
-        zero: the ZeRO stage, 0, 1 (the default), 2 or 3. ``0``: gradients all-reduced over ``data_axes``, every
-            rank updates its whole local leaves; ``1``: the optimizer state partitioned over ``data_axes``,
-            micro-batch gradients accumulated locally, then one reduce-scatter per bucket; ``2``: a reduce-scatter
-            after every micro-batch, only the local part kept; ``3``: the parameters partitioned too, gathered
-            block by block inside the loss (:mod:`funcpar.zero3`). ``zero=3`` needs a loss built with
-            ``model.loss_fn(cfg, mesh)`` of a model with a staged form (llama, gpt2 have one), and for now float32
-            (no ``param_dtype``) without ``offload`` or pipeline stages.
-        accum_steps: micro-batches per step (a positive int); the rows of the global batch must divide by the
-            data-parallel size x ``accum_steps``. Each micro-batch's loss is weighted by its share of the global
-            batch's weight, so the step's loss is the global batch's.
-        clip_norm: clip by the global gradient norm (every shard, each element counted once) to this value before
-            the optimizer; default ``None``, no clipping.
-        has_aux: ``loss_fn`` returns ``(loss, aux)``; the micro-batches' auxes come back as ``metrics["aux"]``. Not
-            with pipeline stages.
-        check: default True: verify on the first step that the batch and the replicated leaves agree across ranks;
-            a model's ``check_batch`` runs on every batch regardless.
-        weight_fn: ``weight_fn(micro_batch) -> float``, a micro-batch's weight in the global mean; default the
-            ``batch_weight`` the loss function carries, as ``ModelSpec.loss_fn`` and the models' ``loss`` do
-            (target tokens), else rows.
-        data_axes: the mesh axes the batch is split over (default ``("dp",)``; never ``pp``): gradients are summed
-            and ZeRO-partitioned over them. The mesh's other axes are model axes.
-        bucket_mb: the largest gradient bucket, in MiB (default 64): leaves are packed into flat buckets up to this
-            size (a larger leaf is a bucket of its own), each reduced by one collective; ``zero=3`` buckets by block.
-        compile: ``torch.compile`` the per-micro-batch gradient: ``True``, ``False``, or ``"auto"``, the default:
-            compiled on a CUDA mesh whose only axes of size > 1 are data axes, without pipeline stages, ZeRO-3,
-            offload or remat, where it was measured to pay, eager elsewhere (benchmarks/GPU.md,
-            docs/MEASUREMENTS.md); under ``"auto"`` a compiler failure warns once and the eager gradient takes
-            over; ``step.compiled`` and ``step.compile_reason`` say what was chosen
-            (:func:`funcpar.step_options.resolve_compile`). ``True`` is refused with pipeline stages.
-        param_dtype: mixed precision: compute copies of the parameters in this floating dtype, fp32 masters as ZeRO
-            parts in the optimizer state; default ``None``, everything in the parameters' own dtype.
-        loss_scale: ``"dynamic"`` (the default for ``param_dtype=torch.float16``), a positive constant, or ``None``
-            (no scaling; the default otherwise); needs ``param_dtype``. The optimizer is wrapped in
-            :func:`funcpar.optim.apply_if_finite`, which skips a step that overflows on any rank and adapts the
-            scale: ``"dynamic"`` starts at 2**16, halves on an overflow and doubles after ``growth_interval``
-            finite steps in a row; a constant stays as given.
-        growth_interval: finite steps in a row after which a ``"dynamic"`` loss scale doubles (default 2000);
-            unused otherwise.
-        donate: default True: the state passed to the step is consumed, its buffers updated in place, as JAX's
-            ``donate_argnums``; a consumed state passed again raises. False: every call copies the state first and
-            leaves the old one valid, at the memory of that copy. See :mod:`funcpar.buffers`.
-        offload: ``None`` (the default) or ``"cpu"``: this rank's optimizer state and master parts live in host
-            memory, pinned on CUDA, and the update runs there, as ZeRO-Offload does; the gradient parts go to the
-            host, the updated parts come back. On a CPU-only machine the host is the device: the same code path.
-        pipeline: the schedule on a mesh with ``pp > 1``, where the model's staged form is cut into pipeline stages
-            (:mod:`funcpar.pipe`) and the ``accum_steps`` micro-batches run through them: ``"1f1b"`` (the
-            default), ``"gpipe"``, ``"interleaved"`` or ``"zb"`` (zero-bubble: each backward split into the
-            input's gradient and the weights', the latter filling the bubble; not with remat). Unused at ``pp=1``.
-        chunks: virtual stages per rank, for ``"interleaved"`` (default 2) or ``"zb"`` (default 1); the other
-            schedules run one.
-        parts: layers per virtual stage, in halves where the model's staged form has them: ``[2.5, 1.5]``; default
-            ``None``: cut by the units' weights (:func:`funcpar.pipeline.assign_units`).
-        nonfinite: a step whose loss or gradient norm is not finite raises (``"error"``, the default; nothing
-            updated, the state kept as the error's ``.state``) or is skipped (``"skip"``).
-        max_skips: bounds the steps skipped in a row (an int >= 0, default 20), by the ``nonfinite`` policy or by
-            loss scaling; one more raises as ``"error"`` does.
-        host_malloc: on a CPU mesh, ``"keep"`` (default) has glibc keep the memory a step frees for the next step
-            instead of returning it to the kernel and faulting it in again (:mod:`funcpar.hostmem`; process-wide,
-            left alone where the environment configures malloc); ``"system"`` leaves malloc as it is.
+        options: a :class:`funcpar.StepOptions` (default: every default), the options in their groups, each
+            documented with its fields: :class:`funcpar.Parallel` (``zero``, ``data_axes``, ``bucket_mb``,
+            ``offload``), :class:`funcpar.Pipelining` (``pipeline``, ``chunks``, ``parts``),
+            :class:`funcpar.Precision` (``param_dtype``, ``loss_scale``, ``growth_interval``),
+            :class:`funcpar.Guards` (``check``, ``nonfinite``, ``max_skips``), and the step's own (``mesh``,
+            ``optimizer``, ``accum_steps``, ``clip_norm``, ``has_aux``, ``weight_fn``, ``compile``, ``donate``,
+            ``host_malloc``).
+        **flat: the same options as keywords, applied over ``options``: ``zero=3``, ``param_dtype=torch.bfloat16``,
+            or a group whole, ``precision=fp.Precision(...)`` (:meth:`funcpar.StepOptions.of`).
 
     Returns:
         The :class:`Step`; call its :meth:`Step.init` on the parameters before the first step.
@@ -408,12 +340,4 @@ def compile_step(loss_fn: Callable, specs: Any, **options: Any) -> Step:
         TypeError: an option that is not one of the above.
         MeshError: ``mesh`` not given and no mesh in scope can be chosen (:meth:`funcpar.Mesh.current`).
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"compile_step() got unknown option(s) {', '.join(unknown)}: it takes {', '.join(_OPTIONS)}")
-    return Step(loss_fn, specs, **options)
-
-
-# the options are written once, on Step.__init__: help(compile_step) and IDEs show them from there
-compile_step.__signature__ = inspect.signature(Step).replace(return_annotation="Step")
-_OPTIONS = [n for n, p in inspect.signature(Step).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    return Step(loss_fn, specs, StepOptions.of(options, **flat))

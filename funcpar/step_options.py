@@ -16,6 +16,7 @@ from .optim.loss_scale import loss_scale
 from .pipe import Executor, StagePlan
 from .pipeline import PipelineError, make_schedule
 from .state import StepError
+from .step_config import Guards, Pipelining
 
 
 def check_zero3(loss: Loss, zero: int, param_dtype, offload) -> None:
@@ -29,7 +30,7 @@ def check_zero3(loss: Loss, zero: int, param_dtype, offload) -> None:
         raise StepError("zero=3 trains in float32 without offload for now: drop param_dtype / offload, or use zero=2")
 
 
-def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compile, name, chunks, parts):
+def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compile, pipelining: Pipelining):
     """The executor of this rank's pipeline stage when ``mesh`` has ``pp > 1`` (else ``None``)."""
     pp = mesh.axis_size("pp")
     if pp == 1:
@@ -41,7 +42,7 @@ def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compil
                       (has_aux, "has_aux"), (compile, "compile=True")):
         if bad:
             raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
-    remat = loss.remat
+    remat, name, chunks = loss.remat, pipelining.schedule, pipelining.chunks
     if remat and name == "zb":
         raise StepError(f"{mesh!r}: pipeline='zb' splits each backward into the input's gradient and the weights', "
                         "but remat recomputes a block and forms both in one pass: use remat=False with 'zb', or "
@@ -49,26 +50,18 @@ def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compil
     try:
         chunks = chunks if chunks is not None else (2 if name == "interleaved" else 1)
         sched = make_schedule(name, pp, accum_steps, chunks)
-        plan = StagePlan(loss.model, loss.cfg, mesh, sched.validate(), parts)
+        plan = StagePlan(loss.model, loss.cfg, mesh, sched.validate(), pipelining.parts)
     except PipelineError as e:
         raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None
     return Executor(plan, remat_blocks=remat)
 
 
-def validate_options(mesh: Mesh, zero, accum_steps, data_axes, param_dtype, loss_scale) -> None:
-    if zero not in (0, 1, 2, 3):
-        raise StepError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-    if not isinstance(accum_steps, int) or accum_steps < 1:
-        raise StepError(f"accum_steps must be a positive int, got {accum_steps!r}")
+def check_data_axes(mesh: Mesh, data_axes: tuple[str, ...]) -> None:
+    """Refuse a ``data_axes`` name that is not a data axis of ``mesh`` (the other checks need no mesh:
+    :mod:`funcpar.step_config`)."""
     for a in data_axes:
         if a not in mesh.axis_names or a == "pp":
             raise StepError(f"data_axes names '{a}', which is not a data axis of {mesh!r}")
-    if param_dtype is not None and not param_dtype.is_floating_point:
-        raise StepError(f"param_dtype must be a floating dtype, got {param_dtype}")
-    if loss_scale is not None and param_dtype is None:
-        raise StepError("loss_scale needs mixed precision: pass param_dtype=torch.float16 (or bfloat16)")
-    if isinstance(loss_scale, str) and loss_scale != "dynamic":
-        raise StepError(f"loss_scale must be 'dynamic', a number or None, got {loss_scale!r}")
 
 
 class NonfinitePolicy:
@@ -77,11 +70,8 @@ class NonfinitePolicy:
     error's ``.state``; ``"skip"`` skips it, and so does loss scaling when it overflows, up to ``max_skips`` in a
     row. ``skips`` counts the steps skipped in a row (the step resets it after an update)."""
 
-    def __init__(self, nonfinite: str = "error", max_skips: int = 20):
-        if nonfinite not in ("error", "skip") or not isinstance(max_skips, int) or max_skips < 0:
-            raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got {nonfinite!r}, "
-                            f"{max_skips!r}")
-        self.mode, self.max_skips, self.skips = nonfinite, max_skips, 0
+    def __init__(self, guards: Guards):
+        self.mode, self.max_skips, self.skips = guards.nonfinite, guards.max_skips, 0
 
     def check(self, step, state, inner, loss: float, norm: float, finite: bool):
         """For ``step`` (a :class:`funcpar.step.Step`) about to update ``state`` (``inner``: its optimizer state):

@@ -431,10 +431,31 @@ def test_compiled_step_matches_eager():
 
 
 def test_compile_step_names_an_unknown_option_and_the_ones_it_takes():
-    # its options are written once (Step.__init__); compile_step shows them in its signature and its error
-    import inspect
-
-    assert list(inspect.signature(fp.compile_step).parameters)[:4] == ["loss_fn", "specs", "mesh", "optimizer"]
+    # its options are written once, in their typed groups (funcpar.step_config); the error lists them all
     with pytest.raises(TypeError, match=r"compile_step\(\) got unknown option\(s\) overlap: it takes mesh, "
-                                        r"optimizer, zero, accum_steps"):
+                                        r"optimizer, accum_steps, .*, zero, data_axes, bucket_mb, offload, pipeline, "
+                                        r"chunks, parts, param_dtype, .* max_skips, parallel, pipelining, precision, "
+                                        r"guards$"):
         fp.compile_step(lambda p, b: 0.0, {}, overlap=True)
+
+
+def test_options_in_groups_and_as_keywords_are_one_thing():
+    """``zero=2, param_dtype=bf16`` flat is the same ``StepOptions`` as the groups given whole; a group's fields are
+    checked together, a field set twice is refused, and a group's check names the field."""
+    flat = fp.StepOptions.of(zero=2, param_dtype=torch.bfloat16, loss_scale=128.0, pipeline="gpipe", max_skips=3)
+    grouped = fp.StepOptions(parallel=fp.Parallel(zero=2), pipelining=fp.Pipelining(schedule="gpipe"),
+                             precision=fp.Precision(param_dtype=torch.bfloat16, loss_scale=128.0),
+                             guards=fp.Guards(max_skips=3))
+    assert flat == grouped and fp.StepOptions.of(grouped, accum_steps=2).parallel.zero == 2
+    assert fp.Precision(param_dtype=torch.float16).scaling == "dynamic" and fp.Precision().scaling is None
+    with pytest.raises(TypeError, match="zero= and parallel= together"):
+        fp.StepOptions.of(zero=2, parallel=fp.Parallel())
+    with pytest.raises(fp.StepError, match="loss_scale needs mixed precision"):
+        fp.StepOptions.of(loss_scale="dynamic")
+    with pytest.raises(fp.StepError, match="bucket_mb must be a number > 0, got 0"):
+        fp.Parallel(bucket_mb=0)
+    with pytest.raises(TypeError, match="precision= takes a funcpar.Precision, got dict"):
+        fp.StepOptions(precision={"param_dtype": torch.bfloat16})
+    step = fp.compile_step(lambda p, b: p["w"].sum(), {"w": fp.P()}, fp.StepOptions(guards=fp.Guards(check=False)),
+                           mesh=fp.Mesh(), clip_norm=1.0)
+    assert step.options.guards.check is False and step.clip_norm == 1.0 and step.zero == 1
