@@ -44,8 +44,9 @@ class StateBuffers:
         """Copy local leaves into fresh parameter buffers (in the compute dtype). With ``zero=3`` the buffers hold
         only this rank's parts (``whole``: the leaves given are whole local leaves, else their 1-D parts)."""
         lay = self.layout
-        if lay.zero == 3:
-            self.params = lay.param_slices(leaves) if whole else lay.slices_of(leaves)
+        if lay.zero == 3:  # (the parts in the compute dtype: a mixed layout's buckets are its fp32 masters')
+            parts = lay.param_slices(leaves) if whole else lay.slices_of(leaves)
+            self.params = [p.to(self.compute_dtype) for p in parts] if self.compute_dtype else parts
             self.views = lay.views(self.params)
             return
         self.params = [lay.flat(b, leaves, self.compute_dtype or leaves[b.leaves[0]].dtype) for b in lay.buckets]
@@ -116,8 +117,10 @@ class StateBuffers:
     def publish(self) -> None:
         """After the update: the new parameters in every rank's buffers (compute copies of the masters, gathered)."""
         lay = self.layout
-        if lay.zero == 3:
-            return  # the parts are the parameters: gathered block by block inside the loss
+        if lay.zero == 3:  # the parts are the parameters, gathered block by block inside the loss: only new copies
+            for buf, master in zip(self.params, self.masters if self.mixed else (), strict=False):
+                buf.copy_(master)
+            return
         for k, (b, buf) in enumerate(zip(lay.buckets, self.params, strict=True)):
             if self.mixed:
                 buf[b.lo : b.hi].copy_(self.masters[k])

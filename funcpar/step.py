@@ -100,7 +100,7 @@ class Step:
         self.buffers: StateBuffers | None = None
         self.mode: Mode | None = None  # the gradient phase of this step's mode (funcpar.step_gradients), at init
         self._objective = loss.fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
-        check_zero3(loss, par.zero, prec.param_dtype, par.offload)
+        check_zero3(loss, par.zero)
         self.pipe = pipeline_executor(loss, mesh, par.zero, o.accum_steps, o.has_aux, compile, pipe)
         self._checked = False
         self.run_id: str | None = None  # the run its checkpoints belong to (see funcpar.checkpoint.save)
@@ -152,7 +152,7 @@ class Step:
         if self.pipe is not None:
             self.mode = Pipelined(lay, self._objective, self.pipe, self.has_aux)
         elif units is not None:
-            self._objective = Zero3Loss(lay, model, cfg, mesh, self.data_axes, n_blocks)
+            self._objective = Zero3Loss(lay, model, cfg, mesh, self.data_axes, n_blocks, self.param_dtype)
             self.mode = Zero3(lay, self._objective, self._grad, self.has_aux)
         else:  # reduce each bucket once full under ZeRO-2, and under ZeRO-1 with one micro-batch
             eager = self.zero == 2 or (self.zero == 1 and self.accum_steps == 1)

@@ -98,13 +98,20 @@ class Zero3(Mode):
     per_leaf_norm = True
 
     def params(self, buffers) -> Any:
-        return buffers.params
+        """The parts; under mixed precision or offload float32 ones (the masters where they live beside the
+        parameters, else copies), so the gathers' backward hands back float32 gradients (:mod:`funcpar.zero3`)."""
+        if not buffers.mixed:
+            return buffers.params
+        return [m if m.device == p.device else p.float() for p, m in zip(buffers.params, buffers.masters, strict=True)]
 
     def replicated(self, state: TrainState) -> Any:
         return None  # (the parts differ across the data axes)
 
     def whole(self, state: TrainState) -> Any:
-        return gather_params(self.layout, self.layout.slices_of(self.layout.treedef.flatten_up_to(state.params)))
+        leaves, lay = self.layout.treedef.flatten_up_to(state.params), self.layout
+        # (each bucket in its leaves' dtype: a mixed layout's buckets are float32, its parts the compute dtype)
+        parts = [p.to(leaves[b.leaves[0]].dtype) for b, p in zip(lay.buckets, lay.slices_of(leaves), strict=True)]
+        return gather_params(lay, parts)
 
     def evaluate(self, state: TrainState, batch: Any, requires_grad: bool) -> torch.Tensor:
         parts = self.layout.slices_of(self.layout.treedef.flatten_up_to(state.params))

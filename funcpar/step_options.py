@@ -19,15 +19,13 @@ from .state import StepError
 from .step_config import Guards, Pipelining
 
 
-def check_zero3(loss: Loss, zero: int, param_dtype, offload) -> None:
+def check_zero3(loss: Loss, zero: int) -> None:
     """Refuse ``zero=3`` for a loss without a staged model (it gathers the model block by block through it)."""
     if zero != 3:
         return
     if loss.stages is None:
         raise StepError("zero=3 gathers the model block by block through its staged form: build the loss with "
                         "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
-    if param_dtype is not None or offload:
-        raise StepError("zero=3 trains in float32 without offload for now: drop param_dtype / offload, or use zero=2")
 
 
 def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compile, pipelining: Pipelining):

@@ -10,6 +10,12 @@ block and recomputes it (FSDP's reshard-after-forward, at the cost of one more f
 more than the embedding, the head and one block gathered.
 
 Composed with tp: a unit's leaves are this rank's tp shards, and the data axes split them further.
+
+Mixed precision (``param_dtype``), as FSDP's with an fp32 reduction: the loss is differentiated with respect to
+float32 parts (the step's fp32 master parts, or fp32 copies of the compute parts where the masters are offloaded);
+each gather casts the part to the compute dtype first, so it moves half the bytes of a float32 gather and the block
+computes on exactly the values a ``zero=1`` run computes on (its compute copies are the masters rounded alike), and
+its backward reduce-scatters the gradient in float32, as ``zero=1``'s fp32 buckets sum it (:func:`gather_as`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,42 @@ from .layout import ZeroLayout
 from .remat import remat
 from .state import StepError
 
-__all__ = ["units_of", "Zero3Loss", "gather_params"]
+__all__ = ["units_of", "Zero3Loss", "gather_params", "gather_as"]
+
+
+class _GatherAs(torch.autograd.Function):
+    """``part`` cast to ``dtype`` and all-gathered over ``axes`` (minor axis first) forward; the gradient cast back to
+    ``part``'s dtype and reduce-scattered over them backward (once differentiable: ZeRO-3's backward is never
+    differentiated again, and it runs outside ``torch.func`` transforms)."""
+
+    @staticmethod
+    def forward(part, mesh, axes, dtype):
+        x = part.to(dtype)
+        for a in reversed(axes):
+            x = C.all_gather_nograd(x, mesh, a, 0)
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.axes, ctx.dtype = inputs[1], inputs[2], inputs[0].dtype
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        g = g.to(ctx.dtype)
+        for a in ctx.axes:  # (the conjugate order: the outer axis first)
+            g = C.reduce_scatter_nograd(g, ctx.mesh, a, 0)
+        return g, None, None, None
+
+
+def gather_as(part: torch.Tensor, mesh, axes: tuple[str, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A ZeRO-3 unit's whole flat bucket from this rank's ``part``: gathered over ``axes`` in ``dtype`` (default
+    ``part``'s own), its gradient reduce-scattered in ``part``'s dtype (see the module docstring)."""
+    if dtype is None or dtype == part.dtype:
+        for a in reversed(axes):  # the differentiable gather: its backward is the reduce-scatter
+            part = C.all_gather(part, mesh, a, 0)
+        return part
+    return _GatherAs.apply(part, mesh, tuple(axes), dtype)
 
 
 def units_of(paths: list[str], stages, cfg) -> tuple[list[list[int]], int]:
@@ -49,16 +90,17 @@ def units_of(paths: list[str], stages, cfg) -> tuple[list[list[int]], int]:
 class Zero3Loss:
     """``loss(parts, batch)``: the model's loss over this rank's parts (one per unit), gathering as it goes."""
 
-    def __init__(self, layout: ZeroLayout, model, cfg, mesh, data_axes: tuple[str, ...], n_blocks: int):
+    def __init__(self, layout: ZeroLayout, model, cfg, mesh, data_axes: tuple[str, ...], n_blocks: int,
+                 compute_dtype: torch.dtype | None = None):
         self.layout, self.stages, self.cfg, self.mesh = layout, model.stages, cfg, mesh
+        self.compute_dtype = compute_dtype  # the gathers' dtype (mixed precision), else the parts' own
         self.axes = tuple(a for a in data_axes if mesh.axis_size(a) > 1)
         self.n_blocks = n_blocks  # units: 0 = embedding, 1..n_blocks = blocks, then the head's own leaves if any
         self.tied = bool(set(self.stages.head_leaves(cfg)) & set(self.stages.embed_leaves(cfg)))
 
     def _gather(self, k: int, part: torch.Tensor) -> list[torch.Tensor]:
-        for a in reversed(self.axes):  # minor axis first, as the parts were cut
-            part = C.all_gather(part, self.mesh, a, 0)
-        return self.layout.unpack(self.layout.buckets[k], part)
+        whole = gather_as(part, self.mesh, self.axes, self.compute_dtype)  # minor axis first, as the parts were cut
+        return self.layout.unpack(self.layout.buckets[k], whole)
 
     def _tree(self, units: dict[int, list[torch.Tensor]]) -> Any:
         leaves: list = [None] * len(self.layout.shapes)
