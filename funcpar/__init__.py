@@ -48,5 +48,7 @@ from .step_config import Parallel as Parallel
 from .step_config import Pipelining as Pipelining
 from .step_config import Precision as Precision
 from .step_config import StepOptions as StepOptions
+from .verify import Verification as Verification
+from .verify import verify as verify
 
 __version__ = "0.1.0"

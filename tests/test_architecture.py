@@ -23,7 +23,7 @@ LAYERS = [
     ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_config", "funcpar.step_options", "funcpar.layers", "funcpar.decoder", "funcpar.atomic", "funcpar.data",
                 "funcpar._ckpt_source", "funcpar._hf_folder", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),
     ("io", ["funcpar.hf", "funcpar.checkpoint", "funcpar.lora"]),
-    ("step", ["funcpar.step", "funcpar.step_gradients"]),
+    ("step", ["funcpar.step", "funcpar.step_gradients", "funcpar.verify"]),
     ("api", ["funcpar"]),
     ("apps", ["funcpar.options", "funcpar.cli", "funcpar.launch", "funcpar.preflight", "funcpar.progress", "funcpar.__main__", "funcpar.generate", "funcpar.plot", "funcpar.planning",
               "funcpar.assets"]),
