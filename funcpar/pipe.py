@@ -161,6 +161,9 @@ class Executor:
 
     def __init__(self, plan: StagePlan, remat_blocks: bool = False):
         self.plan, self.mesh, self.remat = plan, plan.mesh, remat_blocks
+        # ZeRO-3 (set by the step once its layout exists): the executor is handed this stage's parts, one per unit,
+        # instead of its stage tree, and gathers each unit as it runs it (funcpar.zero3.StageGather)
+        self.zero3 = None
         self._shapes: dict[tuple, tuple[torch.dtype, tuple[int, ...]]] = {}  # (v, batch signature) -> input
         self.metrics: dict[str, float] = {}
         if plan.V > plan.pp:  # wrap-around streams (see _channel): their communicators built now, on every rank
@@ -182,12 +185,18 @@ class Executor:
     def _blocks(self, params: Any, x: torch.Tensor, v: int) -> torch.Tensor:
         plan, st, cfg, mesh = self.plan, self.plan.stages, self.plan.cfg, self.mesh
         for i, half in plan.pieces(plan.ranges[v]):
-            lp = params[st.layers][i]
-            if half is not None:  # only that half's leaves (remat's backward would make zeros for the others)
-                lp = {k: x for k, x in lp.items() if plan.half_of(k) == half}
             fn = functools.partial(_block_call, st.block if half is None else st.halves[half], i, cfg, mesh)
+            if self.zero3 is not None:  # gathered inside remat: the backward gathers the layer again
+                x = remat(functools.partial(_gathered_call, self.zero3, fn, i, half, plan))(
+                    params[self.zero3.unit(i)], x)
+                continue
+            lp = _half(params[st.layers][i], half, plan)
             x = remat(fn)(lp, x) if self.remat else fn(lp, x)
         return x
+
+    def _ends(self, params: Any, which: str) -> Any:
+        """What ``stages.embed`` / ``stages.head`` read: the stage tree, or under ZeRO-3 the units gathered."""
+        return params if self.zero3 is None else self.zero3.ends(params, which)
 
     def _tag(self, kind: int, m: int, v: int) -> int:
         return 3 * (m * self.plan.V + v) + kind
@@ -230,7 +239,7 @@ class Executor:
         sig = _signature(mb)
         embedded = None
         if v == 0:  # the blocks start from a leaf, as on the other stages: the embedding's backward comes after
-            embedded = st.embed(params, mb, cfg, mesh)
+            embedded = st.embed(self._ends(params, "embed"), mb, cfg, mesh)
             x_in = embedded.detach().requires_grad_(True)
         else:
             x_in = self._recv_input(v, m, sig).requires_grad_(True)
@@ -238,7 +247,7 @@ class Executor:
         if not last:
             self._send_output(y.detach(), v, m, sig)
             return (x_in, embedded), y, None
-        loss = st.head(params, y, mb, cfg, mesh)
+        loss = st.head(self._ends(params, "head"), y, mb, cfg, mesh)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise StepError("the model's head must return a scalar loss")
         return (x_in, embedded), loss * weight if weight is not None else loss, loss.detach()
@@ -329,10 +338,13 @@ class Executor:
         plan = self.plan
         if not plan.tied or plan.rank not in (0, plan.pp - 1):
             return
-        paths = [_key(p[0]) for p in optree.tree_paths(params)]
         other = plan.pp - 1 if plan.rank == 0 else 0
+        if self.zero3 is not None:  # the tied unit: laid out alike on both stages, its parts' gradients add
+            paths = ["tied" if i == self.zero3.tied else None for i in range(len(grads))]
+        else:
+            paths = [_key(p[0]) for p in optree.tree_paths(params)]
         for i, top in enumerate(paths):
-            if top in plan.tied:
+            if top in plan.tied or top == "tied":
                 theirs = torch.empty_like(grads[i])
                 p2p.sendrecv(self.mesh, "pp", sends=[(grads[i], other)], recvs=[(theirs, other)])
                 # a + b on one stage, b + a on the other: the same bits (float addition commutes)
@@ -368,3 +380,13 @@ def _in_turn(*calls: Callable | None) -> None:
 
 def _block_call(block: Callable, index: int, cfg: Any, mesh, lp: Any, x: torch.Tensor) -> torch.Tensor:
     return block(lp, x, index, cfg, mesh)
+
+
+def _half(lp: Any, half: int | None, plan: StagePlan) -> Any:
+    """A layer's leaves, or only one half's (remat's backward would make zeros for the others)."""
+    return lp if half is None else {k: x for k, x in lp.items() if plan.half_of(k) == half}
+
+
+def _gathered_call(zero3, fn: Callable, index: int, half: int | None, plan: StagePlan, part: torch.Tensor,
+                   x: torch.Tensor) -> torch.Tensor:
+    return fn(_half(zero3.layer(index, part), half, plan), x)

@@ -48,11 +48,11 @@ from .optim.transforms import sums_of_squares
 from .spec import broadcast_specs
 from .state import MixedState, StepError, TrainState
 from .tree import leaves_with_path
-from .step_gradients import Mode, Pipelined, Plain, Zero3
+from .step_gradients import Mode, Pipelined, Plain, StagedZero3, Zero3
 from .step_config import StepOptions
 from .step_options import (NonfinitePolicy, check_data_axes, check_zero3, gradient_of, pipeline_executor,
                            resolve_compile)
-from .zero3 import Zero3Loss, units_of
+from .zero3 import StageGather, Zero3Loss, stage_units, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
 
@@ -139,20 +139,25 @@ class Step:
         """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts.
         The parameters are copied into the step's flat buffers (see :mod:`funcpar.buffers`)."""
         mixed = self.param_dtype is not None
-        units = n_blocks = None
+        units = None
+        model, cfg, mesh = self.loss_fn.model, self.loss_fn.cfg, self.loss_fn.mesh
         if self.pipe is not None:  # this pp rank's stage tree: None for the leaves other stages hold
             params = self.pipe.plan.select(params)
-        elif self.zero == 3:  # the layout's units are the model's blocks
-            model, cfg, mesh = self.loss_fn.model, self.loss_fn.cfg, self.loss_fn.mesh
-            units, n_blocks = units_of([p for p, _, _ in broadcast_specs(self.specs, params)], model.stages, cfg)
+        if self.zero == 3:  # the layout's units are the model's blocks (on a pipeline stage, those it holds)
+            paths = [p for p, _, _ in broadcast_specs(self.specs, params)]
+            units, shape = (stage_units(paths, model.stages, cfg, self.pipe.plan.tied) if self.pipe is not None
+                            else units_of(paths, model.stages, cfg))
         self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=self.zero, data_axes=self.data_axes,
                                              bucket_bytes=self.bucket_bytes,
                                              master_dtype=torch.float32 if mixed else None, units=units)
         # the one dispatch on the mode: its gradient phase, and how it evaluates, gathers and counts
-        if self.pipe is not None:
+        if self.pipe is not None and units is not None:  # shape: the units' roles
+            self.pipe.zero3 = StageGather(lay, model.stages, cfg, mesh, self.data_axes, shape, self.param_dtype)
+            self.mode = StagedZero3(lay, self._objective, self.pipe, self.has_aux)
+        elif self.pipe is not None:
             self.mode = Pipelined(lay, self._objective, self.pipe, self.has_aux)
-        elif units is not None:
-            self._objective = Zero3Loss(lay, model, cfg, mesh, self.data_axes, n_blocks, self.param_dtype)
+        elif units is not None:  # shape: the number of blocks
+            self._objective = Zero3Loss(lay, model.stages, cfg, mesh, self.data_axes, shape, self.param_dtype)
             self.mode = Zero3(lay, self._objective, self._grad, self.has_aux)
         else:  # reduce each bucket once full under ZeRO-2, and under ZeRO-1 with one micro-batch
             eager = self.zero == 2 or (self.zero == 1 and self.accum_steps == 1)

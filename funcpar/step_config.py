@@ -31,8 +31,8 @@ class Parallel:
             micro-batch gradients accumulated locally, then one reduce-scatter per bucket; ``2``: a reduce-scatter
             after every micro-batch, only the local part kept; ``3``: the parameters partitioned too, gathered block
             by block inside the loss (:mod:`funcpar.zero3`), for a loss with a staged model
-            (``model.loss_fn(cfg, mesh)`` of llama, gpt2, ...); with mixed precision and offload, not yet with
-            pipeline stages.
+            (``model.loss_fn(cfg, mesh)`` of llama, gpt2, ...); with mixed precision, offload and pipeline stages
+            (not with ``pipeline="zb"``).
         data_axes: the mesh axes the batch is split over (default ``("dp",)``; never ``pp``): gradients are summed and
             ZeRO-partitioned over them. The mesh's other axes are model axes.
         bucket_mb: the largest gradient bucket, in MiB (default 64): leaves are packed into flat buckets up to this

@@ -1,5 +1,6 @@
-"""The step's gradient phase, one implementation per mode: :class:`Plain` (ZeRO 0-2), :class:`Zero3` and
-:class:`Pipelined`. The step picks one at ``init`` (:func:`mode_for`) and from then on reads every mode alike.
+"""The step's gradient phase, one implementation per mode: :class:`Plain` (ZeRO 0-2), :class:`Zero3`,
+:class:`Pipelined` and :class:`StagedZero3` (ZeRO-3 on pipeline stages). The step picks one at ``init`` and from
+then on reads every mode alike.
 
 Each mode takes this rank's micro-batches with their shares of the global batch and returns this rank's gradient
 parts, one per ZeRO bucket of the layout and summed over the data axes, with the weighted loss and the auxiliary
@@ -90,16 +91,15 @@ class Plain(Mode):
         return parts, loss_sum, auxes
 
 
-class Zero3(Mode):
-    """ZeRO-3: the objective (a :class:`funcpar.zero3.Zero3Loss`) takes this rank's parts and gathers each unit's
-    leaves as it needs them; its gradients are the parts' own, summed over the data axes by the gathers' backward.
-    The norm is counted per leaf: a unit mixes leaves sharded and replicated over the model axes."""
+class _Parts:
+    """What the ZeRO-3 modes share: the step hands the gradient this rank's parts, one per unit (float32 ones under
+    mixed precision or offload, so the gathers' backward hands back float32 gradients: :mod:`funcpar.zero3`), the
+    gathers' backward sums them over the data axes, and the norm is counted per leaf (a unit mixes leaves sharded
+    and replicated over the model axes)."""
 
     per_leaf_norm = True
 
     def params(self, buffers) -> Any:
-        """The parts; under mixed precision or offload float32 ones (the masters where they live beside the
-        parameters, else copies), so the gathers' backward hands back float32 gradients (:mod:`funcpar.zero3`)."""
         if not buffers.mixed:
             return buffers.params
         return [m if m.device == p.device else p.float() for p, m in zip(buffers.params, buffers.masters, strict=True)]
@@ -107,15 +107,21 @@ class Zero3(Mode):
     def replicated(self, state: TrainState) -> Any:
         return None  # (the parts differ across the data axes)
 
-    def whole(self, state: TrainState) -> Any:
+    def parts(self, state: TrainState) -> list[torch.Tensor]:
+        """``state``'s parts, one per unit, each in its leaves' dtype (a mixed layout's buckets are float32)."""
         leaves, lay = self.layout.treedef.flatten_up_to(state.params), self.layout
-        # (each bucket in its leaves' dtype: a mixed layout's buckets are float32, its parts the compute dtype)
-        parts = [p.to(leaves[b.leaves[0]].dtype) for b, p in zip(lay.buckets, lay.slices_of(leaves), strict=True)]
-        return gather_params(lay, parts)
+        return [p.to(leaves[b.leaves[0]].dtype) for b, p in zip(lay.buckets, lay.slices_of(leaves), strict=True)]
+
+    def whole(self, state: TrainState) -> Any:
+        return gather_params(self.layout, self.parts(state))
+
+
+class Zero3(_Parts, Mode):
+    """ZeRO-3: the objective (a :class:`funcpar.zero3.Zero3Loss`) takes this rank's parts and gathers each unit's
+    leaves as it needs them; its gradients are the parts' own."""
 
     def evaluate(self, state: TrainState, batch: Any, requires_grad: bool) -> torch.Tensor:
-        parts = self.layout.slices_of(self.layout.treedef.flatten_up_to(state.params))
-        return self._objective_loss(_leaves(parts, requires_grad), batch, requires_grad)
+        return self._objective_loss(_leaves(self.parts(state), requires_grad), batch, requires_grad)
 
     def accumulate(self, params, micro: list, shares: list[float], scale: torch.Tensor):
         acc: list = []
@@ -144,6 +150,19 @@ class Pipelined(Mode):
     def accumulate(self, params, micro: list, shares: list[float], scale: torch.Tensor):
         g_leaves, loss_sum = self.pipe.run(params, micro, shares, scale)
         return [self.layout.reduce_leaves(b, g_leaves) for b in self.layout.buckets], loss_sum, []
+
+
+class StagedZero3(_Parts, Pipelined):
+    """ZeRO-3 on a pipeline stage: the executor takes this stage's parts and gathers each unit as it runs it
+    (:class:`funcpar.zero3.StageGather`); its gradients are the parts' own, a tied unit's summed over the first and
+    last stage."""
+
+    def evaluate(self, state: TrainState, batch: Any, requires_grad: bool) -> torch.Tensor:
+        return self.pipe.evaluate(self.parts(state), batch)
+
+    def accumulate(self, params, micro: list, shares: list[float], scale: torch.Tensor):
+        grads, loss_sum = self.pipe.run(params, micro, shares, scale)
+        return grads, loss_sum, []
 
 
 def _leaves(leaves: list, requires_grad: bool) -> list:

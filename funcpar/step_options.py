@@ -36,11 +36,14 @@ def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compil
     if loss.stages is None:
         raise StepError(f"{mesh!r}: pipeline stages cut the model through its staged form: build the loss with "
                         "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
-    for bad, what in ((zero == 3, "zero=3 (use zero=1 or 2: stages already split the parameters)"),
-                      (has_aux, "has_aux"), (compile, "compile=True")):
+    for bad, what in ((has_aux, "has_aux"), (compile, "compile=True")):
         if bad:
             raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
     remat, name, chunks = loss.remat, pipelining.schedule, pipelining.chunks
+    if zero == 3 and name == "zb":
+        raise StepError(f"{mesh!r}: pipeline='zb' splits each backward into the input's gradient and the weights', "
+                        "but zero=3 recomputes each block to gather its weights again and forms both in one pass: "
+                        "use pipeline='1f1b' or 'interleaved' with zero=3, or zero=1/2 with 'zb'")
     if remat and name == "zb":
         raise StepError(f"{mesh!r}: pipeline='zb' splits each backward into the input's gradient and the weights', "
                         "but remat recomputes a block and forms both in one pass: use remat=False with 'zb', or "

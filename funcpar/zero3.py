@@ -29,7 +29,7 @@ from .layout import ZeroLayout
 from .remat import remat
 from .state import StepError
 
-__all__ = ["units_of", "Zero3Loss", "gather_params", "gather_as"]
+__all__ = ["units_of", "stage_units", "Zero3Loss", "StageGather", "gather_params", "gather_as"]
 
 
 class _GatherAs(torch.autograd.Function):
@@ -90,19 +90,21 @@ def units_of(paths: list[str], stages, cfg) -> tuple[list[list[int]], int]:
 class Zero3Loss:
     """``loss(parts, batch)``: the model's loss over this rank's parts (one per unit), gathering as it goes."""
 
-    def __init__(self, layout: ZeroLayout, model, cfg, mesh, data_axes: tuple[str, ...], n_blocks: int,
+    def __init__(self, layout: ZeroLayout, stages, cfg, mesh, data_axes: tuple[str, ...], n_blocks: int,
                  compute_dtype: torch.dtype | None = None):
-        self.layout, self.stages, self.cfg, self.mesh = layout, model.stages, cfg, mesh
+        self.layout, self.stages, self.cfg, self.mesh = layout, stages, cfg, mesh
         self.compute_dtype = compute_dtype  # the gathers' dtype (mixed precision), else the parts' own
         self.axes = tuple(a for a in data_axes if mesh.axis_size(a) > 1)
         self.n_blocks = n_blocks  # units: 0 = embedding, 1..n_blocks = blocks, then the head's own leaves if any
-        self.tied = bool(set(self.stages.head_leaves(cfg)) & set(self.stages.embed_leaves(cfg)))
+        self.tied = bool(set(stages.head_leaves(cfg)) & set(stages.embed_leaves(cfg)))
 
-    def _gather(self, k: int, part: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, k: int, part: torch.Tensor) -> list[torch.Tensor]:
+        """Unit ``k``'s leaves, gathered from this rank's ``part`` of it."""
         whole = gather_as(part, self.mesh, self.axes, self.compute_dtype)  # minor axis first, as the parts were cut
         return self.layout.unpack(self.layout.buckets[k], whole)
 
-    def _tree(self, units: dict[int, list[torch.Tensor]]) -> Any:
+    def tree(self, units: dict[int, list[torch.Tensor]]) -> Any:
+        """The parameter tree with the given units' leaves (``{unit: leaves}``), ``None`` elsewhere."""
         leaves: list = [None] * len(self.layout.shapes)
         for k, xs in units.items():
             for i, x in zip(self.layout.buckets[k].leaves, xs, strict=True):
@@ -111,20 +113,64 @@ class Zero3Loss:
 
     def __call__(self, parts: list[torch.Tensor], batch: Any) -> torch.Tensor:
         st, cfg, mesh = self.stages, self.cfg, self.mesh
-        x = st.embed(self._tree({0: self._gather(0, parts[0])}), batch, cfg, mesh)
+        x = st.embed(self.tree({0: self.gather(0, parts[0])}), batch, cfg, mesh)
         for i in range(self.n_blocks):
             x = remat(self._block(i + 1, i))(parts[i + 1], x)
-        head = {0: self._gather(0, parts[0])} if self.tied else {}  # a tied head: the embedding gathered again
+        head = {0: self.gather(0, parts[0])} if self.tied else {}  # a tied head: the embedding gathered again
         if len(parts) > self.n_blocks + 1:
-            head[len(parts) - 1] = self._gather(len(parts) - 1, parts[-1])
-        return st.head(self._tree(head), x, batch, cfg, mesh)
+            head[len(parts) - 1] = self.gather(len(parts) - 1, parts[-1])
+        return st.head(self.tree(head), x, batch, cfg, mesh)
 
     def _block(self, k: int, i: int) -> Callable:
         def run(part, x):
-            tree = self._tree({k: self._gather(k, part)})
+            tree = self.tree({k: self.gather(k, part)})
             return self.stages.block(tree[self.stages.layers][i], x, i, self.cfg, self.mesh)
 
         return run
+
+
+def stage_units(paths: list[str], stages, cfg, tied: list[str]) -> tuple[list[list[int]], dict[Any, int]]:
+    """A pipeline stage's ZeRO-3 units, from the paths of the leaves it holds: a tied leaf's own unit (the first and
+    the last stage hold it alike, so their parts line up and their gradients add), the embedding's other leaves,
+    each layer it holds (or the half of it it holds), the head's other leaves; empty ones left out. Returns the units
+    and their roles: ``{"tied": k, "embed": k, ("block", i): k, "head": k}``."""
+    embed, head = set(stages.embed_leaves(cfg)), set(stages.head_leaves(cfg))
+    out: dict[Any, list[int]] = {}
+    for i, p in enumerate(paths):
+        top, _, rest = p.partition(".")
+        role = ("tied" if top in tied else ("block", int(rest.partition(".")[0])) if top == stages.layers
+                else "embed" if top in embed else "head" if top in head else None)
+        if role is None:
+            raise StepError(f"zero=3: leaf '{p}' belongs to no unit of the model's staged form")
+        out.setdefault(role, []).append(i)
+    order = [r for r in ("tied", "embed") if r in out] + sorted(r for r in out if isinstance(r, tuple))
+    order += ["head"] if "head" in out else []
+    return [out[r] for r in order], {r: k for k, r in enumerate(order)}
+
+
+class StageGather:
+    """ZeRO-3 on a pipeline stage: this pp rank's units (:func:`stage_units`) kept as parts over the data axes and
+    gathered as the executor reaches them (:class:`funcpar.pipe.Executor`): the ends whole for the embedding and the
+    head, each layer under the executor's remat, so its backward gathers it again."""
+
+    def __init__(self, layout: ZeroLayout, stages, cfg, mesh, data_axes: tuple[str, ...], roles: dict,
+                 compute_dtype: torch.dtype | None = None):
+        self.layout, self.stages, self.roles = layout, stages, roles
+        self.units = Zero3Loss(layout, stages, cfg, mesh, data_axes, 0, compute_dtype)
+        self.tied = roles.get("tied")
+
+    def ends(self, parts: list[torch.Tensor], which: str) -> Any:
+        """The tree ``stages.embed`` (``which="embed"``) or ``stages.head`` reads: its units gathered."""
+        ks = [k for k in (self.tied, self.roles.get(which)) if k is not None]
+        return self.units.tree({k: self.units.gather(k, parts[k]) for k in ks})
+
+    def layer(self, i: int, part: torch.Tensor) -> Any:
+        """Layer ``i``'s leaves that this stage holds, gathered from its unit's part."""
+        k = self.roles[("block", i)]
+        return self.units.tree({k: self.units.gather(k, part)})[self.stages.layers][i]
+
+    def unit(self, i: int) -> int:
+        return self.roles[("block", i)]
 
 
 def gather_params(layout: ZeroLayout, parts: list[torch.Tensor]) -> Any:
