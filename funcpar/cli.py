@@ -97,7 +97,10 @@ def _setup_run(opts, sizes) -> _Run:
 def _params(run: _Run) -> Any:
     """The model's parameters now (this rank's shards): the step's, or under --lora the base with the adapters
     merged in."""
-    return run.lora.merge(run.base, run.state.params) if run.lora else run.step.gather_params(run.state)
+    if not run.lora:
+        return run.step.gather_params(run.state)
+    base = run.base.gather_base() if isinstance(run.base, fp.lora.ShardedBase) else run.base
+    return run.lora.merge(base, run.state.params)
 
 
 def _resume(run: _Run) -> None:

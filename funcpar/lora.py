@@ -27,6 +27,7 @@ a name with a regex character is matched against the pytree path instead (``laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -41,11 +42,14 @@ from . import collectives as C
 from .atomic import write_folder
 from .hf import name_plan
 from .mesh import Mesh
+from .layout import ZeroLayout
 from .model import Loss, get_model
+from .remat import remat
 from .sharding import gathered_leaves
 from .spec import P, block_index, broadcast_specs, local_slice
+from .zero3 import Zero3Loss, gather_params, units_of
 
-__all__ = ["LoraConfig", "Lora", "LoraError", "LoraWeight"]
+__all__ = ["LoraConfig", "Lora", "LoraError", "LoraWeight", "ShardedBase"]
 
 
 class LoraError(ValueError):
@@ -212,13 +216,14 @@ class Lora:
         return tree
 
     def _by_path(self, adapters: Any) -> dict[str, dict]:
-        """``{leaf path: {"lora_A": A, "lora_B": B}}`` from an adapters' tree."""
+        """``{leaf path: {"lora_A": A, "lora_B": B}}`` from an adapters' tree (or a part of one: a block's)."""
         out = {}
         for p in self.targets:
             node = adapters
             for k in p.split("."):
-                node = node[k]
-            out[p] = node
+                node = node.get(k) if isinstance(node, dict) else None
+            if node is not None:
+                out[p] = node
         return out
 
     def _over(self, params: Any, adapters: Any, fn: Callable) -> Any:
@@ -227,7 +232,7 @@ class Lora:
 
         def at(path, w):
             p = ".".join(str(k) for k in path)
-            return fn(p, w, by[p]) if p in by else w
+            return fn(p, w, by[p]) if p in by and w is not None else w  # (None: a leaf this tree leaves out)
         return optree.tree_map_with_path(at, params, none_is_leaf=True)
 
     def specs(self) -> Any:
@@ -296,15 +301,24 @@ class Lora:
                 return (w.double() + (b.double() @ a.double()) * self.config.scale).to(w.dtype)
         return self._over(params, adapters, one)
 
-    def loss_fn(self, loss_fn: Callable, params: Any) -> Loss:
+    def loss_fn(self, loss_fn: Callable, params: Any, *, shard_base: bool = False,
+                data_axes: tuple[str, ...] = ("dp",)) -> Loss:
         """The :class:`funcpar.Loss` ``loss(adapters, batch)`` for ``compile_step``: ``loss_fn`` on the frozen
-        ``params`` (this rank's shards, held by reference, never differentiated) with the adapters applied,
-        carrying the base loss's remat, batch weight and batch check (not its model: its staged form trains the
-        base weights, not adapters)."""
+        ``params`` (this rank's shards, never differentiated) with the adapters applied, carrying the base loss's
+        remat, batch weight and batch check (not its model: its staged form trains the base weights, not adapters).
+
+        ``shard_base``: the base as ZeRO-3 holds parameters, each rank keeping 1/(size of ``data_axes``) of every
+        block (:class:`ShardedBase`), gathered block by block as the loss runs and again for the backward; it
+        needs a base loss with a staged model (``model.loss_fn(cfg, mesh)`` of llama, gpt2, ...) and no dropout.
+        The adapters, small, train at whatever ZeRO stage the step has (``zero=2`` shards their state too).
+        Without it every rank of a data group holds the base whole, by reference."""
         base = Loss.of(loss_fn)
-        if self.config.dropout > 0 and base.remat:
-            raise LoraError(f"LoRA dropout={self.config.dropout} with remat: the recomputed forward would draw other "
-                            f"masks than the first; train with dropout=0 or without remat")
+        if self.config.dropout > 0 and (base.remat or shard_base):
+            raise LoraError(f"LoRA dropout={self.config.dropout} with {'remat' if base.remat else 'shard_base'}: "
+                            f"the recomputed forward would draw other masks than the first; train with dropout=0")
+        if shard_base:
+            fn = ShardedBase(self, base, params, data_axes)
+            return Loss(fn=fn, remat=True, batch_weight=base.batch_weight, check_batch=base.check_batch)
         fn = _LoraLoss(self, base.fn, optree.tree_map(lambda t: t.detach(), params), merged=base.remat)
         return Loss(fn=fn, remat=base.remat, batch_weight=base.batch_weight, check_batch=base.check_batch)
 
@@ -359,6 +373,48 @@ class _Dropout:
             k = block_index(self.spec, 1, self.mesh)
             keep = keep[..., k * x.shape[-1] : (k + 1) * x.shape[-1]]
         return x * keep.to(device=x.device, dtype=x.dtype) / (1 - self.p)
+
+
+class ShardedBase:
+    """The adapters' loss with the frozen base held as ZeRO-3 holds parameters: per unit of the model's staged form
+    (embedding, each block, head) this rank's 1/dp part, gathered without autograd as the loss reaches the unit;
+    each block runs under remat with its adapters merged into the gathered weights, so its backward gathers the block
+    again instead of keeping it (:mod:`funcpar.zero3`)."""
+
+    def __init__(self, lora: Lora, base: Loss, params: Any, data_axes: tuple[str, ...]):
+        if base.stages is None:
+            raise LoraError("shard_base gathers the base block by block through the model's staged form: give the "
+                            "loss of model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
+        self.lora, self.stages, self.cfg, self.mesh = lora, base.stages, base.cfg, base.mesh
+        paths = [p for p, _, _ in broadcast_specs(lora.base_specs, params)]
+        units, self.n_blocks = units_of(paths, self.stages, self.cfg)
+        self.layout = ZeroLayout.build(params, lora.base_specs, self.mesh, zero=3, data_axes=data_axes,
+                                       bucket_bytes=0, units=units)
+        self.parts = self.layout.param_slices(self.layout.treedef.flatten_up_to(params))  # the caller's may go
+        self.units = Zero3Loss(self.layout, self.stages, self.cfg, self.mesh, data_axes, self.n_blocks)
+
+    def gather_base(self) -> Any:
+        """The base whole (this rank's local shards), gathered from the parts: collective; for export
+        (``lora.merge(base.gather_base(), adapters)``)."""
+        return gather_params(self.layout, self.parts)
+
+    def _tree(self, adapters: Any, ks: list[int]) -> Any:
+        tree = self.units.tree({k: self.units.gather(k, self.parts[k]) for k in ks})
+        return self.lora.apply(tree, adapters, merged=True)
+
+    def __call__(self, adapters: Any, batch: Any) -> torch.Tensor:
+        st, cfg, mesh = self.stages, self.cfg, self.mesh
+        x = st.embed(self._tree(adapters, [0]), batch, cfg, mesh)
+        layers = adapters.get(st.layers, {}) if isinstance(adapters, dict) else {}
+        for i in range(self.n_blocks):
+            x = remat(functools.partial(self._block, i))(layers.get(str(i), {}), x)
+        head = ([0] if self.units.tied else []) + ([len(self.parts) - 1] if len(self.parts) > self.n_blocks + 1
+                                                   else [])
+        return st.head(self._tree(adapters, head), x, batch, cfg, mesh)
+
+    def _block(self, i: int, layer_adapters: Any, x: torch.Tensor) -> torch.Tensor:
+        tree = self._tree({self.stages.layers: {str(i): layer_adapters}}, [i + 1])
+        return self.stages.block(tree[self.stages.layers][i], x, i, self.cfg, self.mesh)
 
 
 class _LoraLoss:

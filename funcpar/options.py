@@ -273,17 +273,20 @@ def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
 
 
 def build_lora(opts, model, cfg, mesh, specs):
-    """``--lora``: ``(lora, base params, step over the adapters, its initial state)``; the base is loaded whole
-    on every pipeline-free rank and never enters the step's state."""
-    if mesh.axis_size("pp") > 1 or opts["zero"] == 3:
-        raise SystemExit("funcpar: --lora trains on tp and dp meshes with --zero 0, 1 or 2 (the adapters are small: "
-                         "ZeRO-3 and pipeline stages have nothing to gain)")
+    """``--lora``: ``(lora, base, step over the adapters, its initial state)``; the base never enters the step's
+    state. It is this rank's whole shards, or with ``--zero 3`` a :class:`funcpar.lora.ShardedBase` holding 1/dp of
+    each block (the adapters then train at ZeRO-2: their gradients and state 1/dp too)."""
+    if mesh.axis_size("pp") > 1:
+        raise SystemExit("funcpar: --lora trains on tp and dp meshes (the adapters are small: pipeline stages have "
+                         "nothing to gain; --zero 3 shards the frozen base over dp instead)")
     base_loss, kw = _step_parts(opts, model, cfg, mesh)
     try:
         lora = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(opts["lora"]), mesh, specs)
         params = build_params(opts, model, cfg, specs, mesh)
-        loss = lora.loss_fn(base_loss, params)
+        loss = lora.loss_fn(base_loss, params, shard_base=opts["zero"] == 3)
     except fp.lora.LoraError as e:
         raise SystemExit(f"funcpar: {e}") from None
+    if opts["zero"] == 3:
+        params, kw["zero"] = loss.fn, 2  # (the base's 1/dp parts; the whole shards go)
     step = fp.compile_step(loss, lora.specs(), **kw)
     return lora, params, step, step.init(lora.init(seed=opts["seed"]))

@@ -258,6 +258,11 @@ def test_funcpar_train_with_lora_exports_merged_and_peft_folders(tmp_path):
         lora_a, lora_b = (adapter[f"base_model.model.{k.removesuffix('.weight')}.lora_{x}.weight"] for x in "AB")
         assert lora_a.shape == (16, 64) and lora_b.shape == (base_t[k].shape[0], 16), k
         assert torch.allclose(merged[k], base_t[k] + 2.0 * lora_b @ lora_a, rtol=0, atol=1e-6), k
+    # --zero 3: the frozen base 1/dp per rank (ShardedBase), the adapters at ZeRO-2; the export gathers the base
+    p = train("--lora", "r=16,alpha=32,targets=q,v", "--zero", "3", "--out", "out3", mesh="dp=2")
+    assert p.returncode == 0, p.stderr
+    merged3 = load_file(tmp_path / "out3" / "hf" / "model.safetensors")
+    assert sorted(k for k in merged3 if not torch.equal(merged3[k], base_t[k])) == sorted(adapted)
 
 
 def _dropout_losses(folder, tp):
@@ -330,3 +335,41 @@ def test_dropout_feeds_the_adapters_the_input_masked_and_rescaled(base):
     g1, g2 = torch.func.grad(lambda a: loss(a, b))(ad), torch.func.grad(ref)(ad)
     for (path, u), (_, v) in zip(fp.tree.leaves_with_path(g1), fp.tree.leaves_with_path(g2), strict=True):
         assert torch.allclose(u, v, rtol=1e-5, atol=1e-7) and v.abs().sum() > 0, path
+
+
+def _sharded_base(folder):
+    """LoRA with the frozen base held 1/dp per rank (shard_base) against the base held whole, both with the adapters
+    merged into the weights as remat needs them; on tp=2 x dp=2, adapters at zero=2."""
+    mesh = harness.mesh(tp=2, dp=2)
+    model = fp.get_model("llama")
+    out = {}
+    for shard_base in (False, True):
+        params, cfg = fp.hf.load(folder, mesh=mesh)
+        lora = Lora(model, cfg, LCFG, mesh)
+        loss = lora.loss_fn(model.loss_fn(cfg, mesh, remat=True), params, shard_base=shard_base)
+        held = loss.fn.parts if shard_base else fp.tree.leaves_with_path(params)
+        out[f"held{int(shard_base)}"] = sum((x[1] if isinstance(x, tuple) else x).numel() for x in held)
+        del params
+        step = fp.compile_step(loss, lora.specs(), mesh=mesh, optimizer=fp.optim.adamw(1e-2), zero=2, clip_norm=1.0)
+        state = step.init(lora.init(seed=0))
+        losses = []
+        for s in range(3):
+            state, m = step(state, harness.dp_share(batch(seed=s), mesh))
+            losses.append(m["loss"])
+        out[shard_base] = (losses, fp.gather(state.params, lora.specs(), mesh))
+    return out
+
+
+def test_lora_with_the_base_sharded_like_zero3_equals_the_base_held_whole(base):
+    """The frozen base 1/dp per rank, gathered block by block, only the adapters in the optimizer: the same losses
+    (1e-6 relative) and adapters (1e-5 of their norm) as with the base held whole; each rank holds half the base."""
+    for out in harness.run(4, _sharded_base, base):
+        (l0, a0), (l1, a1) = out[False], out[True]
+        assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(l1, l0, strict=True)), (l1, l0)
+        diff = sum((x - y).pow(2).sum().item() for x, y in zip(_leaves(a1), _leaves(a0), strict=True)) ** 0.5
+        assert diff <= 1e-5 * sum(y.pow(2).sum().item() for y in _leaves(a0)) ** 0.5
+        assert abs(out["held1"] - out["held0"] / 2) <= 0.01 * out["held0"]
+    with pytest.raises(LoraError, match="shard_base gathers the base block by block"):
+        model = fp.get_model("llama")
+        params, cfg = fp.hf.load(base)
+        Lora(model, cfg, LCFG).loss_fn(lambda p, b: 0.0, params, shard_base=True)
