@@ -3,19 +3,22 @@
 ``load`` reads ``config.json`` and ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) into a
 parameter tree already sharded for a mesh. Each rank reads **only the bytes of its own blocks**: the safetensors
 header gives every tensor's offset, and the block is fetched with ``pread`` run by run (a row-block is one read,
-a column-block one read per row), never the whole tensor. The check is strict: every missing, unexpected or
-mis-shaped tensor is reported at once, by name and shape; a tensor in another dtype than the checkpoint's is
-refused by name unless a ``dtype`` to convert to is given, and so is a ``config.json`` key of the wrong type
-(:mod:`funcpar._hf_folder`). Only JSON and raw tensor bytes are read; nothing is unpickled.
+a column-block one read per row), never the whole tensor. The check is strict: missing, unexpected and
+mis-shaped tensors are reported in one line (how many of each, the first three by name and shape); a tensor in
+another dtype than the checkpoint's is refused by name unless a ``dtype`` to convert to is given, and so is a
+``config.json`` key of the wrong type (:mod:`funcpar._hf_folder`). Only JSON and raw tensor bytes are read;
+nothing is unpickled.
 
 ``save`` gathers leaf by leaf onto rank 0 (each distinct block moves once) and writes sharded safetensors files
 of at most ``max_shard_size`` bytes, the index and ``config.json`` into a temporary folder that is renamed into
 place when complete, so a reader never sees a half-written export.
 
 The mapping between HF names and pytree paths is data each model provides in its contract
-(:class:`funcpar.model.HFNames`: name patterns with ``{i}`` for the layer index, leaves stored transposed, leaves
-that are part ``k`` of ``n`` of a fused HF tensor, padded vocab tables, ignorable tensors). The model is found in
-the registry by the folder's ``model_type`` (:func:`funcpar.model.get_model`).
+(:class:`funcpar.model.HFNames`: name patterns with ``{i}`` for the layer index and ``{j}`` for a leaf stacked
+from one tensor per index (Mixtral's experts), leaves stored transposed, leaves that are part ``k`` of ``n`` of a
+fused HF tensor, padded vocab tables, ignorable tensors, and other layouts read but not written). A folder is read
+in the layout its names fit; ``save`` writes the model's first. The model is found in the registry by the folder's
+``model_type`` (:func:`funcpar.model.get_model`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 from ._hf_folder import HFError, Reader, check_dtypes, read_config, resolve_model
 from .atomic import write_folder
 from .mesh import Mesh
-from .model import ModelSpec, get_model
+from .model import HFNames, ModelSpec, get_model
 from .sharding import gathered_leaves
 from .spec import P, broadcast_specs, local_slice
 from .tree import leaves_with_path
@@ -47,14 +50,23 @@ __all__ = ["load", "save", "auto_specs", "HFError", "read_config"]
 
 @dataclass(frozen=True)
 class _Map:
-    hf: str
+    hf: str  # with {j} where the leaf is the stack, along its first dimension, of one tensor per index j
     transposed: bool
     split: tuple[int, int, int] | None
     vocab: int | None = None  # a vocab table padded beyond its real rows: the checkpoint holds this many
     parts: tuple[int, ...] | None = None  # a split leaf: the sizes of the fused tensor's n parts along its dim
 
+    @property
+    def stacked(self) -> bool:
+        return "{j}" in self.hf
+
+    def names(self, leaf_shape: tuple[int, ...]) -> list[str]:
+        """The HF tensors the leaf is read from: one, or one per index of a stacked leaf's first dimension."""
+        return [self.hf.replace("{j}", str(j)) for j in range(leaf_shape[0])] if self.stacked else [self.hf]
+
     def hf_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
-        s = list(leaf_shape)
+        """The shape of the HF tensor (each one of a stacked leaf's)."""
+        s = list(leaf_shape[1:] if self.stacked else leaf_shape)
         if self.vocab is not None:
             s[0] = self.vocab
         if self.transposed:
@@ -75,11 +87,12 @@ class _Map:
         return tuple(r)
 
 
-def name_plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
-    """The HF tensor (and transform) of every leaf path, from the model's literal table. With ``cfg``, a fused
-    tensor's parts are as large as their leaves (ChatGLM's q, k, v rows differ); without, taken to be equal."""
+def name_plan(model: Any, paths: list[str], cfg: Any = None, names: HFNames | None = None) -> list[_Map]:
+    """The HF tensor (and transform) of every leaf path, from the model's literal table (``names``: one of its
+    layouts, default the one ``save`` writes). With ``cfg``, a fused tensor's parts are as large as their leaves
+    (ChatGLM's q, k, v rows differ); without, taken to be equal."""
     model = get_model(model)
-    names = model.hf
+    names = model.hf if names is None else names
     rules = []
     for pat, hf in names.table:
         rx = re.compile("^" + re.escape(pat).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
@@ -93,7 +106,7 @@ def name_plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
             m = rx.match(p)
             if m:
                 i = m.groupdict().get("i")
-                return _Map(hf.format(i=i) if i is not None else hf, pat in transposed, splits.get(pat),
+                return _Map(hf.replace("{i}", i) if i is not None else hf, pat in transposed, splits.get(pat),
                             cfg.vocab_size if pat in vocab_leaves else None)
         raise HFError(f"model '{model.name}' has no Hugging Face name for leaf '{p}' in its HFNames table")
 
@@ -105,7 +118,8 @@ def name_plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
     for p, x in shapes.items():
         mp = one(p)
         if mp.split:  # the leaf's size along the split dim, in the checkpoint's layout
-            sizes.setdefault(mp.hf, {})[mp.split[1]] = x.shape[-1 - mp.split[0] if mp.transposed else mp.split[0]]
+            s = x.shape[1:] if mp.stacked else x.shape
+            sizes.setdefault(mp.hf, {})[mp.split[1]] = s[-1 - mp.split[0] if mp.transposed else mp.split[0]]
     for mp in out:
         if mp.split and sorted(sizes.get(mp.hf, ())) != list(range(mp.split[2])):
             raise HFError(f"model '{model.name}': its HFNames splits make '{mp.hf}' of {mp.split[2]} parts, but "
@@ -114,31 +128,57 @@ def name_plan(model: Any, paths: list[str], cfg: Any = None) -> list[_Map]:
             for mp in out]
 
 
-def _check(reader: Reader, folder: Path, model: ModelSpec, cfg, leaves, plan: list[_Map]) -> None:
+@dataclass(frozen=True)
+class _Layout:
+    """One of a model's layouts held against a folder's tensors: its plan, and what it lacks or does not expect."""
+
+    plan: list[_Map]
+    expected: dict[str, tuple[int, ...]]  # HF name -> shape
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _layout(reader: Reader, model: ModelSpec, cfg, leaves, names: HFNames) -> _Layout:
+    plan = name_plan(model, [p for p, _, _ in leaves], cfg, names)
     expected: dict[str, tuple[int, ...]] = {}
     for (_, _, meta), mp in zip(leaves, plan, strict=True):
-        expected.setdefault(mp.hf, mp.hf_shape(tuple(meta.shape)))
+        for name in mp.names(tuple(meta.shape)):
+            expected.setdefault(name, mp.hf_shape(tuple(meta.shape)))
     present = set(reader.tensors)
-    ignored = [re.compile(p) for p in model.hf.ignored_for(cfg)]
-    missing = sorted(set(expected) - present)
+    ignored = [re.compile(p) for p in names.ignored_for(cfg)]
     unexpected = sorted(n for n in present - set(expected) if not any(r.match(n) for r in ignored))
-    wrong = sorted(n for n in set(expected) & present if reader.tensors[n].shape != expected[n])
-    if not (missing or unexpected or wrong):
-        return
-    lines = [f"checkpoint {folder} does not match model '{model.name}' built from its config.json:"]
-    if missing:
-        lines.append(f"  missing ({len(missing)}): " + ", ".join(f"{n} {list(expected[n])}" for n in missing))
-    if unexpected:
-        lines.append(
-            f"  unexpected ({len(unexpected)}): "
-            + ", ".join(f"{n} {list(reader.tensors[n].shape)} in {reader.tensors[n].file.name}" for n in unexpected)
-        )
-    if wrong:
-        lines.append(
-            f"  wrong shape ({len(wrong)}): "
-            + ", ".join(f"{n} is {list(reader.tensors[n].shape)}, expected {list(expected[n])}" for n in wrong)
-        )
-    raise HFError("\n".join(lines))
+    return _Layout(plan, expected, sorted(set(expected) - present), unexpected)
+
+
+def _choose_layout(reader: Reader, folder: Path, model: ModelSpec, cfg, leaves) -> list[_Map]:
+    """The plan of the model's layout that the folder's names fit (the nearest of several, the first on a tie);
+    an :class:`HFError` of one line where its tensors do not match it."""
+    layouts = [_layout(reader, model, cfg, leaves, names) for names in model.hf.layouts()]
+    best = min(layouts, key=lambda lay: len(lay.missing) + len(lay.unexpected))  # min keeps the first on a tie
+    tensors = reader.tensors
+    wrong = sorted(n for n in set(best.expected) & set(tensors) if tensors[n].shape != best.expected[n])
+    if not (best.missing or best.unexpected or wrong):
+        return best.plan
+    parts = [
+        _first(best.missing, "missing", lambda n: f"{n} {list(best.expected[n])}"),
+        _first(best.unexpected, "unexpected", lambda n: f"{n} {list(tensors[n].shape)} in {tensors[n].file.name}"),
+        _first(wrong, "wrong shape", lambda n: f"{n} is {list(tensors[n].shape)}, expected {list(best.expected[n])}"),
+    ]
+    others = [n for lay in layouts if lay is not best for n in sorted(set(lay.expected) - set(best.expected))[:1]]
+    nearest = (f" (the nearest of the {len(layouts)} layouts it reads; the others name tensors such as "
+               + ", ".join(f"'{n}'" for n in others) + ")" if others else "")
+    raise HFError(f"checkpoint {folder} does not match model '{model.name}' built from its config.json{nearest}: "
+                  + "; ".join(p for p in parts if p)
+                  + ": check that config.json is the one saved with these weights (its sizes, layer count and "
+                  "tie_word_embeddings decide the names and shapes expected)")
+
+
+def _first(names: list[str], what: str, show) -> str:
+    """``what (count): the first 3 names, shown, and how many more``, or ``""`` for none."""
+    if not names:
+        return ""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{what} ({len(names)}): " + ", ".join(show(n) for n in names[:3]) + more
 
 
 # ------------------------------------------------------------------------------------------------- API
@@ -155,9 +195,11 @@ def load(
 ):
     """Load this rank's shards of the Hugging Face checkpoint in ``path``, as ``model`` lays them out for ``mesh``.
 
-    Each rank reads only the bytes of its own blocks (never a whole tensor), and the check against the model is
-    strict: every missing, unexpected or mis-shaped tensor is reported at once. Only JSON and raw tensor bytes are
-    read; nothing is unpickled.
+    Each rank reads only the bytes of its own blocks (never a whole tensor; of a stacked leaf, such as Mixtral's
+    per-expert tensors, only its own experts'), and the check against the model is strict: missing, unexpected and
+    mis-shaped tensors are reported in one line. Of the layouts the model reads (:class:`funcpar.HFNames`
+    ``alternates``), the one the folder's names fit is used. Only JSON and raw tensor bytes are read; nothing is
+    unpickled.
 
     Args:
         path: the checkpoint folder: ``config.json`` and ``model.safetensors`` (or a sharded
@@ -192,11 +234,11 @@ def load(
         raise HFError(f"{folder / 'config.json'}: {e}") from None
     shapes = model.init(cfg, device="meta")
     leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, shapes)
-    plan = name_plan(model, [p for p, _, _ in leaves], cfg)
     reader = Reader(folder)
-    _check(reader, folder, model, cfg, leaves, plan)
+    plan = _choose_layout(reader, folder, model, cfg, leaves)
     if dtype is None:
-        kept = [mp.hf for (p, _, _), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)]
+        kept = [n for (p, _, meta), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)
+                for n in mp.names(tuple(meta.shape))]
         check_dtypes(reader, folder, raw, kept)
     out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) if keep is None or keep(p) else None
            for (p, spec, meta), mp in zip(leaves, plan, strict=True)]
@@ -207,17 +249,27 @@ def load(
 
 def _read_leaf(reader: Reader, path: str, spec: P, meta, mp: _Map, mesh: Mesh, dtype) -> torch.Tensor:
     region = local_slice(spec, tuple(meta.shape), mesh, path=path)
+    if mp.stacked:  # this rank's block of the stack: only its own tensors, and of each only its block
+        js, names = region[0], mp.names(tuple(meta.shape))
+        t = torch.stack([_read_tensor(reader, names[j], region[1:], mp) for j in range(js.start, js.stop)])
+    else:
+        t = _read_tensor(reader, mp.hf, region, mp)
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.to(mesh.device)
+
+
+def _read_tensor(reader: Reader, name: str, region: tuple[slice, ...], mp: _Map) -> torch.Tensor:
+    """The block ``region`` (in the leaf's layout) of HF tensor ``name``, in the leaf's layout."""
     want = region[0].stop - region[0].start if region else 0
     if mp.vocab is not None:  # padding rows are not in the file: read the real ones, zeros after
         region = (slice(min(region[0].start, mp.vocab), min(region[0].stop, mp.vocab)), *region[1:])
-    t = reader.read(mp.hf, mp.file_region(region, reader.tensors[mp.hf].shape))
+    t = reader.read(name, mp.file_region(region, reader.tensors[name].shape))
     if mp.vocab is not None and t.shape[0] < want:
         t = torch.cat([t, t.new_zeros((want - t.shape[0], *t.shape[1:]))])
     if mp.transposed:
         t = t.t().contiguous()
-    if dtype is not None:
-        t = t.to(dtype)
-    return t.to(mesh.device)
+    return t
 
 
 def _parse_size(s: int | str) -> int:
@@ -355,21 +407,27 @@ def _add_tokenizer(folder: Path, config: dict, tokenizer: Any) -> None:
 
 
 def _add_leaf(writer: _ShardWriter, pending: dict, g: torch.Tensor, mp: _Map) -> None:
-    """Add one gathered leaf in the checkpoint's layout (pieces of a fused tensor wait for their siblings)."""
+    """Add one gathered leaf in the checkpoint's layout (a stacked leaf as its tensors, one per index of its first
+    dimension; pieces of a fused tensor wait for their siblings)."""
     g = g.detach().cpu()
+    for name, x in zip(mp.names(tuple(g.shape)), g if mp.stacked else [g], strict=True):
+        _add_tensor(writer, pending, name, x, mp)
+
+
+def _add_tensor(writer: _ShardWriter, pending: dict, name: str, g: torch.Tensor, mp: _Map) -> None:
     if mp.vocab is not None:
         g = g[: mp.vocab]  # drop vocabulary padding
     if mp.transposed:
         g = g.t()
     if mp.split:
         dim, k, n = mp.split
-        parts = pending.setdefault(mp.hf, {})
+        parts = pending.setdefault(name, {})
         parts[k] = g
         if len(parts) < n:
             return
         g = torch.cat([parts.pop(i) for i in range(n)], dim)
-        del pending[mp.hf]
-    writer.add(mp.hf, g.contiguous())
+        del pending[name]
+    writer.add(name, g.contiguous())
 
 
 # ------------------------------------------------------------------------------------------- auto_specs

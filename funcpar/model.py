@@ -49,7 +49,12 @@ class ModelError(ValueError):
 class HFNames:
     """How a model's pytree paths map to the tensors of a Hugging Face checkpoint (the mapping is data, not code).
 
-    ``table``: ``(path pattern, HF name pattern)`` pairs, ``{i}`` standing for a layer index.
+    ``table``: ``(path pattern, HF name pattern)`` pairs, ``{i}`` standing for a layer index. An HF pattern with
+    ``{j}`` names one tensor per index along the leaf's first dimension, and the leaf is their stack (Mixtral's
+    per-expert ``block_sparse_moe.experts.{j}.w1.weight``, each (I, d), for the stacked ``w_gate`` (E, I, d)); each
+    such tensor is mapped as a leaf of the stack's other dimensions would be (``transposed``, ``splits``), a rank
+    reads only the tensors of its block of the first dimension (an ep rank its own experts), and of each only its
+    block.
     ``transposed``: path patterns of leaves stored transposed in the checkpoint (GPT-2's Conv1D).
     ``splits``: path pattern -> ``(dim, k, n)``: the leaf is part ``k`` of ``n`` of a fused HF tensor along ``dim``
     (the parts one after another, each as large as its leaf: equal for GPT-2's ``c_attn``, not for ChatGLM's
@@ -59,6 +64,10 @@ class HFNames:
     them when ``cfg.tie_word_embeddings`` (a tied checkpoint's copy of the head).
     ``export_as``: the registered model whose table ``save`` writes instead, for a layout funcpar reads but does not
     write (ChatGLM's folders, written as transformers' GLM; the config's ``to_hf`` must give that model's keys).
+    ``alternates``: other layouts of the same leaves that ``load`` reads too and ``save`` never writes, each an
+    ``HFNames`` of its own (Mixtral's experts fused as transformers 5 holds them in memory, beside the per-expert
+    tensors of the Hub and of ``save_pretrained``). A folder is read in the layout its tensor names fit (the one
+    with the fewest missing and unexpected names; the first on a tie); ``save`` writes this table's.
     """
 
     table: Sequence[tuple[str, str]]
@@ -68,6 +77,11 @@ class HFNames:
     ignored: Sequence[str] = ()
     ignored_if_tied: Sequence[str] = ()
     export_as: str | None = None
+    alternates: Sequence["HFNames"] = ()
+
+    def layouts(self) -> list["HFNames"]:
+        """Every layout ``load`` reads: this table first (the one ``save`` writes), then ``alternates``."""
+        return [self, *self.alternates]
 
     def ignored_for(self, cfg: Any) -> list[str]:
         return list(self.ignored) + (list(self.ignored_if_tied) if getattr(cfg, "tie_word_embeddings", False) else [])

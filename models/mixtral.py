@@ -32,7 +32,8 @@ to one). Under ``accum_steps > 1`` it is computed per micro-batch (over every da
 
 Not supported: pipeline stages and ``zero=3`` (no staged form: the router statistics of every layer would have to
 ride along the stage carry), ``remat``, ``funcpar plan`` (the capacity depends on the routing, which meta tensors
-do not have), rope scaling, router jitter. Checkpoints hold the experts fused, as transformers 5 does in memory
+do not have), rope scaling, router jitter. Checkpoints are read and written with one tensor per expert, as on the
+Hub and as ``save_pretrained`` writes them by default; the fused layout transformers 5 holds in memory is read too
 (see ``HF``).
 """
 
@@ -162,25 +163,39 @@ def specs(cfg: Config, mesh=None):
     return out
 
 
-# transformers name <-> pytree path. The experts are stored as transformers 5 holds them (and writes them with
-# save_pretrained(..., save_original_format=False)): gate_up_proj (E, 2I, d), gate rows first, and down_proj (E, d, I).
-# The original layout (block_sparse_moe.experts.{j}.w1/w2/w3, one tensor per expert: the Hub's Mixtral and
-# save_pretrained's default) would map E tensors onto one stacked leaf, which HFNames cannot say: it is refused by
-# name; transformers converts it (from_pretrained, then save_pretrained(..., save_original_format=False))
-_LAYER_HF = {
+# transformers name <-> pytree path, in the two layouts transformers 5 knows. Written (and read): the original one,
+# which save_pretrained writes by default and every Mixtral on the Hub has: one tensor per expert,
+# block_sparse_moe.experts.{j}.w1 (gate, (I, d)), w3 (up, (I, d)), w2 (down, (d, I)), stacked by funcpar into its
+# (E, ...) leaves ({j}: an ep rank reads only its own experts' tensors), and the router block_sparse_moe.gate. Read
+# too: the experts fused as transformers 5 holds them in memory (save_pretrained(..., save_original_format=False)):
+# mlp.experts.gate_up_proj (E, 2I, d), gate rows first, mlp.experts.down_proj (E, d, I) and the router mlp.gate.
+_ATTENTION_HF = {
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
-    "wo": "self_attn.o_proj.weight", "router": "mlp.gate.weight", "w_gate": "mlp.experts.gate_up_proj",
-    "w_up": "mlp.experts.gate_up_proj", "w_down": "mlp.experts.down_proj",
+    "wo": "self_attn.o_proj.weight",
 }
-HF = fp.HFNames(
-    [("embed", "model.embed_tokens.weight"), ("norm", "model.norm.weight"), ("lm_head", "lm_head.weight")]
-    + [(f"layers.{{i}}.{k}", f"model.layers.{{i}}.{v}") for k, v in _LAYER_HF.items()],
-    splits={"layers.{i}.w_gate": (1, 0, 2), "layers.{i}.w_up": (1, 1, 2)},
-    vocab_padded=["embed", "lm_head"],
-    ignored=[r".*\.rotary_emb\.inv_freq$"],
-    ignored_if_tied=[r"^lm_head\.weight$"],
-)
+_PER_EXPERT_HF = {
+    "router": "block_sparse_moe.gate.weight", "w_gate": "block_sparse_moe.experts.{j}.w1.weight",
+    "w_up": "block_sparse_moe.experts.{j}.w3.weight", "w_down": "block_sparse_moe.experts.{j}.w2.weight",
+}
+_FUSED_HF = {
+    "router": "mlp.gate.weight", "w_gate": "mlp.experts.gate_up_proj", "w_up": "mlp.experts.gate_up_proj",
+    "w_down": "mlp.experts.down_proj",
+}
+
+
+def _hf_names(experts: dict[str, str], **kw) -> fp.HFNames:
+    return fp.HFNames(
+        [("embed", "model.embed_tokens.weight"), ("norm", "model.norm.weight"), ("lm_head", "lm_head.weight")]
+        + [(f"layers.{{i}}.{k}", f"model.layers.{{i}}.{v}") for k, v in {**_ATTENTION_HF, **experts}.items()],
+        vocab_padded=["embed", "lm_head"], ignored=[r".*\.rotary_emb\.inv_freq$"],
+        ignored_if_tied=[r"^lm_head\.weight$"], **kw,
+    )
+
+
+HF = _hf_names(_PER_EXPERT_HF, alternates=[
+    _hf_names(_FUSED_HF, splits={"layers.{i}.w_gate": (1, 0, 2), "layers.{i}.w_up": (1, 1, 2)}),
+])
 
 
 # ------------------------------------------------------------------------------------------------- the model

@@ -32,7 +32,7 @@ CONFIGS = {
     "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32),
     # ALiBi, fused query_key_value, tied head (tests/test_cuda.py; test_bloom.py has its own, with padded vocabularies)
     "bloom": lambda: tf.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4),
-    # 4 experts, top-2, GQA, a sliding window (tests/test_cuda.py; test_mixtral.py has its own); saved fused
+    # 4 experts, top-2, GQA, a sliding window (tests/test_cuda.py; test_mixtral.py has its own)
     "mixtral": lambda: tf.MixtralConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
@@ -54,8 +54,6 @@ def make_checkpoint(kind: str, folder: str, seed: int = 0, **save_kwargs):
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    if kind == "mixtral":  # transformers 5's fused expert layout, the one funcpar reads
-        save_kwargs.setdefault("save_original_format", False)
     model.save_pretrained(folder, **save_kwargs)
     return model
 

@@ -1,13 +1,15 @@
 """Mixtral (sparse mixture of experts) against transformers' MixtralForCausalLM, and expert parallelism (ep) against
 one process: the all_to_all collective, logits at Mesh(), Mesh(tp=2), Mesh(ep=2), Mesh(ep=2, tp=2) and
 Mesh(ep=2, dp=2), the loss with its load-balancing term, three AdamW steps of compile_step on the ep meshes, and the HF
-checkpoint round trip.
+checkpoints: the per-expert layout save_pretrained writes by default (and the Hub holds) read with each rank's bytes
+only and written back as it was, the fused layout transformers 5 holds in memory read too.
 
 ep is a data axis: each (dp, ep) rank holds its own rows of the global batch, data axes major as the mesh orders
 them (rank k of dp x ep holds block k)."""
 
 import functools
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -63,7 +65,8 @@ def assert_rel(got, want, tol=1e-5, what=""):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """A transformers Mixtral saved as transformers 5 holds it (fused experts), its outputs on the first batch."""
+    """A transformers Mixtral saved by save_pretrained's defaults (one tensor per expert, as on the Hub), its outputs
+    on the first batch."""
     import transformers as tf
 
     folder = tmp_path_factory.mktemp("mixtral") / "ckpt"
@@ -73,7 +76,7 @@ def ckpt(tmp_path_factory):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder, save_original_format=False)
+    model.save_pretrained(folder)
     b = batches(1)[0]
     with torch.no_grad():
         ref = model(**b, output_router_logits=True)
@@ -161,9 +164,13 @@ def test_logits_loss_and_aux_loss_match_transformers_single_process(ckpt):
 
 def _ep_forward(path, sizes, b, out):
     """This rank's logits, loss, target count and the load-balancing loss; the gradient of the global loss
-    (gathered on rank 0); an export of the sharded weights."""
+    (gathered on rank 0); an export of the sharded weights; the bytes it read, and its leaves' bytes (all, and the
+    experts')."""
     mesh = harness.mesh(**sizes)
-    params, cfg = fp.hf.load(path, mesh=mesh)
+    stats = {}
+    params, cfg = fp.hf.load(path, mesh=mesh, stats=stats)
+    nbytes = {p: x.numel() * x.element_size() for p, x in fp.tree.leaves_with_path(params)}
+    read = (stats["bytes_read"], sum(nbytes.values()), sum(n for p, n in nbytes.items() if ".w_" in p))
     specs = mixtral.specs(cfg, mesh)
     local = rows(b, mesh)
     logits = mixtral.forward(params, local["input_ids"], cfg, mesh)
@@ -176,8 +183,8 @@ def _ep_forward(path, sizes, b, out):
     grads = fp.tree.map_with_path(lambda _, g, s: C.all_reduce(g, mesh, [a for a in data if a not in s.axes]),
                                   grads, specs)
     fp.hf.save(out, params, mixtral, cfg, mesh)
-    return mesh.coords, logits, loss.item(), fp.layers.count_targets(local), aux.item(), fp.gather(grads, specs,
-                                                                                                   mesh, dst=0)
+    return (mesh.coords, logits, loss.item(), fp.layers.count_targets(local), aux.item(),
+            fp.gather(grads, specs, mesh, dst=0), read)
 
 
 @pytest.mark.parametrize("sizes, world", FORWARD_MESHES, ids=str)
@@ -188,7 +195,7 @@ def test_logits_loss_and_gradients_match_transformers_on_tp_and_ep_meshes(ckpt, 
     n = sizes.get("dp", 1) * ep
     targets = fp.layers.count_targets(b)
     weighted = 0.0
-    for coords, logits, loss, count, aux, _ in results:
+    for coords, logits, loss, count, aux, _, _ in results:
         k = coords["dp"] * ep + coords.get("ep", 0)
         tp, c = sizes.get("tp", 1), coords["tp"]
         want = ref.logits.chunk(n)[k].chunk(tp, -1)[c]  # this rank's rows, its block of the vocabulary
@@ -203,6 +210,34 @@ def test_logits_loss_and_gradients_match_transformers_on_tp_and_ep_meshes(ckpt, 
     assert sorted(load_file(os.path.join(tmp_path / "out", "model.safetensors"))) == sorted(_tensors(path))
     for name, t in load_file(os.path.join(tmp_path / "out", "model.safetensors")).items():
         assert torch.equal(t, _tensors(path)[name]), name  # gathered from the ep/tp shards exactly
+    _assert_reads_its_own_blocks(path, sizes, [r[6] for r in results])
+    _assert_transformers_loads_the_export(path, str(tmp_path / "out"), ref, b)
+
+
+def _assert_reads_its_own_blocks(path, sizes, reads):
+    """Each rank read exactly its leaves' bytes: of the experts 1/(ep*tp) (its own experts' tensors, and of each its
+    tp block), of attention, embedding and head its tp share, the router and norms whole."""
+    tensors = _tensors(path)
+    experts = sum(t.numel() * t.element_size() for n, t in tensors.items() if ".experts." in n)
+    split = sizes.get("ep", 1) * sizes.get("tp", 1)
+    for got, leaves, expert_leaves in reads:
+        assert got == leaves, (sizes, got, leaves)
+        assert expert_leaves * split == experts, (sizes, expert_leaves, experts)
+
+
+def _assert_transformers_loads_the_export(path, out, ref, b):
+    """transformers reads the export as it reads the folder save_pretrained wrote: the same weights, the same
+    logits."""
+    import transformers as tf
+
+    hf = tf.MixtralForCausalLM.from_pretrained(out).eval()
+    want = tf.MixtralForCausalLM.from_pretrained(path).state_dict()
+    got = hf.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=b["input_ids"]).logits, ref.logits)
 
 
 # ------------------------------------------------------------------------------------------------- training
@@ -264,10 +299,14 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpt, tmp_path):
 
     path, ref, b = ckpt
     params, cfg = fp.hf.load(path)
-    assert tuple(params["layers"][0]["w_gate"].shape) == (4, 64, 32)  # stacked experts, gate rows of gate_up_proj
+    a = _tensors(path)
+    assert tuple(params["layers"][0]["w_gate"].shape) == (4, 64, 32)  # the experts' w1 tensors, stacked
+    for j in range(4):
+        for leaf, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+            assert torch.equal(params["layers"][1][leaf][j], a[f"model.layers.1.block_sparse_moe.experts.{j}.{w}.weight"])
     fp.hf.save(tmp_path / "out", params, mixtral, cfg)
-    a, c = _tensors(path), _tensors(tmp_path / "out")
-    assert sorted(a) == sorted(c)
+    c = _tensors(tmp_path / "out")
+    assert sorted(a) == sorted(c)  # the layout save_pretrained wrote, one tensor per expert
     for name in a:
         assert a[name].dtype == c[name].dtype, name
         assert torch.equal(a[name].view(torch.uint8), c[name].view(torch.uint8)), name
@@ -276,16 +315,45 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpt, tmp_path):
         assert (hf(input_ids=b["input_ids"]).logits - ref.logits).abs().max().item() == 0.0
 
 
-def test_a_checkpoint_in_the_original_per_expert_layout_is_refused_by_name(tmp_path):
+def test_the_fused_layout_transformers_holds_in_memory_is_read_too(ckpt, tmp_path):
     import transformers as tf
 
-    # save_pretrained's default layout for a model built from its config: one w1/w2/w3 tensor per expert (HFNames
-    # maps a leaf to one HF tensor or a part of one, not to a stack of several); the fused layout above is
-    # save_original_format=False
-    tf.MixtralForCausalLM(hf_config()).save_pretrained(tmp_path / "orig")
-    with pytest.raises(fp.hf.HFError, match=r"(?s)missing.*mlp\.experts\.gate_up_proj.*unexpected.*"
-                                            r"block_sparse_moe\.experts\.0\.w1\.weight"):
-        fp.hf.load(tmp_path / "orig")
+    path, _, _ = ckpt
+    tf.MixtralForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "fused", save_original_format=False)
+    fused = _tensors(tmp_path / "fused")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused and not any(".block_sparse_moe." in n for n in fused)
+    got, cfg = fp.hf.load(tmp_path / "fused")
+    for (p, x), (_, y) in zip(fp.tree.leaves_with_path(got), fp.tree.leaves_with_path(fp.hf.load(path)[0]),
+                              strict=True):
+        assert torch.equal(x, y), p
+    fp.hf.save(tmp_path / "out", got, mixtral, cfg)  # written in the per-expert layout
+    out, want = _tensors(tmp_path / "out"), _tensors(path)
+    assert sorted(out) == sorted(want) and all(torch.equal(out[n], want[n]) for n in want)
+
+
+def test_a_folder_that_fits_neither_layout_is_refused_in_one_line(ckpt, tmp_path):
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    path, _, _ = ckpt
+    tf.MixtralForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "fused", save_original_format=False)
+    mixed = {n: t for n, t in _tensors(path).items() if not n.startswith("model.layers.0.")}  # layer 1 per expert
+    mixed.update({n: t for n, t in _tensors(tmp_path / "fused").items() if n.startswith("model.layers.0.")})
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    save_file(mixed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text((tmp_path / "fused" / "config.json").read_text())
+    with pytest.raises(fp.hf.HFError) as e:
+        fp.hf.load(folder)
+    msg = str(e.value)
+    assert "\n" not in msg
+    x = r"model\.layers\.0\.block_sparse_moe\.experts\.0"
+    assert re.fullmatch(
+        rf"checkpoint .*mixed does not match model 'mixtral' built from its config\.json \(the nearest of the 2 "
+        rf"layouts it reads; the others name tensors such as 'model\.layers\.0\.mlp\.experts\.down_proj'\): "
+        rf"missing \(13\): {x}\.w1\.weight \[64, 32\], {x}\.w2\.weight \[32, 64\], {x}\.w3\.weight \[64, 32\] "
+        rf"and 10 more; unexpected \(3\): model\.layers\.0\.mlp\.experts\.down_proj \[4, 32, 64\] in "
+        rf"model\.safetensors, .*: check that config\.json is the one saved with these weights .*", msg), msg
 
 
 def test_sizes_the_mesh_does_not_divide_are_refused_by_name():

@@ -16,7 +16,6 @@ import harness
 import tinylm
 from funcpar import P
 from funcpar import collectives as C
-from funcpar.models import gpt2, llama
 
 V = 64
 
@@ -116,21 +115,21 @@ def test_verify_finds_a_planted_mistake_and_says_what_kind(reports, name, expect
 
 
 def _builtin(name):
-    """The built-in models at tp=2 x dp=2 on small configs: each agrees with one process."""
-    mesh = harness.mesh(tp=2, dp=2)
-    if name == "llama":
-        cfg = llama.Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-        model = llama.MODEL
-    else:
-        model = gpt2.MODEL
-        cfg = model.config(dict(model_type="gpt2", vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=32))
-    report = fp.verify(lambda m: model.loss_fn(cfg, m), model.specs(cfg, mesh), model.init(cfg, seed=1), _batches(),
-                       mesh)
+    """A built-in model on a small config (tests/hf_fixtures.py's) on tp=2 x dp=2, Mixtral on ep=2 x tp=2 (ep a data
+    axis): each agrees with one process."""
+    from hf_fixtures import CONFIGS
+
+    sizes, data_axes = ({"ep": 2, "tp": 2}, ("dp", "ep")) if name == "mixtral" else ({"tp": 2, "dp": 2}, ("dp",))
+    mesh = harness.mesh(**sizes)
+    model = fp.get_model(name)
+    cfg = model.config(CONFIGS[name]().to_dict(), mesh)
+    batches = harness.token_batches(2, cfg.vocab_size, 4, 8, seed=7, masked=3)
+    report = fp.verify(lambda m: model.loss_fn(cfg, m), model.specs(cfg, mesh), model.init(cfg, seed=1), batches,
+                       mesh, data_axes=data_axes)
     return report.ok, str(report)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "bloom", "mixtral"])
 def test_verify_passes_the_built_in_models(name):
     for ok, text in harness.run(4, _builtin, name):
         assert ok, text
