@@ -73,6 +73,11 @@ class ZeroLayout:
             _check_leaf(path, spec, x, data_axes)
         if zero == 3:
             data = tuple(a for a in data_axes if a in axes)
+            split = next(((p, a) for p, s, _ in matched for a in data if a in s.axes), None)
+            if split is not None:  # a unit's bucket must be the same on every rank it is partitioned over
+                raise StepError(f"zero=3 partitions every block over the data axes {', '.join(data)}, but leaf "
+                                f"'{split[0]}' is split over '{split[1]}' (each rank holds other values): use "
+                                f"zero=1 or 2 on this mesh, or a mesh without '{split[1]}'")
             buckets = [_bucket(master_dtype or matched[u[0]][2].dtype, data, u, [sizes[i] for i in u], mesh, 3, ())
                        for u in units]
         else:

@@ -332,7 +332,44 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", aux: b
     return ce + cfg.router_aux_loss_coef * _balance_loss(counts, prob_sum, rows, cfg, mesh)
 
 
+# ------------------------------------------------------------------------------------------ the staged form
+# Pipeline stages and ZeRO-3 run the model as embed -> layer ... -> head, a tensor carried between them. The
+# load-balancing loss sums router statistics over every layer, which that carry does not hold: with
+# output_router_logits the staged form refuses to start (zero 0-2 without pipeline stages run `loss`, which has it).
+
+
+def _staged_embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
+    if cfg.output_router_logits:
+        raise ValueError("mixtral: pipeline stages and zero=3 run the model layer by layer, and the load-balancing "
+                         "loss (output_router_logits=True) sums router statistics over every layer, which is not "
+                         "carried between them: set output_router_logits=False in config.json to train without it, "
+                         "or train at zero 0-2 without pipeline stages")
+    return D.embed(params, batch, cfg, mesh)
+
+
+def _attention_half(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
+    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
+    return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps)
+
+
+def _moe_half(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
+    return x + _moe(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)[0]
+
+
+def _staged_block(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
+    return _moe_half(lp, _attention_half(lp, x, i, cfg, mesh), i, cfg, mesh)
+
+
+def _staged_head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
+    return D.lm_loss(D.rms_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+
+
+STAGES = fp.Stages(_staged_embed, _staged_block, _staged_head, embed_leaves=lambda cfg: ["embed"],
+                   head_leaves=lambda cfg: ["norm", "embed" if cfg.tie_word_embeddings else "lm_head"],
+                   halves=(_attention_half, _moe_half),  # first_leaves: the attention's; the rest, the MoE's
+                   first_leaves=lambda cfg: ("attn_norm", "wq", "wk", "wv", "wo"), half_names=("attention", "moe"))
+
 MODEL = fp.register_model(fp.ModelSpec(
     name="mixtral", model_types=("mixtral",), Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors,
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, stages=STAGES,
 ))
