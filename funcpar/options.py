@@ -197,10 +197,12 @@ def model_config(name: str, mesh):
 
 def build_params(opts, model, cfg, specs, mesh, keep=None):
     """This rank's parameters: a built-in model freshly initialised, or an HF folder's weights (only the leaves
-    ``keep(path)`` accepts are read: a pipeline stage's, with ``keep=step.holds``)."""
+    ``keep(path)`` accepts are read: a pipeline stage's, with ``keep=step.holds``), in float32 whatever the folder
+    holds: the parameters (``--precision fp32``) or the masters mixed precision keeps (``bf16``, ``fp16``) are
+    float32, so a bf16 checkpoint (most of the Hub's) does not train with bf16 weights and optimizer state."""
     name = opts["model"]
     if name not in BUILTIN_MODELS and Path(name).is_dir():
-        return fp.hf.load(name, model=model, mesh=mesh, keep=keep)[0]
+        return fp.hf.load(name, model=model, mesh=mesh, keep=keep, dtype=torch.float32)[0]
     torch.manual_seed(opts["seed"])
     return fp.shard(model.init(cfg, seed=opts["seed"]), specs, mesh)
 

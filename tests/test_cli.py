@@ -307,3 +307,22 @@ def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, 
         cli.main(["plan", "--mesh", "pp=2", "--model", "llama-tiny", "--parts", "2.5,x"])
 
 
+
+
+def test_a_bf16_hf_folder_trains_from_float32_weights(tmp_path):
+    """Most Hub checkpoints are bf16: `funcpar train` reads them into float32, the parameters at --precision fp32 and
+    the masters under bf16 (bf16 weights and optimizer state would lose every update below bf16's resolution)."""
+    import transformers
+
+    from hf_fixtures import CONFIGS
+
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    llama = fp.get_model("llama")
+    opts = {**options.DEFAULTS, "model": str(tmp_path / "bf16")}
+    cfg = llama.config(json.loads((tmp_path / "bf16" / "config.json").read_text()), fp.Mesh())
+    params = options.build_params(opts, llama, cfg, llama.specs(cfg), fp.Mesh())
+    leaves = [x for _, x in fp.tree.leaves_with_path(params)]
+    assert leaves and all(x.dtype == torch.float32 for x in leaves)
+    want = model.model.layers[0].self_attn.q_proj.weight.float()
+    assert torch.equal(params["layers"][0]["wq"], want)  # bf16 values, exactly, in float32
