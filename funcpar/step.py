@@ -170,6 +170,7 @@ class Step:
             self._counted = [c and not u for c, u in zip(self._counted, self.pipe.uncounted(params), strict=True)]
         self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
         tree, masters = bufs.init(params)
+        del params, first  # copied into the buffers: the caller's leaves may go before the optimizer state comes
         opt_state = self.optimizer.init(masters if bufs.mixed else lay.unflatten(lay.views(bufs.part_slices())))
         bufs.live = TrainState(tree, MixedState(masters, opt_state) if bufs.mixed else opt_state, 0)
         return bufs.live
