@@ -222,6 +222,10 @@ def _interrupted(run: _Run, argv: list[str]) -> None:
 def _finish(run: _Run) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
+    # the checkpoint holds the optimizer state now: its memory goes to the export's whole leaves (at ZeRO-3 each
+    # rank gathers them from its parts; a model sized to fill the ranks has no room for both)
+    run.state = run.state._replace(opt_state=None)
+    run.step.buffers.live = None
     fp.hf.save(run.out / "hf", _params(run), run.model, run.cfg, run.mesh, specs=run.specs,
                overwrite=run.opts["overwrite"], tokenizer=tokenizer(run.opts))
     peft = None
