@@ -22,14 +22,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import optree
 import torch
+import torch.nn.functional as F
 
 from . import collectives as C
 from .layout import ZeroLayout
 from .remat import remat
 from .state import StepError
 
-__all__ = ["units_of", "stage_units", "Zero3Loss", "StageGather", "gather_params", "gather_as"]
+__all__ = ["units_of", "stage_units", "Zero3Loss", "StageGather", "gather_params", "gather_as", "ZeroRows"]
 
 
 class _GatherAs(torch.autograd.Function):
@@ -87,6 +89,69 @@ def units_of(paths: list[str], stages, cfg) -> tuple[list[list[int]], int]:
     return [out["embed"]] + [out[k] for k in blocks] + ([out["head"]] if "head" in out else []), len(blocks)
 
 
+class _PartLookup(torch.autograd.Function):
+    """``F.embedding`` of every data rank's ids on this rank's rows of a table, summed over the data axis: each
+    id's row lives on exactly one rank, so each rank gets its own ids' rows whole. Backward, every rank's output
+    gradient is gathered and each rank adds the rows it holds into its part's gradient: no gathered table and no
+    dense (V, d) gradient either way (once differentiable, as :class:`_GatherAs`)."""
+
+    @staticmethod
+    def forward(rows, ids, mesh, axis, row0, dtype):
+        every = C.all_gather_nograd(ids.reshape(-1), mesh, axis, 0)  # (n*N,): every data rank's ids, in rank order
+        local = every - row0
+        inside = (local >= 0) & (local < rows.shape[0])
+        out = torch.zeros(every.numel(), rows.shape[1], dtype=dtype, device=rows.device)
+        out[inside] = rows[local[inside]].to(dtype)
+        return C.reduce_scatter_nograd(out, mesh, axis, 0).view(*ids.shape, rows.shape[1])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        rows, ids, ctx.mesh, ctx.axis, ctx.row0, _ = inputs
+        ctx.save_for_backward(ids)
+        ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        every = C.all_gather_nograd(ids.reshape(-1), ctx.mesh, ctx.axis, 0)
+        g_all = C.all_gather_nograd(g.reshape(-1, g.shape[-1]), ctx.mesh, ctx.axis, 0)  # (n*N, d)
+        local = every - ctx.row0
+        inside = (local >= 0) & (local < ctx.rows_shape[0])
+        grad = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=g.device)
+        grad.index_add_(0, local[inside], g_all[inside].to(ctx.rows_dtype))
+        return grad, None, None, None, None, None
+
+
+class ZeroRows:
+    """A ZeRO-3 embedding table left in its parts, standing where the table stands in the parameter tree:
+    ``F.embedding(ids, table)`` (what :func:`funcpar.layers.vocab_embedding` does) looks the ids up on the rows this
+    rank holds (:class:`_PartLookup`), so a lookup never gathers the table; any other torch function sees the whole
+    table, gathered (``whole``). ``shape``, ``dtype`` and ``device`` are the table's."""
+
+    def __init__(self, rows: torch.Tensor, row0: int, shape: tuple, dtype: torch.dtype, mesh, axis: str,
+                 whole: Callable[[], torch.Tensor]):
+        self.rows, self.row0, self.shape, self.dtype, self.mesh, self.axis = rows, row0, torch.Size(shape), dtype, \
+            mesh, axis
+        self.whole = whole
+        self.device, self.ndim = rows.device, len(shape)
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        plain = {"padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False}
+        if (func is F.embedding and len(args) == 2 and isinstance(args[1], ZeroRows)
+                and all(plain.get(k, object()) == v for k, v in kwargs.items())):  # (a plain lookup: the parts')
+            ids, t = args
+            return _PartLookup.apply(t.rows, ids, t.mesh, t.axis, t.row0, t.dtype)
+        args, kwargs = optree.tree_map(lambda v: v.whole() if isinstance(v, ZeroRows) else v, (args, kwargs),
+                                       is_leaf=lambda v: isinstance(v, ZeroRows))
+        return func(*args, **kwargs)
+
+
 class Zero3Loss:
     """``loss(parts, batch)``: the model's loss over this rank's parts (one per unit), gathering as it goes."""
 
@@ -103,6 +168,22 @@ class Zero3Loss:
         whole = gather_as(part, self.mesh, self.axes, self.compute_dtype)  # minor axis first, as the parts were cut
         return self.layout.unpack(self.layout.buckets[k], whole)
 
+    def embed_leaves(self, part: torch.Tensor) -> list:
+        """The embedding unit's leaves for ``stages.embed``: a lone 2-D table, cut over one data axis at a row
+        boundary, as a :class:`ZeroRows` (its lookup reads the parts, the table is never gathered for it);
+        anything else gathered."""
+        b = self.layout.buckets[0]
+        if len(b.leaves) != 1 or len(self.axes) != 1 or len(self.layout.shapes[b.leaves[0]]) != 2:
+            return self.gather(0, part)
+        i, (a, z) = b.leaves[0], b.ranges[0]
+        rows, d = self.layout.shapes[i]
+        if a % d or (z % d and z != rows * d):
+            return self.gather(0, part)
+        off = b.offsets[0] + a - b.lo  # (this rank's rows of the table within its part)
+        mine = part[off : off + (z - a)].view(-1, d) if z > a else part[:0].view(0, d)
+        dtype = self.compute_dtype or part.dtype
+        return [ZeroRows(mine, a // d, (rows, d), dtype, self.mesh, self.axes[0], lambda: self.gather(0, part)[0])]
+
     def tree(self, units: dict[int, list[torch.Tensor]]) -> Any:
         """The parameter tree with the given units' leaves (``{unit: leaves}``), ``None`` elsewhere."""
         leaves: list = [None] * len(self.layout.shapes)
@@ -113,7 +194,7 @@ class Zero3Loss:
 
     def __call__(self, parts: list[torch.Tensor], batch: Any) -> torch.Tensor:
         st, cfg, mesh = self.stages, self.cfg, self.mesh
-        x = st.embed(self.tree({0: self.gather(0, parts[0])}), batch, cfg, mesh)
+        x = st.embed(self.tree({0: self.embed_leaves(parts[0])}), batch, cfg, mesh)
         for i in range(self.n_blocks):
             x = remat(self._block(i + 1, i))(parts[i + 1], x)
         head = {0: self.gather(0, parts[0])} if self.tied else {}  # a tied head: the embedding gathered again

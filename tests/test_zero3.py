@@ -129,23 +129,29 @@ def _mixed(remat):
 @pytest.mark.parametrize("remat", [False, True])
 def test_zero3_in_bf16_equals_zero1_in_bf16(remat):
     """ZeRO-3 in bfloat16 (blocks gathered in bf16, gradients reduce-scattered in fp32 into fp32 master parts)
-    against funcpar's zero=1 bf16 run on the same tp=2 x dp=2 mesh: the same losses, norms and trained weights, bit
-    for bit. Both runs compute each block on the masters rounded to bf16 alike, and sum each gradient element of two
-    data ranks in fp32, where a sum of two is the same in any order (with dp > 2 the two orders may differ by fp32
-    round-off). The gathers move half the bytes of the float32 ZeRO-3 run's, the reduce-scatters the same."""
+    against funcpar's zero=1 bf16 run on the same tp=2 x dp=2 mesh. Both compute each block on the masters rounded
+    to bf16 alike and sum the data ranks' gradients in fp32; they differ in one place: zero=1's dense lookup
+    backward sums the embedding's gradient rows in bf16, ZeRO-3's lookup on the parts (funcpar.zero3.ZeroRows) in
+    fp32. The first forward is therefore the same bit for bit; after it the losses agree to 1e-4, the gradient norms
+    to bf16's resolution (2**-8 = 3.9e-3) and the weights to 1e-2 of the distance they moved. The gathers move half
+    the bytes of the float32 ZeRO-3 run's (to 1%: the lookups' int64 token ids do not halve), the gradients'
+    reduce-scatters the same."""
     init = llama.init(config(), seed=0)
     total = sum(x.numel() for _, x in fp.tree.leaves_with_path(init))
     bf16 = torch.bfloat16
     for out in harness.run(4, _mixed, remat):
         (l1, n1, p1, _), (l3, n3, p3, held) = out[1, bf16], out[3, bf16]
-        assert l3 == l1 and n3 == n1 and _distance(p1, init) > 0
-        for (path, x), (_, y) in zip(fp.tree.leaves_with_path(p3), fp.tree.leaves_with_path(p1), strict=True):
-            assert x.dtype == bf16 and torch.equal(x, y), path
+        assert l3[0] == l1[0]  # the first forward: the same values
+        assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(l3, l1, strict=True)), (l3, l1)
+        assert all(abs(a - b) <= 2**-8 * abs(b) for a, b in zip(n3, n1, strict=True)), (n3, n1)
+        assert _distance(p3, p1) <= 1e-2 * _distance(p1, init)
+        assert all(x.dtype == bf16 for _, x in fp.tree.leaves_with_path(p3))
         assert abs(held - total / 4) <= 0.01 * total / 4  # between steps: a quarter of the parameters
         if not remat:
             half, full = out["bytes", 3, bf16], out["bytes", 3, None]
-            assert half["all_gather"] * 2 == full["all_gather"] > 0
-            assert half["reduce_scatter"] == full["reduce_scatter"] > 0
+            assert abs(half["all_gather"] * 2 - full["all_gather"]) <= 0.01 * full["all_gather"]
+            # the gradients' reduce-scatters in fp32 in both; only the lookups' (of their bf16 output rows) halve
+            assert 0.9 * full["reduce_scatter"] <= half["reduce_scatter"] < full["reduce_scatter"]
 
 
 def _offload(zero, dtype):
@@ -207,3 +213,30 @@ def test_step_loss_evaluates_the_state_it_is_given_at_zero3():
         s1, m = step(s0, b)
         assert step.loss(s0, b).item() == before  # the old state (not donated) still evaluates to its own loss
         assert abs(before - m["loss"]) <= 1e-6 * abs(before) and step.loss(s1, b).item() < before
+
+
+def _lookups():
+    from funcpar import transport
+
+    mesh = harness.mesh(dp=2)
+    step, specs, cfg = make(mesh, 3)
+    state = step.init(fp.shard(llama.init(cfg, seed=0), specs, mesh))
+    losses = []
+    with transport.recording() as log:  # the steps only
+        for b in batches(2):
+            state, m = step(state, local(b, mesh))
+            losses.append(m["loss"])
+    table = V * config().hidden_size * 4  # the float32 embedding table's bytes
+    gathers = [e[3] for e in log if e[0] == "collective" and e[2] == "all_gather"]
+    return losses, fp.gather(step.gather_params(state), specs, mesh), gathers, table
+
+
+def test_zero3_looks_tokens_up_on_the_parts_without_gathering_the_table():
+    """The untied embedding table is never gathered at ZeRO-3 (funcpar.zero3.ZeroRows: each rank looks up the ids
+    whose rows it holds, for every data rank, and adds their gradients into its own part), and training still equals
+    one process (the bar of the float32 ZeRO-3 test)."""
+    ref_losses, _, ref, _ = train(fp.Mesh(), 0, steps=2)
+    for losses, params, gathers, table in harness.run(2, _lookups):
+        assert table not in gathers and max(gathers) > 0
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        assert _distance(params, ref) <= 1e-4 * _distance(ref, llama.init(config(), seed=0))
