@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as A
-from . import collectives as C
 from . import layers as L
 from .spec import P
 
@@ -95,21 +94,23 @@ def vocab_table(t: torch.Tensor, cfg: Any, pad: int | None = None) -> torch.Tens
     return t
 
 
-def attention_residual(lp, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor], eps: float):
-    """A pre-norm layer's first half: ``x + attention(rms_norm(x, attn_norm))``."""
-    return x + attention(L.rms_norm(x, lp["attn_norm"], eps))
+def attention_residual(lp, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor], eps: float, mesh):
+    """A pre-norm layer's first half: ``x + attention(rms_norm(x, attn_norm))`` (on this rank's block of the
+    sequence under sequence parallelism, the norm's weight shared: :func:`funcpar.layers.sequence_shared`)."""
+    return x + attention(L.rms_norm(x, L.sequence_shared(lp["attn_norm"], mesh), eps))
 
 
 def mlp_residual(lp, x: torch.Tensor, eps: float, mesh) -> torch.Tensor:
     """A pre-norm layer's second half: ``x + swiglu_mlp(rms_norm(x, mlp_norm))``, the MLP tp-parallel."""
-    return x + L.swiglu_mlp(lp, L.rms_norm(x, lp["mlp_norm"], eps), mesh)
+    return x + L.swiglu_mlp(lp, L.rms_norm(x, L.sequence_shared(lp["mlp_norm"], mesh), eps), mesh)
 
 
 def rms_head_logits(params, x: torch.Tensor, cfg, mesh) -> torch.Tensor:
     """This rank's vocab block of the logits, (B, T, V/tp): the final RMS norm, then ``lm_head`` (``embed`` where
-    ``cfg.tie_word_embeddings``)."""
+    ``cfg.tie_word_embeddings``); under sequence parallelism the head gathers the sequence."""
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return L.column_parallel(L.rms_norm(x, params["norm"], cfg.rms_norm_eps), [head], mesh)[0]
+    norm = L.sequence_shared(params["norm"], mesh)
+    return L.column_parallel(L.rms_norm(x, norm, cfg.rms_norm_eps), [head], mesh)[0]
 
 
 def lm_loss(logits: torch.Tensor, batch: dict, cfg, mesh, reduction: str = "mean") -> torch.Tensor:
@@ -140,7 +141,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, 
     """Causal attention of this rank's heads, ``q`` (B, Hq/tp, T, hd) and ``k``, ``v`` (B, Hkv/tp, T, hd), through
     the row-parallel output projection ``wo`` (d, Hq/tp*hd): (B, T, d), summed over tp."""
     o = einops.rearrange(A.causal(q, k, v, window), "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
-    return C.reduce_from_region_(F.linear(o, wo), mesh, "tp")
+    return L.row_parallel_sum_(F.linear(o, wo), mesh, "tp")  # (B, T, d), or (B, T/tp, d): sequence parallel
 
 
 LAYER_SPECS = {  # Megatron's plan for a layer's leaves, by the names the decoders here give them

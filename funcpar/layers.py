@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes",
            "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets",
-           "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets", "check_pad_token_id"]
+           "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets", "check_pad_token_id",
+           "sequence_parallel", "row_parallel_sum_", "sequence_shared", "sequence_block", "sequence_length"]
 
 IGNORE_INDEX = -100
 
@@ -104,7 +105,7 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: "Mesh", axis:
     inside = (local >= 0) & (local < n)
     rows = F.embedding(local.clamp(0, n - 1), weight)  # (B, T, d), wrong rows where not inside
     rows = torch.where(inside[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-    return C.reduce_from_region_(rows, mesh, axis)  # (rows: a fresh temporary, summed in place)
+    return row_parallel_sum_(rows, mesh, axis)  # (rows: a fresh temporary, summed in place)
 
 
 def vocab_cross_entropy(
@@ -202,6 +203,44 @@ def token_range_errors(batch: dict, cfg: Any) -> list[str]:
     return out
 
 
+def sequence_parallel(mesh: "Mesh", axis: str = "tp") -> bool:
+    """Whether a model on ``mesh`` keeps its hidden state split along the sequence over ``axis`` between tp regions
+    (:meth:`funcpar.Mesh.with_sequence_parallel`)."""
+    return mesh.sequence_parallel and axis == "tp" and mesh.axis_size(axis) > 1
+
+
+def row_parallel_sum_(y: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:
+    """A row-parallel layer's partial outputs ``y`` (B, T, d) summed over ``axis``: in place
+    (:func:`funcpar.collectives.reduce_from_region_`), or under sequence parallelism reduce-scattered along the
+    sequence, each rank keeping its block (B, T/tp, d)."""
+    if not sequence_parallel(mesh, axis):
+        return C.reduce_from_region_(y, mesh, axis)
+    n = mesh.axis_size(axis)
+    if y.ndim != 3 or y.shape[1] % n:
+        raise ValueError(f"sequence parallelism splits the sequence over {axis}={n}: a sequence of {y.shape[1]} "
+                         f"positions (shape {tuple(y.shape)}) does not split evenly; make the sequence length a "
+                         f"multiple of {n}")
+    return C.reduce_scatter(y, mesh, axis, 1)
+
+
+def sequence_shared(w: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torch.Tensor:
+    """A leaf replicated over ``axis`` that a model uses on its block of the sequence (a norm's weight, a bias
+    added there): under sequence parallelism its gradient is summed over ``axis`` (``copy_to_region``), since each
+    rank's block contributes part of it; otherwise ``w`` itself."""
+    return C.copy_to_region(w, mesh, axis) if sequence_parallel(mesh, axis) else w
+
+
+def sequence_block(t: torch.Tensor, mesh: "Mesh", dim: int = 0, axis: str = "tp") -> torch.Tensor:
+    """This rank's block along ``dim`` of a tensor over the whole sequence (position embeddings) under sequence
+    parallelism (no communication; the gradient gathered backward); otherwise ``t`` itself."""
+    return C.scatter_to_region(t, mesh, axis, dim) if sequence_parallel(mesh, axis) else t
+
+
+def sequence_length(x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> int:
+    """The whole sequence's length, from the hidden state ``x`` (B, T or T/tp, d) a block receives."""
+    return x.shape[1] * (mesh.axis_size(axis) if sequence_parallel(mesh, axis) else 1)
+
+
 def column_parallel(
     x: torch.Tensor, weights: "list[torch.Tensor]", mesh: "Mesh", axis: str = "tp",
     biases: "list[torch.Tensor | None] | None" = None,
@@ -217,6 +256,9 @@ def column_parallel(
     instead, without the overlap. On an axis of size 1 it is the plain linears; weights that are not plain tensors
     (LoRA's :class:`funcpar.lora.LoraWeight`) take the composition."""
     biases = [None] * len(weights) if biases is None else list(biases)
+    if sequence_parallel(mesh, axis):  # x: this rank's block of the sequence, gathered (backward: reduce-scattered)
+        x = C.all_gather(x, mesh, axis, 1)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
     if mesh.axis_size(axis) == 1 or not all(isinstance(w, torch.Tensor) for w in weights):
         x = C.copy_to_region(x, mesh, axis)
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
@@ -268,15 +310,15 @@ def swiglu_mlp(p: dict, x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> torc
     """``down(silu(gate(x)) * up(x))`` on leaves ``w_gate``, ``w_up`` (column-parallel over ``axis``) and ``w_down``
     (row-parallel), with ``b_gate``/``b_up``/``b_down`` when present: (B, T, d) -> (B, T, d), summed over ``axis``."""
     g, u = column_parallel(x, [p["w_gate"], p["w_up"]], mesh, axis, [p.get("b_gate"), p.get("b_up")])  # (B, T, I/tp)
-    y = C.reduce_from_region_(F.linear(swiglu(g, u), p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
-    return y + p["b_down"] if "b_down" in p else y
+    y = row_parallel_sum_(F.linear(swiglu(g, u), p["w_down"]), mesh, axis)  # (B, T, I/tp) -> (B, T, d)
+    return y + sequence_shared(p["b_down"], mesh, axis) if "b_down" in p else y
 
 
 def padding_row_embedding(weight: torch.Tensor, ids: torch.Tensor, mesh: "Mesh", axis: str,
                           pad_token_id: int | None) -> torch.Tensor:
     """:func:`vocab_embedding` as ``nn.Embedding(padding_idx=pad_token_id)`` trains it: the same rows, but lookups of
     the pad token send no gradient into its row (``None``: a plain embedding)."""
-    x = vocab_embedding(weight, ids, mesh, axis)  # (B, T) -> (B, T, d)
+    x = vocab_embedding(weight, ids, mesh, axis)  # (B, T) -> (B, T, d), or (B, T/tp, d): sequence parallel
     if pad_token_id is None:
         return x
-    return torch.where((ids == pad_token_id)[..., None], x.detach(), x)
+    return torch.where((sequence_block(ids, mesh, 1, axis) == pad_token_id)[..., None], x.detach(), x)

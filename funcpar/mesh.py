@@ -17,6 +17,7 @@ APIs that take ``mesh=None`` use it.
 from __future__ import annotations
 
 import atexit
+import copy
 import faulthandler
 import gc
 import contextvars
@@ -234,6 +235,17 @@ class Mesh:
         lifeline.start(self.rank, self.size, heartbeat)  # the process ends with its launcher; stuck peers reported
 
     simulated = False  # (AbstractMesh: collectives simulated, no processes)
+    # Megatron's sequence parallelism on the tp axis: between tp regions a model's hidden state is this rank's block
+    # of the sequence (funcpar.layers reads it: column_parallel gathers the sequence, row-parallel outputs are
+    # reduce-scattered along it). Set on a view of the mesh: with_sequence_parallel.
+    sequence_parallel = False
+
+    def with_sequence_parallel(self, on: bool = True) -> "Mesh":
+        """This mesh with sequence parallelism on its ``tp`` axis (see ``sequence_parallel``): the same processes,
+        groups and traffic counts, a different way for a model to lay out its activations."""
+        view = copy.copy(self)
+        view.sequence_parallel = bool(on)
+        return view
 
     @staticmethod
     def abstract(device: str | torch.device | None = None, **axes: int) -> "AbstractMesh":
@@ -392,7 +404,8 @@ class Mesh:
     def __repr__(self) -> str:
         extra = [a for a in self._sizes if a not in STANDARD_AXES]
         shown = ["pp", "dp", *extra, "tp"]
-        return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + ")"
+        sp = ", sequence_parallel" if self.sequence_parallel else ""
+        return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + sp + ")"
 
 
 class AbstractMesh(Mesh):

@@ -21,6 +21,8 @@ inside a model module; everything it needs is named here:
 ``stages``         capability: the staged form pipeline stages need (:class:`Stages`), or ``None``
 ``check_batch``    ``check_batch(batch, cfg) -> [messages]``: what is wrong with a batch (out-of-range token ids:
                    :func:`funcpar.layers.token_range_errors`); the step checks every batch with it
+``sequence_parallel`` capability: its layers keep the hidden state split along the sequence over tp where the mesh
+                   says so (:meth:`funcpar.Mesh.with_sequence_parallel`, the ``funcpar.layers`` sequence helpers)
 =================  =====================================================================================
 
 A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
@@ -148,6 +150,7 @@ class ModelSpec:
     remat: bool = False
     stages: Stages | None = None
     check_batch: Callable[[Any, Any], list] | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         for attr in ("from_hf",):
@@ -172,11 +175,17 @@ class ModelSpec:
             raise ModelError(f"config key '{key}' is missing, and model '{self.name}' cannot do without it") from None
         return cfg if mesh is None else cfg.with_mesh(mesh)
 
-    def loss_fn(self, cfg: Any, mesh, *, remat: bool = False) -> "Loss":
+    def loss_fn(self, cfg: Any, mesh, *, remat: bool = False, sequence_parallel: bool = False) -> "Loss":
         """The :class:`Loss` of this model for :func:`funcpar.compile_step`: ``loss(params, batch) -> scalar`` on
-        ``cfg`` and ``mesh``, carrying the model's batch weight and batch check, and the model for its staged form."""
+        ``cfg`` and ``mesh``, carrying the model's batch weight and batch check, and the model for its staged form.
+        ``sequence_parallel``: between tp regions each tp rank keeps its block of the sequence
+        (:meth:`funcpar.Mesh.with_sequence_parallel`; the batch's sequence length a multiple of tp)."""
         if remat and not self.remat:
             raise ModelError(f"model '{self.name}' does not support remat (activation checkpointing)")
+        if sequence_parallel and not self.sequence_parallel:
+            raise ModelError(f"model '{self.name}' does not support sequence parallelism yet (its layers are not "
+                             f"written with funcpar.layers' sequence helpers)")
+        mesh = mesh.with_sequence_parallel() if sequence_parallel else mesh
         kw = {"remat": True} if remat else {}
         check = functools.partial(self.check_batch, cfg=cfg) if self.check_batch else None
         return Loss(fn=functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), model=self, cfg=cfg, mesh=mesh,

@@ -210,8 +210,8 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
 
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
-    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device)  # (T, hd)
-    x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps)
+    cos, sin = _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device)  # (T, hd)
+    x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps, mesh)
     return D.mlp_residual(lp, x, cfg.rms_norm_eps, mesh)
 
 

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 import funcpar as fp
 from funcpar import P
-from funcpar import collectives as C
 from funcpar import attention as A
 from funcpar import decoder as D
 from funcpar import layers as L
@@ -163,6 +162,13 @@ HF = fp.HFNames(
 )
 
 
+def _norm(x, w, b, cfg: Config, mesh):
+    """A layer norm, its weight and bias shared over tp under sequence parallelism (each rank holds a block of
+    the sequence, so their gradients are summed)."""
+    return F.layer_norm(x, (cfg.n_embd,), L.sequence_shared(w, mesh), L.sequence_shared(b, mesh),
+                        cfg.layer_norm_epsilon)
+
+
 def _gelu(x, cfg: Config):
     return F.gelu(x) if cfg.activation_function == "gelu" else F.gelu(x, approximate="tanh")
 
@@ -170,13 +176,14 @@ def _gelu(x, cfg: Config):
 def _attention_half(p, x, i: int | None, cfg: Config, mesh):
     """Attention and its residual (a pipeline's first half of a layer)."""
     hd = cfg.head_dim
-    h = F.layer_norm(x, (cfg.n_embd,), p["ln1_w"], p["ln1_b"], cfg.layer_norm_epsilon)
+    h = _norm(x, p["ln1_w"], p["ln1_b"], cfg, mesh)
     # (B, T, d) -> (B, T, H/tp*hd) each; h's gradient summed over tp
     q, k, v = L.column_parallel(h, [p["wq"], p["wk"], p["wv"]], mesh, "tp", [p["bq"], p["bk"], p["bv"]])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
     o = A.causal(q, k, v)  # (B, H/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
-    return x + C.reduce_from_region_(F.linear(o, p["wo"]), mesh, "tp") + p["bo"]  # (B, T, H/tp*hd) -> (B, T, d)
+    # (B, T, H/tp*hd) -> (B, T, d), or (B, T/tp, d) under sequence parallelism
+    return x + L.row_parallel_sum_(F.linear(o, p["wo"]), mesh) + L.sequence_shared(p["bo"], mesh)
 
 
 ATTENTION_LEAVES = ("ln1_w", "ln1_b", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo")  # the rest: the MLP's
@@ -184,16 +191,18 @@ ATTENTION_LEAVES = ("ln1_w", "ln1_b", "wq", "wk", "wv", "bq", "bk", "bv", "wo", 
 
 def _mlp_half(p, x, i: int | None, cfg: Config, mesh):
     """The MLP and its residual (a pipeline's second half of a layer)."""
-    h = F.layer_norm(x, (cfg.n_embd,), p["ln2_w"], p["ln2_b"], cfg.layer_norm_epsilon)
+    h = _norm(x, p["ln2_w"], p["ln2_b"], cfg, mesh)
     h = _gelu(L.column_parallel(h, [p["w_fc"]], mesh, "tp", [p["b_fc"]])[0], cfg)  # (B, T, d) -> (B, T, I/tp)
-    return x + C.reduce_from_region_(F.linear(h, p["w_proj"]), mesh, "tp") + p["b_proj"]  # (B, T, I/tp) -> (B, T, d)
+    # (B, T, I/tp) -> (B, T, d), or (B, T/tp, d) under sequence parallelism
+    return x + L.row_parallel_sum_(F.linear(h, p["w_proj"]), mesh) + L.sequence_shared(p["b_proj"], mesh)
 
 
 def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
     T = batch["input_ids"].shape[1]
     if T > cfg.n_positions:
         raise ValueError(f"sequence length {T} exceeds GPT-2's n_positions={cfg.n_positions}")
-    return L.vocab_embedding(params["wte"], batch["input_ids"], mesh, "tp") + params["wpe"][:T]  # (B, T, d)
+    pos = L.sequence_block(params["wpe"][:T], mesh)  # (T, d), or this rank's (T/tp, d): sequence parallel
+    return L.vocab_embedding(params["wte"], batch["input_ids"], mesh, "tp") + pos  # (B, T, d)
 
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
@@ -201,7 +210,7 @@ def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    x = F.layer_norm(x, (cfg.n_embd,), params["ln_f_w"], params["ln_f_b"], cfg.layer_norm_epsilon)
+    x = _norm(x, params["ln_f_w"], params["ln_f_b"], cfg, mesh)
     return L.column_parallel(x, [params["wte"]], mesh)[0]  # (B, T, d) @ (d, V/tp) -> (B, T, V/tp)
 
 
@@ -229,4 +238,5 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> tor
 MODEL = fp.register_model(fp.ModelSpec(
     name="gpt2", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=False, stages=STAGES,
+    sequence_parallel=True,
 ))

@@ -239,14 +239,15 @@ def _attention(p, x, cos, sin, window, cfg: Config, mesh):
     q = L.rotary(q, cos, sin)  # (B, Hq/tp, T, hd)
     k = L.rotary(k, cos, sin)  # (B, Hkv/tp, T, hd)
     y = D.attend(q, k, v, p["wo"], mesh, window)  # (B, T, d)
-    return y + p["bo"] if "bo" in p else y
+    return y + L.sequence_shared(p["bo"], mesh) if "bo" in p else y
 
 
 def _attention_half(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     """Layer ``i``'s attention and its residual (a pipeline may cut a layer after it)."""
-    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
+    cos, sin = _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device, x.dtype)  # (T, hd)
     window = cfg.sliding_windows[i]
-    return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, window, cfg, mesh), cfg.rms_norm_eps)
+    return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, window, cfg, mesh), cfg.rms_norm_eps,
+                                mesh)
 
 
 def _mlp_half(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
@@ -285,4 +286,5 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat:
 MODEL = fp.register_model(fp.ModelSpec(
     name="llama", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
+    sequence_parallel=True,
 ))

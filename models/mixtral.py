@@ -269,7 +269,7 @@ def _moe(p, x: torch.Tensor, cfg: Config, mesh):
 
 
 def _layer(lp, x, cos, sin, cfg: Config, mesh):
-    x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps)
+    x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps, mesh)
     y, counts, prob_sum = _moe(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
     return x + y, counts, prob_sum
 
@@ -349,7 +349,7 @@ def _staged_embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
 
 def _attention_half(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
     cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
-    return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps)
+    return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps, mesh)
 
 
 def _moe_half(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
