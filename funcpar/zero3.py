@@ -98,10 +98,10 @@ class _PartLookup(torch.autograd.Function):
     @staticmethod
     def forward(rows, ids, mesh, axis, row0, dtype):
         every = C.all_gather_nograd(ids.reshape(-1), mesh, axis, 0)  # (n*N,): every data rank's ids, in rank order
-        local = every - row0
-        inside = (local >= 0) & (local < rows.shape[0])
-        out = torch.zeros(every.numel(), rows.shape[1], dtype=dtype, device=rows.device)
-        out[inside] = rows[local[inside]].to(dtype)
+        local, inside = _local_rows(every, row0, rows.shape[0])
+        # (masks, not boolean indexing: shapes that do not depend on the values, so a plan on meta tensors runs it)
+        held = rows[local] if rows.shape[0] else rows.new_zeros(local.numel(), rows.shape[1])  # (none held: zeros)
+        out = torch.where(inside[:, None], held.to(dtype), torch.zeros((), dtype=dtype, device=rows.device))
         return C.reduce_scatter_nograd(out, mesh, axis, 0).view(*ids.shape, rows.shape[1])
 
     @staticmethod
@@ -116,11 +116,19 @@ class _PartLookup(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         every = C.all_gather_nograd(ids.reshape(-1), ctx.mesh, ctx.axis, 0)
         g_all = C.all_gather_nograd(g.reshape(-1, g.shape[-1]), ctx.mesh, ctx.axis, 0)  # (n*N, d)
-        local = every - ctx.row0
-        inside = (local >= 0) & (local < ctx.rows_shape[0])
+        local, inside = _local_rows(every, ctx.row0, ctx.rows_shape[0])
+        g_all = torch.where(inside[:, None], g_all.to(ctx.rows_dtype), torch.zeros((), dtype=ctx.rows_dtype,
+                                                                                    device=g.device))
         grad = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=g.device)
-        grad.index_add_(0, local[inside], g_all[inside].to(ctx.rows_dtype))
+        if ctx.rows_shape[0]:
+            grad.index_add_(0, local, g_all)  # (others' ids add zeros)
         return grad, None, None, None, None, None
+
+
+def _local_rows(ids: torch.Tensor, row0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` as rows of a block of ``n`` rows from ``row0`` (clamped into it), and which of them fall inside."""
+    local = ids - row0
+    return local.clamp(0, max(n - 1, 0)), (local >= 0) & (local < n)
 
 
 class ZeroRows:
