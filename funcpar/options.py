@@ -20,7 +20,8 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte",
     "seq_len": 64, "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
-    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "lora": "", "steps": 300,
+    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "sequence_parallel": False,
+    "lora": "", "steps": 300,
     "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
     "heartbeat": 60.0, "chat_template": "auto",
@@ -43,7 +44,9 @@ HELP = {
     "schedule": "warmup_cosine, warmup_linear or constant", "warmup": "warmup steps",
     "weight_decay": "decoupled weight decay (not on norms and biases)", "zero": "ZeRO stage: 0, 1, 2 or 3",
     "clip": "clip the global gradient norm to this (0: off)", "precision": "fp32, bf16 or fp16 (with loss scaling)",
-    "remat": "recompute activations in the backward pass (less memory)", "steps": "optimizer steps to train",
+    "remat": "recompute activations in the backward pass (less memory)",
+    "sequence_parallel": "between tp regions each tp rank keeps its block of the sequence (less activation memory; "
+                         "--seq-len a multiple of tp; llama-family and gpt2)", "steps": "optimizer steps to train",
     "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
             "model to hf/ and a PEFT adapter folder to adapter/",
     "eval_every": "held-out loss every N steps and at the end (0: never)",
@@ -116,8 +119,9 @@ def _read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
+# what shapes the step's memory; the rest: defaults
 _PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline",
-               "chunks", "parts", "zero", "precision", "remat")  # what shapes the step's memory; the rest: defaults
+               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel")
 _ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
           "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
 
@@ -262,7 +266,13 @@ def _step_parts(opts, model, cfg, mesh):
     if opts["remat"] and not model.remat:
         raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
                          f"checkpointing); train it without --remat")
-    return model.loss_fn(cfg, mesh, remat=opts["remat"]), dict(
+    if opts["sequence_parallel"] and not model.sequence_parallel:
+        raise SystemExit(f"funcpar: --sequence-parallel is not supported by model '{model.name}' yet (llama, mistral, "
+                         f"qwen2 and gpt2 have it); train it without --sequence-parallel")
+    if opts["sequence_parallel"] and opts["seq_len"] % mesh.axis_size("tp"):
+        raise SystemExit(f"funcpar: --sequence-parallel splits each sequence over tp={mesh.axis_size('tp')}: "
+                         f"--seq-len {opts['seq_len']} is not a multiple of it")
+    return model.loss_fn(cfg, mesh, remat=opts["remat"], sequence_parallel=opts["sequence_parallel"]), dict(
         mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
         clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]])
 

@@ -129,3 +129,24 @@ def test_memory_trace_counts_a_buffer_another_thread_releases():
         del kept
         assert tr.live == 0 and tr.late == 256 * 4
 
+
+
+def test_the_plan_sees_sequence_parallelism_hold_fewer_activations_for_the_same_traffic():
+    """Under sequence parallelism the norms and residuals hold T/tp positions: the planned activations fall, at tp=2
+    and more at tp=4, and the tp traffic stays within 1% (an all-gather and a reduce-scatter move an all-reduce's
+    bytes; the norms' weight gradients are summed over tp besides)."""
+    model = fp.get_model("llama")
+    out = {}
+    for tp in (2, 4):
+        mesh = fp.Mesh.abstract(tp=tp)
+        cfg = _config(mesh)
+        for sp in (False, True):
+            step = fp.compile_step(model.loss_fn(cfg, mesh, sequence_parallel=sp), model.specs(cfg, mesh), mesh=mesh,
+                                   optimizer=fp.optim.adamw(1e-2))
+            out[tp, sp] = trace_step(step, local_params(llama.init(cfg, device="meta"), step.specs, mesh),
+                                     _batch("meta"))
+    for tp in (2, 4):
+        assert out[tp, True]["activations"] < out[tp, False]["activations"]
+        assert abs(out[tp, True]["traffic"]["tp"] - out[tp, False]["traffic"]["tp"]) <= 0.01 * out[tp, False]["traffic"]["tp"]
+    saved = {tp: out[tp, False]["activations"] - out[tp, True]["activations"] for tp in (2, 4)}
+    assert saved[4] > saved[2]
