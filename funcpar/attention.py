@@ -25,11 +25,19 @@ __all__ = ["causal", "BLOCKED_T"]
 BLOCKED_T = (64, 512)  # the sequence lengths (inclusive) the block path takes on CPU
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+           offset: int = 0) -> torch.Tensor:
     """(B, Hq, T, D), (B, Hkv, T, D) twice -> (B, Hq, T, D): softmax(q kᵀ / sqrt(D) + causal mask) v, each kv head
     shared by Hq / Hkv query heads. The result's memory is laid out (B, T, Hq, D) on the block path (as torch's CPU
     kernel returns it), so ``b h t d -> b t (h d)`` is a view. ``window``: each query sees only the last ``window``
-    keys up to itself (sliding-window attention, as Mistral's), through an explicit (T, T) mask."""
+    keys up to itself (sliding-window attention, as Mistral's), through an explicit (T, T) mask. ``offset``: the
+    queries are positions ``offset ..`` of the keys' sequence (a context-parallel chunk; ``k``, ``v`` then hold
+    every position up to the chunk's end or beyond), through an explicit (Tq, Tk) mask."""
+    if offset or k.shape[-2] != q.shape[-2]:
+        i = offset + torch.arange(q.shape[-2], device=q.device)[:, None]  # (Tq, 1): the queries' positions
+        j = torch.arange(k.shape[-2], device=q.device)[None, :]  # (1, Tk)
+        mask = (j <= i) & ((i - j < window) if window is not None else True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     T = q.shape[-2]
     if window is not None and T > window:
         i = torch.arange(T, device=q.device)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as A
+from . import collectives as C
 from . import layers as L
 from .spec import P
 
@@ -133,14 +134,19 @@ def tables(w: Callable, ones: Callable, cfg, layers: list) -> dict:
 def embed(params, batch: dict, cfg, mesh) -> torch.Tensor:
     """The vocab-parallel token embedding ``embed`` of ``batch["input_ids"]``, (B, T, d), as transformers'
     ``nn.Embedding(padding_idx=cfg.pad_token_id)``: no gradient into the padding row from its lookups."""
-    return L.padding_row_embedding(params["embed"], batch["input_ids"], mesh, "tp", cfg.pad_token_id)
+    ids = L.context_chunk(batch["input_ids"], mesh)  # (this cp rank's chunk of the positions)
+    return L.padding_row_embedding(params["embed"], ids, mesh, "tp", cfg.pad_token_id)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, mesh,
            window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's heads, ``q`` (B, Hq/tp, T, hd) and ``k``, ``v`` (B, Hkv/tp, T, hd), through
     the row-parallel output projection ``wo`` (d, Hq/tp*hd): (B, T, d), summed over tp."""
-    o = einops.rearrange(A.causal(q, k, v, window), "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
+    offset = 0
+    if L.context_parallel(mesh):  # the queries are this cp rank's chunk: the keys and values of every chunk
+        offset = mesh.coord("cp") * q.shape[-2]
+        k, v = C.all_gather(k, mesh, "cp", 2), C.all_gather(v, mesh, "cp", 2)  # (B, Hkv/tp, T, hd)
+    o = einops.rearrange(A.causal(q, k, v, window, offset), "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
     return L.row_parallel_sum_(F.linear(o, wo), mesh, "tp")  # (B, T, d), or (B, T/tp, d): sequence parallel
 
 

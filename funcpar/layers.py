@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "padding_row_embedding", "check_sizes",
            "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets",
            "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets", "check_pad_token_id",
-           "sequence_parallel", "row_parallel_sum_", "sequence_shared", "sequence_block", "sequence_length"]
+           "sequence_parallel", "row_parallel_sum_", "sequence_shared", "sequence_block", "sequence_length",
+           "context_parallel", "context_chunk"]
 
 IGNORE_INDEX = -100
 
@@ -164,7 +165,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: "Mesh", axi
                    vocab_size: int | None = None) -> torch.Tensor:
     """transformers' causal-LM loss: position t predicts label t+1; ``-100`` labels (and ``loss_mask == 0``) ignored.
     ``reduction="mean"`` divides by the number of counted tokens (as transformers does); ``"sum"`` does not."""
-    shifted = shifted_targets(labels, loss_mask)  # (B, T): the target of position t
+    shifted = context_chunk(shifted_targets(labels, loss_mask), mesh)  # (B, T), or this cp rank's chunk
     valid = shifted != IGNORE_INDEX
     tok = vocab_cross_entropy(logits, shifted, mesh, axis, vocab_size)  # (B, T)
     total = torch.where(valid, tok, torch.zeros((), dtype=tok.dtype, device=tok.device)).sum()
@@ -180,9 +181,11 @@ def shifted_targets(labels: torch.Tensor, loss_mask: torch.Tensor | None = None)
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def count_targets(batch: dict) -> int:
-    """How many tokens :func:`causal_lm_loss` averages over in ``batch``."""
+def count_targets(batch: dict, mesh: "Mesh | None" = None) -> int:
+    """How many tokens :func:`causal_lm_loss` averages over in ``batch`` (on ``mesh``: in this cp rank's chunk)."""
     targets = shifted_targets(batch.get("labels", batch["input_ids"]), batch.get("loss_mask"))
+    if mesh is not None:
+        targets = context_chunk(targets, mesh)
     return int((targets != IGNORE_INDEX).sum().item())
 
 
@@ -237,8 +240,28 @@ def sequence_block(t: torch.Tensor, mesh: "Mesh", dim: int = 0, axis: str = "tp"
 
 
 def sequence_length(x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> int:
-    """The whole sequence's length, from the hidden state ``x`` (B, T or T/tp, d) a block receives."""
-    return x.shape[1] * (mesh.axis_size(axis) if sequence_parallel(mesh, axis) else 1)
+    """The whole sequence's length, from the hidden state ``x`` a block receives: (B, T, d), or this rank's block of
+    it under sequence parallelism (T/tp) and context parallelism (T/cp)."""
+    n = mesh.axis_size(axis) if sequence_parallel(mesh, axis) else 1
+    return x.shape[1] * n * (mesh.axis_size("cp") if context_parallel(mesh) else 1)
+
+
+def context_parallel(mesh: "Mesh") -> bool:
+    """Whether ``mesh`` has a ``cp`` axis of more than one rank: each holds a contiguous chunk of every sequence
+    (its positions ``[c*T/cp, (c+1)*T/cp)``), and attention sees the keys of the chunks before it."""
+    return "cp" in mesh.axis_names and mesh.axis_size("cp") > 1
+
+
+def context_chunk(t: torch.Tensor, mesh: "Mesh", dim: int = 1) -> torch.Tensor:
+    """This ``cp`` rank's chunk of ``t`` along ``dim`` (a view; ``t`` itself without context parallelism)."""
+    if not context_parallel(mesh):
+        return t
+    n, c = mesh.axis_size("cp"), mesh.coord("cp")
+    if t.shape[dim] % n:
+        raise ValueError(f"context parallelism splits each sequence over cp={n}: a sequence of {t.shape[dim]} "
+                         f"positions does not split evenly; make the sequence length a multiple of {n}")
+    k = t.shape[dim] // n
+    return t.narrow(dim, c * k, k)
 
 
 def column_parallel(

@@ -23,6 +23,9 @@ inside a model module; everything it needs is named here:
                    :func:`funcpar.layers.token_range_errors`); the step checks every batch with it
 ``sequence_parallel`` capability: its layers keep the hidden state split along the sequence over tp where the mesh
                    says so (:meth:`funcpar.Mesh.with_sequence_parallel`, the ``funcpar.layers`` sequence helpers)
+``context_parallel`` capability: on a mesh with a ``cp`` axis each rank runs a chunk of every sequence
+                   (``funcpar.layers.context_chunk``; attention over every chunk's keys), and ``batch_weight``
+                   takes ``mesh=`` to count that chunk's targets
 =================  =====================================================================================
 
 A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
@@ -151,6 +154,7 @@ class ModelSpec:
     stages: Stages | None = None
     check_batch: Callable[[Any, Any], list] | None = None
     sequence_parallel: bool = False
+    context_parallel: bool = False
 
     def __post_init__(self):
         for attr in ("from_hf",):
@@ -186,10 +190,15 @@ class ModelSpec:
             raise ModelError(f"model '{self.name}' does not support sequence parallelism yet (its layers are not "
                              f"written with funcpar.layers' sequence helpers)")
         mesh = mesh.with_sequence_parallel() if sequence_parallel else mesh
+        weight = self.batch_weight
+        if "cp" in mesh.axis_names and mesh.axis_size("cp") > 1:  # a chunk of every sequence per cp rank
+            if not self.context_parallel:
+                raise ModelError(f"model '{self.name}' does not support context parallelism (a cp axis) yet")
+            weight = functools.partial(weight, mesh=mesh) if weight is not None else None  # this chunk's targets
         kw = {"remat": True} if remat else {}
         check = functools.partial(self.check_batch, cfg=cfg) if self.check_batch else None
         return Loss(fn=functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), model=self, cfg=cfg, mesh=mesh,
-                    remat=remat, batch_weight=self.batch_weight, check_batch=check)
+                    remat=remat, batch_weight=weight, check_batch=check)
 
 
 # The JSON types of the config.json keys models read, as transformers writes them (the same in every model that

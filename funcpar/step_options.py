@@ -63,6 +63,9 @@ def check_data_axes(mesh: Mesh, data_axes: tuple[str, ...]) -> None:
     for a in data_axes:
         if a not in mesh.axis_names or a == "pp":
             raise StepError(f"data_axes names '{a}', which is not a data axis of {mesh!r}")
+    if "cp" in mesh.axis_names and mesh.axis_size("cp") > 1 and "cp" not in data_axes:
+        raise StepError(f"{mesh!r}: each cp rank holds a chunk of every sequence, so its loss and gradients are "
+                        f"partial and summed over cp as over a data axis: pass data_axes={(*data_axes, 'cp')!r}")
 
 
 class NonfinitePolicy:

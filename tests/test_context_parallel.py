@@ -1,0 +1,62 @@
+"""Context parallelism on a ``cp`` mesh axis: each cp rank holds a contiguous chunk of every sequence (its positions
+``[c*T/cp, (c+1)*T/cp)``); attention gathers the keys and values of every chunk over cp and masks by global position,
+rotary positions are global, and the loss is each chunk's targets weighted by their count (``cp`` is a data axis to
+the step: its gradients are summed over it). Three AdamW steps against one process, in float32, on cp=2, cp=4,
+cp=2 x tp=2, cp=2 x dp=2 and cp=2 x pp=2, for Llama with GQA and Qwen2."""
+
+import math
+
+import pytest
+import torch
+
+import funcpar as fp
+import harness
+from hf_fixtures import CONFIGS
+
+B, T = 4, 12
+
+
+def _train(name, sizes, micro=1):
+    mesh = harness.mesh(**sizes) if sizes else fp.Mesh()
+    model = fp.get_model(name)
+    cfg = model.config(CONFIGS[name]().to_dict(), mesh)
+    specs = model.specs(cfg, mesh)
+    data_axes = ("dp", "cp") if "cp" in mesh.axis_names else ("dp",)
+    step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, optimizer=fp.optim.adamw(1e-3, weight_decay=0.1),
+                           clip_norm=1.0, data_axes=data_axes, accum_steps=micro)
+    params = fp.shard(model.init(cfg, seed=5), specs, mesh)
+    state = step.init(step.pipe.plan.select(params) if step.pipe is not None else params)
+    losses = []
+    for b in harness.token_batches(3, cfg.vocab_size, B, T, seed=41, masked=5):
+        state, m = step(state, harness.dp_share(b, mesh))  # every cp rank: the same rows, the whole sequence
+        losses.append(m["loss"])
+    return losses, fp.gather(step.gather_params(state), specs, mesh)
+
+
+MESHES = [({"cp": 2}, 1), ({"cp": 4}, 1), ({"cp": 2, "tp": 2}, 1), ({"cp": 2, "dp": 2}, 1), ({"pp": 2, "cp": 2}, 2)]
+
+
+@pytest.mark.parametrize("sizes, micro", MESHES, ids=lambda s: "-".join(f"{a}{n}" for a, n in s.items())
+                         if isinstance(s, dict) else str(s))
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_context_parallel_training_equals_one_process(name, sizes, micro):
+    ref_losses, ref = _train(name, {}, micro)
+    losses, params = harness.run(math.prod(sizes.values()), _train, name, sizes, micro)[0]
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
+    pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref), strict=True))
+    diff = math.sqrt(sum((x - y).pow(2).sum().item() for (_, x), (_, y) in pairs))
+    assert diff <= 1e-5 * math.sqrt(sum(y.pow(2).sum().item() for _, (_, y) in pairs))
+
+
+def test_what_context_parallelism_refuses_it_names():
+    mesh = fp.Mesh.abstract(cp=2)
+    llama = fp.get_model("llama")
+    cfg = llama.config(CONFIGS["llama"]().to_dict())
+    with pytest.raises(fp.StepError, match=r"each cp rank holds a chunk of every sequence.*data_axes=\('dp', 'cp'\)"):
+        fp.compile_step(llama.loss_fn(cfg, mesh), llama.specs(cfg, mesh), mesh=mesh)
+    gpt2 = fp.get_model("gpt2")
+    with pytest.raises(fp.ModelError, match="model 'gpt2' does not support context parallelism"):
+        gpt2.loss_fn(gpt2.config(CONFIGS["gpt2"]().to_dict()), mesh)
+    with pytest.raises(ValueError, match=r"context parallelism splits each sequence over cp=2: a sequence of 7"):
+        fp.layers.context_chunk(torch.zeros(1, 7), mesh)
