@@ -269,12 +269,20 @@ def _step_parts(opts, model, cfg, mesh):
     if opts["sequence_parallel"] and not model.sequence_parallel:
         raise SystemExit(f"funcpar: --sequence-parallel is not supported by model '{model.name}' yet (llama, mistral, "
                          f"qwen2 and gpt2 have it); train it without --sequence-parallel")
+    cp = mesh.axis_size("cp") if "cp" in mesh.axis_names else 1
+    if cp > 1 and not model.context_parallel:
+        raise SystemExit(f"funcpar: --mesh cp={cp} (context parallelism) is not supported by model '{model.name}' "
+                         f"yet (the llama family has it)")
+    if cp > 1 and opts["seq_len"] % cp:
+        raise SystemExit(f"funcpar: --mesh cp={cp} splits each sequence over cp: --seq-len {opts['seq_len']} is not "
+                         f"a multiple of it")
     if opts["sequence_parallel"] and opts["seq_len"] % mesh.axis_size("tp"):
         raise SystemExit(f"funcpar: --sequence-parallel splits each sequence over tp={mesh.axis_size('tp')}: "
                          f"--seq-len {opts['seq_len']} is not a multiple of it")
     return model.loss_fn(cfg, mesh, remat=opts["remat"], sequence_parallel=opts["sequence_parallel"]), dict(
         mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
-        clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]])
+        clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]],
+        data_axes=("dp", "cp") if cp > 1 else ("dp",))  # (cp: every rank a chunk of each sequence, its sums partial)
 
 
 def build_step(opts, model, cfg, mesh, specs) -> fp.Step:

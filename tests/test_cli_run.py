@@ -344,3 +344,18 @@ def test_the_readme_quickstart_ends_and_exports_a_folder_transformers_and_pipeli
     assert steps == [3, 3, 3, 3]
     generate = transformers.pipeline("text-generation", model=str(tmp_path / "out"))
     assert generate("1+1=", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("1+1=")
+
+
+@pytest.mark.subprocess
+def test_context_and_sequence_parallel_runs_train_and_resume_across_cp_sizes(tmp_path):
+    """`funcpar train --mesh cp=2,tp=2 --sequence-parallel` trains to the end and exports; its checkpoint resumes at
+    cp=4 and continues from the step it saved; a --seq-len cp does not divide is refused in one line."""
+    args = ["train", *SMALL, "--global-batch", "8", "--seq-len", "64", "--eval-every", "0", "--save-every", "2"]
+    p = _funcpar(tmp_path, *args, "--mesh", "cp=2,tp=2", "--sequence-parallel", "--steps", "2")
+    assert p.returncode == 0, p.stderr
+    p = _funcpar(tmp_path, *args, "--mesh", "cp=4", "--steps", "4", "--resume")
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in _rows(tmp_path / "out")] == [1, 2, 3, 4]
+    p = _funcpar(tmp_path, *args, "--mesh", "cp=4", "--seq-len", "66", "--out", "bad")
+    assert p.returncode == 1 and p.stderr.strip() == ("funcpar: --mesh cp=4 splits each sequence over cp: --seq-len 66 "
+                                                      "is not a multiple of it"), p.stderr
