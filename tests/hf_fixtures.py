@@ -64,3 +64,14 @@ def batch(seed: int = 0, B: int = 2, T: int = 12, V: int = 128):
     labels = ids.clone()
     labels[0, :3] = -100  # some ignored positions
     return {"input_ids": ids, "labels": labels}
+
+
+def folder_tensors(folder) -> dict:
+    """Every tensor of a checkpoint folder's safetensors files, by name (one file or a sharded set)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out

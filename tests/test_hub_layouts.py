@@ -11,10 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 import transformers as tf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import funcpar as fp
-from hf_fixtures import CONFIGS, batch
+from hf_fixtures import CONFIGS, batch, folder_tensors
 
 CONFIGS = {
     **{kind: CONFIGS[kind] for kind in ("llama", "mistral", "qwen2", "llama_tied", "gpt2", "bloom", "mixtral")},
@@ -27,11 +27,7 @@ CONFIGS = {
 
 
 def _tensors(folder):
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
+    return folder_tensors(folder)
 
 
 def _saved(kind, folder):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 import funcpar as fp
 import harness
+from hf_fixtures import folder_tensors
 from funcpar import collectives as C
 from funcpar.models import mixtral
 
@@ -287,11 +288,7 @@ def test_adamw_steps_with_expert_parallelism_equal_the_single_process_run(ckpt, 
 
 
 def _tensors(folder):
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
+    return folder_tensors(folder)
 
 
 def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpt, tmp_path):
