@@ -122,14 +122,25 @@ def _builtin(name):
     sizes, data_axes = ({"ep": 2, "tp": 2}, ("dp", "ep")) if name == "mixtral" else ({"tp": 2, "dp": 2}, ("dp",))
     mesh = harness.mesh(**sizes)
     model = fp.get_model(name)
-    cfg = model.config(CONFIGS[name]().to_dict(), mesh)
+    cfg = model.config(_OTHERS[name] if name in _OTHERS else CONFIGS[name]().to_dict(), mesh)
     batches = harness.token_batches(2, cfg.vocab_size, 4, 8, seed=7, masked=3)
     report = fp.verify(lambda m: model.loss_fn(cfg, m), model.specs(cfg, mesh), model.init(cfg, seed=1), batches,
                        mesh, data_axes=data_axes)
     return report.ok, str(report)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "bloom", "mixtral"])
+_OTHERS = {  # the two not in tests/hf_fixtures.py: GLM (partial rotary, fused gate/up) and Baichuan2 (W_pack, NormHead)
+    "glm": {"model_type": "glm", "vocab_size": V, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
+            "pad_token_id": 3, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                                "partial_rotary_factor": 0.5}},
+    "baichuan": {"model_type": "baichuan", "vocab_size": V, "hidden_size": 64, "intermediate_size": 96,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "z_loss_weight": 0},
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "bloom", "mixtral", "glm", "baichuan"])
 def test_verify_passes_the_built_in_models(name):
     for ok, text in harness.run(4, _builtin, name):
         assert ok, text
