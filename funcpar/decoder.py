@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as A
-from . import collectives as C
 from . import layers as L
 from .spec import P
 
@@ -142,11 +141,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, 
            window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's heads, ``q`` (B, Hq/tp, T, hd) and ``k``, ``v`` (B, Hkv/tp, T, hd), through
     the row-parallel output projection ``wo`` (d, Hq/tp*hd): (B, T, d), summed over tp."""
-    offset = 0
-    if L.context_parallel(mesh):  # the queries are this cp rank's chunk: the keys and values of every chunk
-        offset = mesh.coord("cp") * q.shape[-2]
-        k, v = C.all_gather(k, mesh, "cp", 2), C.all_gather(v, mesh, "cp", 2)  # (B, Hkv/tp, T, hd)
-    o = einops.rearrange(A.causal(q, k, v, window, offset), "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
+    if L.context_parallel(mesh):  # the queries are this cp rank's pieces: each sees the keys up to its end
+        k, v = L.context_whole(k, mesh, 2), L.context_whole(v, mesh, 2)  # (B, Hkv/tp, T, hd), sequence order
+        parts, at = [], 0
+        for a, n in L.context_pieces(mesh, k.shape[2]):
+            parts.append(A.causal(q[:, :, at:at + n], k[:, :, :a + n], v[:, :, :a + n], window, a))
+            at += n
+        o = torch.cat(parts, 2) if len(parts) > 1 else parts[0]  # (B, Hq/tp, T/cp, hd)
+    else:
+        o = A.causal(q, k, v, window)
+    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
     return L.row_parallel_sum_(F.linear(o, wo), mesh, "tp")  # (B, T, d), or (B, T/tp, d): sequence parallel
 
 

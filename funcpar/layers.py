@@ -23,7 +23,7 @@ __all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "pad
            "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets",
            "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets", "check_pad_token_id",
            "sequence_parallel", "row_parallel_sum_", "sequence_shared", "sequence_block", "sequence_length",
-           "context_parallel", "context_chunk"]
+           "context_parallel", "context_pieces", "context_chunk", "context_whole"]
 
 IGNORE_INDEX = -100
 
@@ -247,21 +247,44 @@ def sequence_length(x: torch.Tensor, mesh: "Mesh", axis: str = "tp") -> int:
 
 
 def context_parallel(mesh: "Mesh") -> bool:
-    """Whether ``mesh`` has a ``cp`` axis of more than one rank: each holds a contiguous chunk of every sequence
-    (its positions ``[c*T/cp, (c+1)*T/cp)``), and attention sees the keys of the chunks before it."""
+    """Whether ``mesh`` has a ``cp`` axis of more than one rank: each holds its pieces of every sequence
+    (:func:`context_pieces`), and attention sees the keys of every position before each of its queries."""
     return "cp" in mesh.axis_names and mesh.axis_size("cp") > 1
 
 
-def context_chunk(t: torch.Tensor, mesh: "Mesh", dim: int = 1) -> torch.Tensor:
-    """This ``cp`` rank's chunk of ``t`` along ``dim`` (a view; ``t`` itself without context parallelism)."""
+def context_pieces(mesh: "Mesh", length: int) -> list[tuple[int, int]]:
+    """The (start, size) of each piece of a sequence of ``length`` positions this cp rank holds, in the order it
+    holds them: under ``mesh.context_layout`` "zigzag", pieces ``c`` and ``2cp-1-c`` of ``2cp`` (rank ``c``);
+    under "contiguous", chunk ``c`` of ``cp``; the whole sequence without context parallelism."""
     if not context_parallel(mesh):
-        return t
+        return [(0, length)]
     n, c = mesh.axis_size("cp"), mesh.coord("cp")
-    if t.shape[dim] % n:
-        raise ValueError(f"context parallelism splits each sequence over cp={n}: a sequence of {t.shape[dim]} "
-                         f"positions does not split evenly; make the sequence length a multiple of {n}")
-    k = t.shape[dim] // n
-    return t.narrow(dim, c * k, k)
+    zigzag = mesh.context_layout == "zigzag"
+    parts = 2 * n if zigzag else n
+    if length % parts:
+        how = f"into 2*cp={parts} pieces (the zig-zag layout)" if zigzag else f"into cp={n} chunks"
+        raise ValueError(f"context parallelism splits each sequence over cp={n}: a sequence of {length} positions "
+                         f"does not split evenly {how}; make the sequence length a multiple of {parts}")
+    s = length // parts
+    return [(c * s, s), ((2 * n - 1 - c) * s, s)] if zigzag else [(c * s, s)]
+
+
+def context_chunk(t: torch.Tensor, mesh: "Mesh", dim: int = 1) -> torch.Tensor:
+    """This ``cp`` rank's pieces of ``t`` along ``dim`` (:func:`context_pieces`; a view when one piece, ``t``
+    itself without context parallelism)."""
+    pieces = [t.narrow(dim, a, n) for a, n in context_pieces(mesh, t.shape[dim])]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def context_whole(t: torch.Tensor, mesh: "Mesh", dim: int) -> torch.Tensor:
+    """Every cp rank's pieces of ``t`` (this rank's: :func:`context_chunk`) gathered over cp and put back in
+    sequence order along ``dim``. The backward hands each rank the gradient of its own pieces."""
+    whole = C.all_gather(t, mesh, "cp", dim)  # rank order: each rank's pieces as it holds them
+    if mesh.context_layout != "zigzag":
+        return whole
+    n = mesh.axis_size("cp")
+    held = whole.chunk(2 * n, dim)  # rank r holds pieces r and 2n-1-r, at 2r and 2r+1
+    return torch.cat([held[2 * p] if p < n else held[2 * (2 * n - 1 - p) + 1] for p in range(2 * n)], dim)
 
 
 def column_parallel(

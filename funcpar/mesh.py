@@ -34,9 +34,11 @@ import torch.distributed as dist
 
 from . import lifeline
 
-__all__ = ["Mesh", "AbstractMesh", "MeshError", "STANDARD_AXES", "DEVICES", "default_timeout", "resolve_device"]
+__all__ = ["Mesh", "AbstractMesh", "MeshError", "STANDARD_AXES", "CONTEXT_LAYOUTS", "DEVICES", "default_timeout",
+           "resolve_device"]
 
 STANDARD_AXES = ("pp", "dp", "tp")  # present on every mesh; pp outermost, tp innermost
+CONTEXT_LAYOUTS = ("zigzag", "contiguous")  # how a cp axis splits each sequence (Mesh.context_layout)
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("funcpar_mesh_scope", default=())
 _BUILT: "weakref.WeakSet[Mesh]" = weakref.WeakSet()
 
@@ -247,6 +249,21 @@ class Mesh:
         view.sequence_parallel = bool(on)
         return view
 
+    # How a cp axis lays out each sequence (funcpar.layers.context_chunk reads it): "zigzag", the default, gives cp
+    # rank c pieces c and 2cp-1-c of 2cp (every rank then attends over as many keys as every other: causal
+    # attention's work per rank is balanced); "contiguous" gives it chunk c of cp (the last rank attends over all
+    # the keys, the first over its own). Set on a view of the mesh: with_context_layout.
+    context_layout = "zigzag"
+
+    def with_context_layout(self, layout: str) -> "Mesh":
+        """This mesh with each sequence laid out over ``cp`` as ``layout`` (``"zigzag"`` or ``"contiguous"``; see
+        ``context_layout``): the same processes and groups."""
+        if layout not in CONTEXT_LAYOUTS:
+            raise MeshError(f"context layout {layout!r} is not one of {', '.join(CONTEXT_LAYOUTS)}")
+        view = copy.copy(self)
+        view.context_layout = layout
+        return view
+
     @staticmethod
     def abstract(device: str | torch.device | None = None, **axes: int) -> "AbstractMesh":
         """``AbstractMesh(device, **axes)``: a mesh's sizes without processes, for planning."""
@@ -405,6 +422,8 @@ class Mesh:
         extra = [a for a in self._sizes if a not in STANDARD_AXES]
         shown = ["pp", "dp", *extra, "tp"]
         sp = ", sequence_parallel" if self.sequence_parallel else ""
+        if self.context_layout != "zigzag" and self._sizes.get("cp", 1) > 1:
+            sp += f", context_layout={self.context_layout!r}"
         return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + sp + ")"
 
 

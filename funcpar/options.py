@@ -14,14 +14,14 @@ import torch
 
 import funcpar as fp
 from funcpar.assets import ARITHMETIC
-from funcpar.mesh import DEVICES
+from funcpar.mesh import CONTEXT_LAYOUTS, DEVICES
 
 DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte",
     "seq_len": 64, "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
     "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "sequence_parallel": False,
-    "lora": "", "steps": 300,
+    "cp_layout": "zigzag", "lora": "", "steps": 300,
     "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
     "heartbeat": 60.0, "chat_template": "auto",
@@ -47,6 +47,8 @@ HELP = {
     "remat": "recompute activations in the backward pass (less memory)",
     "sequence_parallel": "between tp regions each tp rank keeps its block of the sequence (less activation memory; "
                          "--seq-len a multiple of tp; llama-family and gpt2)", "steps": "optimizer steps to train",
+    "cp_layout": "how --mesh cp=N splits each sequence: zigzag (rank c: pieces c and 2N-1-c of 2N, balanced "
+                 "attention work; --seq-len a multiple of 2N) or contiguous (rank c: chunk c of N)",
     "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
             "model to hf/ and a PEFT adapter folder to adapter/",
     "eval_every": "held-out loss every N steps and at the end (0: never)",
@@ -121,7 +123,7 @@ def _read_config(path: str) -> dict[str, Any]:
 
 # what shapes the step's memory; the rest: defaults
 _PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline",
-               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel")
+               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel", "cp_layout")
 _ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
           "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
 
@@ -273,9 +275,13 @@ def _step_parts(opts, model, cfg, mesh):
     if cp > 1 and not model.context_parallel:
         raise SystemExit(f"funcpar: --mesh cp={cp} (context parallelism) is not supported by model '{model.name}' "
                          f"yet (the llama family has it)")
-    if cp > 1 and opts["seq_len"] % cp:
-        raise SystemExit(f"funcpar: --mesh cp={cp} splits each sequence over cp: --seq-len {opts['seq_len']} is not "
-                         f"a multiple of it")
+    if opts["cp_layout"] not in CONTEXT_LAYOUTS:
+        raise SystemExit(f"funcpar: unknown --cp-layout '{opts['cp_layout']}' ({', '.join(CONTEXT_LAYOUTS)})")
+    pieces = 2 * cp if opts["cp_layout"] == "zigzag" else cp
+    if cp > 1 and opts["seq_len"] % pieces:
+        raise SystemExit(f"funcpar: --mesh cp={cp} splits each sequence into {pieces} pieces (--cp-layout "
+                         f"{opts['cp_layout']}): --seq-len {opts['seq_len']} is not a multiple of {pieces}")
+    mesh = mesh.with_context_layout(opts["cp_layout"])
     if opts["sequence_parallel"] and opts["seq_len"] % mesh.axis_size("tp"):
         raise SystemExit(f"funcpar: --sequence-parallel splits each sequence over tp={mesh.axis_size('tp')}: "
                          f"--seq-len {opts['seq_len']} is not a multiple of it")

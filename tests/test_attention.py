@@ -105,3 +105,49 @@ def test_block_path_twice_and_differentiated_again():
     gq_ref = torch.autograd.grad(o_ref, xs[0], go.float(), create_graph=True)[0]
     want = torch.autograd.grad(gq_ref.square().sum(), xs)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(second, want, strict=True))
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 4, 2, 24, 40, 16), torch.float32), ((1, 6, 3, 33, 99, 32), torch.float32),
+                                         ((2, 2, 2, 8, 24, 16), torch.bfloat16)])
+def test_a_context_chunk_runs_two_flash_calls_and_no_mask(shape, dtype):
+    """A context-parallel chunk (queries at positions ``Tk - Tq ..`` of the keys): the unmasked earlier keys and the
+    chunk's own, causally, merged by log-sum-exp; equal to the masked attention (float64) to round-off, and no
+    (Tq, Tk) tensor is ever made."""
+    B, H, KV, Tq, Tk, D = shape
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(B, n, t, D, generator=g, dtype=torch.float64) for n, t in ((H, Tq), (KV, Tk), (KV, Tk))]
+    go = torch.randn(B, H, Tq, D, generator=g, dtype=torch.float64)
+    i, j = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
+    exact = _run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i, enable_gqa=True), xs, go,
+                 torch.float64)
+    assert A._chunk_flash(*[x.to(dtype) for x in xs], None, Tk - Tq)
+    sizes = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes.extend(tuple(t.shape[-2:]) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with Sizes():
+        got = _run(lambda q, k, v: A.causal(q, k, v, None, Tk - Tq), xs, go, dtype)
+    assert (Tq, Tk) not in sizes and (Tk, Tq) not in sizes
+    tol = 2e-6 if dtype == torch.float32 else 3e-2
+    for a, b in zip(got, exact, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= tol
+
+
+def test_a_context_chunk_differentiated_again_and_under_torch_func():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, t, 8, generator=g, requires_grad=True) for t in (6, 18, 18))
+    go = torch.randn(1, 4, 6, 8, generator=g)
+    i, j = torch.arange(12, 18)[:, None], torch.arange(18)[None, :]
+    masked = lambda q, k, v: ((q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(j > i, float("-inf")).softmax(-1)  # noqa
+                              @ v)
+    chunk = lambda q, k, v: A.causal(q, k, v, None, 12)  # noqa: E731
+    gq, gq_ref = (torch.autograd.grad(f(q, k, v), q, go, create_graph=True)[0] for f in (chunk, masked))
+    second, want = (torch.autograd.grad(x.square().sum(), (q, k, v)) for x in (gq, gq_ref))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(second, want, strict=True))
+    loss = lambda f: (lambda q, k, v: (f(q, k, v) * go).sum())  # noqa: E731  (wrapped inputs: the masked kernel)
+    got, ref = (torch.func.grad(loss(f), argnums=(0, 1, 2))(q, k, v) for f in (chunk, masked))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, ref, strict=True))

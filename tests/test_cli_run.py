@@ -349,11 +349,11 @@ def test_the_readme_quickstart_ends_and_exports_a_folder_transformers_and_pipeli
 @pytest.mark.subprocess
 def test_context_and_sequence_parallel_runs_train_and_resume_across_cp_sizes(tmp_path):
     """`funcpar train --mesh cp=2,tp=2 --sequence-parallel` trains to the end and exports; its checkpoint resumes at
-    cp=2 without tp and continues from the step it saved."""
+    cp=4 without tp, in the contiguous layout, and continues from the step it saved."""
     args = ["train", *SMALL, "--global-batch", "8", "--seq-len", "64", "--eval-every", "0", "--save-every", "2"]
     p = _funcpar(tmp_path, *args, "--mesh", "cp=2,tp=2", "--sequence-parallel", "--steps", "2")
     assert p.returncode == 0, p.stderr
-    p = _funcpar(tmp_path, *args, "--mesh", "cp=2", "--steps", "3", "--resume")
+    p = _funcpar(tmp_path, *args, "--mesh", "cp=4", "--cp-layout", "contiguous", "--steps", "3", "--resume")
     assert p.returncode == 0, p.stderr
     assert [r["step"] for r in _rows(tmp_path / "out")] == [1, 2, 3]
 
@@ -365,6 +365,8 @@ def test_a_seq_len_cp_does_not_divide_is_refused_in_one_line():
     llama = fp.get_model("llama")
     mesh = fp.Mesh.abstract(cp=4)
     cfg = llama.config(options.BUILTIN_MODELS["llama-micro"], mesh)
-    with pytest.raises(SystemExit, match=r"^funcpar: --mesh cp=4 splits each sequence over cp: --seq-len 66 is not a "
-                                         r"multiple of it$"):
-        options.build_step({**options.DEFAULTS, "seq_len": 66}, llama, cfg, mesh, llama.specs(cfg, mesh))
+    with pytest.raises(SystemExit, match=r"^funcpar: --mesh cp=4 splits each sequence into 8 pieces \(--cp-layout "
+                                         r"zigzag\): --seq-len 68 is not a multiple of 8$"):
+        options.build_step({**options.DEFAULTS, "seq_len": 68}, llama, cfg, mesh, llama.specs(cfg, mesh))
+    with pytest.raises(SystemExit, match=r"^funcpar: unknown --cp-layout 'ring' \(zigzag, contiguous\)$"):
+        options.build_step({**options.DEFAULTS, "cp_layout": "ring"}, llama, cfg, mesh, llama.specs(cfg, mesh))

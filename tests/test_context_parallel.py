@@ -1,8 +1,10 @@
-"""Context parallelism on a ``cp`` mesh axis: each cp rank holds a contiguous chunk of every sequence (its positions
-``[c*T/cp, (c+1)*T/cp)``); attention gathers the keys and values of every chunk over cp and masks by global position,
-rotary positions are global, and the loss is each chunk's targets weighted by their count (``cp`` is a data axis to
-the step: its gradients are summed over it). Three AdamW steps against one process, in float32, on cp=2, cp=4,
-cp=2 x tp=2, cp=2 x dp=2 and cp=2 x pp=2 for Llama with GQA, and cp=2 for Qwen2 (q/k/v biases)."""
+"""Context parallelism on a ``cp`` mesh axis: each cp rank holds its pieces of every sequence (zig-zag by default:
+pieces ``c`` and ``2cp-1-c`` of ``2cp``; or chunk ``c`` of ``cp``, contiguous); attention gathers the keys and values
+of every piece over cp and runs each query piece against the positions up to its end (the earlier ones unmasked, its
+own causally, merged by log-sum-exp), rotary positions are global, and the loss is each rank's targets weighted by
+their count (``cp`` is a data axis to the step: its gradients are summed over it). Three AdamW steps against one
+process, in float32, on cp=2, cp=4 (both layouts), cp=2 x tp=2, cp=2 x dp=2 and cp=2 x pp=2 for Llama with GQA, and
+cp=2 for Qwen2 (q/k/v biases)."""
 
 import math
 
@@ -13,11 +15,11 @@ import funcpar as fp
 import harness
 from hf_fixtures import CONFIGS
 
-B, T = 4, 12
+B, T = 4, 16
 
 
-def _train(name, sizes, micro=1):
-    mesh = harness.mesh(**sizes) if sizes else fp.Mesh()
+def _train(name, sizes, micro=1, layout="zigzag"):
+    mesh = (harness.mesh(**sizes) if sizes else fp.Mesh()).with_context_layout(layout)
     model = fp.get_model(name)
     cfg = model.config(CONFIGS[name]().to_dict(), mesh)
     specs = model.specs(cfg, mesh)
@@ -33,17 +35,18 @@ def _train(name, sizes, micro=1):
     return losses, fp.gather(step.gather_params(state), specs, mesh)
 
 
-MESHES = [({"cp": 2}, 1), ({"cp": 4}, 1), ({"cp": 2, "tp": 2}, 1), ({"cp": 2, "dp": 2}, 1), ({"pp": 2, "cp": 2}, 2)]
+MESHES = [({"cp": 2}, 1, "zigzag"), ({"cp": 4}, 1, "zigzag"), ({"cp": 4}, 1, "contiguous"),
+          ({"cp": 2, "tp": 2}, 1, "zigzag"), ({"cp": 2, "dp": 2}, 1, "contiguous"), ({"pp": 2, "cp": 2}, 2, "zigzag")]
 
 
-CASES = [("llama", sizes, micro) for sizes, micro in MESHES] + [("qwen2", {"cp": 2}, 1)]  # (qwen2: its biases)
+CASES = [("llama", *m) for m in MESHES] + [("qwen2", {"cp": 2}, 1, "zigzag")]  # (qwen2: its biases)
 
 
-@pytest.mark.parametrize("name, sizes, micro", CASES,
+@pytest.mark.parametrize("name, sizes, micro, layout", CASES,
                          ids=lambda v: "-".join(f"{a}{n}" for a, n in v.items()) if isinstance(v, dict) else str(v))
-def test_context_parallel_training_equals_one_process(name, sizes, micro):
+def test_context_parallel_training_equals_one_process(name, sizes, micro, layout):
     ref_losses, ref = _train(name, {}, micro)
-    losses, params = harness.run(math.prod(sizes.values()), _train, name, sizes, micro)[0]
+    losses, params = harness.run(math.prod(sizes.values()), _train, name, sizes, micro, layout)[0]
     for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
     pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref), strict=True))
@@ -60,5 +63,26 @@ def test_what_context_parallelism_refuses_it_names():
     gpt2 = fp.get_model("gpt2")
     with pytest.raises(fp.ModelError, match="model 'gpt2' does not support context parallelism"):
         gpt2.loss_fn(gpt2.config(CONFIGS["gpt2"]().to_dict()), mesh)
-    with pytest.raises(ValueError, match=r"context parallelism splits each sequence over cp=2: a sequence of 7"):
-        fp.layers.context_chunk(torch.zeros(1, 7), mesh)
+    with pytest.raises(ValueError, match=r"over cp=2: a sequence of 14 positions does not split evenly into 2\*cp=4 "
+                                         r"pieces \(the zig-zag layout\); make the sequence length a multiple of 4"):
+        fp.layers.context_chunk(torch.zeros(1, 14), mesh)
+    with pytest.raises(ValueError, match=r"a sequence of 7 positions does not split evenly into cp=2 chunks"):
+        fp.layers.context_chunk(torch.zeros(1, 7), mesh.with_context_layout("contiguous"))
+    with pytest.raises(fp.MeshError, match=r"context layout 'ring' is not one of zigzag, contiguous"):
+        mesh.with_context_layout("ring")
+
+
+def _pieces(layout):
+    mesh = harness.mesh(cp=4).with_context_layout(layout)
+    held = fp.layers.context_chunk(torch.arange(16)[None], mesh)
+    return held[0].tolist(), fp.layers.context_whole(held, mesh, 1)[0].tolist()
+
+
+def test_the_zigzag_layout_gives_each_rank_a_piece_from_each_end():
+    """Rank c of cp=n holds pieces c and 2n-1-c of 2n (zig-zag) or chunk c (contiguous), and gathering every rank's
+    pieces puts the sequence back in order."""
+    for layout, want in (("zigzag", [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]),
+                         ("contiguous", [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]])):
+        got = harness.run(4, _pieces, layout)
+        assert [held for held, _ in got] == want, (layout, got)
+        assert all(whole == list(range(16)) for _, whole in got), got
