@@ -34,8 +34,10 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     queries are positions ``offset ..`` of the keys' sequence (a context-parallel chunk; ``k``, ``v`` then hold
     every position up to the chunk's end or beyond), through an explicit (Tq, Tk) mask."""
     if offset or k.shape[-2] != q.shape[-2]:
-        if _chunk_flash(q, k, v, window, offset):
+        if _chunk(q, k, v, window, offset, "cpu"):
             return _ChunkCausal.apply(q, k, v)
+        if _chunk(q, k, v, window, offset, "cuda"):
+            return _lower_right(q, k, v)
         i = offset + torch.arange(q.shape[-2], device=q.device)[:, None]  # (Tq, 1): the queries' positions
         j = torch.arange(k.shape[-2], device=q.device)[None, :]  # (1, Tk)
         mask = (j <= i) & ((i - j < window) if window is not None else True)
@@ -50,14 +52,38 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def _chunk_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, offset: int) -> bool:
-    """Whether :class:`_ChunkCausal` takes a context-parallel chunk: host tensors (torch's CPU flash kernel returns
-    the log-sum-exp it needs), the keys exactly the positions up to the chunk's end, no window that cuts them."""
+# The device a meta tensor stands for: funcpar.planning traces a step on meta tensors and sets this to the planned
+# device's type, so that attention takes the path the real run would (and the plan counts what that path keeps).
+META_DEVICE = "cpu"
+
+
+def _device_type(t: torch.Tensor) -> str:
+    return META_DEVICE if t.is_meta else t.device.type
+
+
+def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, offset: int, device: str) -> bool:
+    """Whether a context-parallel chunk on ``device`` runs without a mask: the keys exactly the positions up to the
+    chunk's end, no window that cuts them, plain tensors of a floating dtype; on "cpu" through
+    :class:`_ChunkCausal` (torch's CPU flash kernel returns the log-sum-exp it needs), on "cuda" through torch's
+    lower-right causal bias (:func:`_lower_right`)."""
     Tq, Tk = q.shape[-2], k.shape[-2]
-    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES
+    return (_device_type(q) == device and q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES
             and q.dim() == k.dim() == v.dim() == 4 and k.shape == v.shape and 0 < offset == Tk - Tq
             and (window is None or window >= Tk) and q.shape[1] % k.shape[1] == 0
             and not any(functorch_wrapped(t) for t in (q, k, v)))
+
+
+def _lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Queries that are the last of the keys' positions, on CUDA: torch's lower-right causal bias, which its flash
+    (half precision) and memory-efficient (float32) kernels apply without forming a mask. Those kernels take as
+    many key as query heads: a kv head's keys are repeated for its query heads (a copy of the keys, far smaller
+    than the (Tq, Tk) mask it replaces)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
 
 
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -303,12 +303,16 @@ def plan(argv: list[str]) -> None:
         if opts["global_batch"] % (dp * micro):
             raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro}")
         model, cfg = model_config(opts["model"], mesh)  # funcpar's errors are ValueErrors: rank_meshes notes them
-        step = build_step({**opts, "zero": zero}, model, cfg, mesh, model.specs(cfg, mesh))
+        try:
+            step = build_step({**opts, "zero": zero}, model, cfg, mesh, model.specs(cfg, mesh))
+        except SystemExit as e:  # an option this mesh cannot take (--seq-len over cp, ...): a reason, not the end
+            raise ValueError(str(e.code).removeprefix("funcpar: ")) from None
         return model, cfg, step, opts["global_batch"] // dp, opts["seq_len"]
 
     if ranking.devices:
         memory = ranking.memory * 2**30
-        print_ranking(rank_meshes(build, ranking.devices, memory), ranking.devices, memory)
+        context = model_config(opts["model"], None)[0].context_parallel  # cp candidates: where the model has it
+        print_ranking(rank_meshes(build, ranking.devices, memory, context=context), ranking.devices, memory)
         return
     try:
         model, cfg, step, rows, seq_len = build(parse_mesh(opts["mesh"]), opts["zero"])

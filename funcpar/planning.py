@@ -16,8 +16,10 @@ from typing import Any
 import optree
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import attention as A
 from .spec import broadcast_specs, local_shape
 
 __all__ = ["params_like", "local_params", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan",
@@ -134,17 +136,23 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
           f"sends {_traffic(t['traffic'])} per step")
 
 
-def candidate_meshes(devices: int) -> list[dict[str, int]]:
-    """Every ``tp x dp`` factorisation of ``devices`` (pipeline stages aside)."""
-    return [{"dp": devices // tp, "tp": tp} for tp in range(1, devices + 1) if devices % tp == 0]
-
-
-def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3)) -> list[dict[str, Any]]:
-    """Trace every candidate mesh of ``devices`` ranks at each ZeRO stage; ``build(axes, zero)`` returns ``(model,
-    cfg, step, rows, seq_len)`` or raises ``ValueError`` naming why that mesh cannot run. The ones whose peak (with
-    the runtime) fits in ``memory`` bytes come first, fewest bytes sent per step first (then lowest peak)."""
+def candidate_meshes(devices: int, context: bool = False) -> list[dict[str, int]]:
+    """Every ``dp x tp`` factorisation of ``devices`` (pipeline stages aside); with ``context``, every ``dp x cp x
+    tp`` one (a cp axis only where it has more than one rank)."""
     out = []
-    for axes in candidate_meshes(devices):
+    for tp in (n for n in range(1, devices + 1) if devices % n == 0):
+        for cp in (n for n in range(1, devices // tp + 1) if devices // tp % n == 0 and (context or n == 1)):
+            out.append({"dp": devices // tp // cp, **({"cp": cp} if cp > 1 else {}), "tp": tp})
+    return out
+
+
+def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False) -> list[dict[str, Any]]:
+    """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too: :func:`candidate_meshes`) at
+    each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows, seq_len)`` or raises ``ValueError``
+    naming why that mesh cannot run. The ones whose peak (with the runtime) fits in ``memory`` bytes come first,
+    fewest bytes sent per step first (then lowest peak)."""
+    out = []
+    for axes in candidate_meshes(devices, context):
         for zero in zeros:
             row: dict[str, Any] = {"axes": axes, "zero": zero}
             try:
@@ -254,7 +262,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         raise ValueError(f"trace_step traces meta tensors over an abstract mesh (fp.Mesh.abstract(...)), or real "
                          f"ones over a real mesh; not device={device!r} over {mesh!r}")
     rows = next(x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)).shape[0]
-    with MemoryTrace(device) as tr, _fused_attention_on_meta():
+    with MemoryTrace(device) as tr, _fused_attention_on_meta(mesh.device.type):
         state = step.init(optree.tree_map(lambda x: x.clone(), params))  # fresh: the trace sees them allocated
         gc.collect()  # what init let go of is gone by now in the real run too: count no cycle that holds it
         held = tr.live
@@ -276,19 +284,25 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
 class _fused_attention_on_meta:
     """While tracing, attention on meta tensors runs the fused kernel CPU and CUDA run (it keeps the output and a
     log-sum-exp for the backward, not the T x T scores): on meta, ``F.scaled_dot_product_attention`` would take the
-    unfused math path and the plan would count scores the real run never holds."""
+    unfused math path and the plan would count scores the real run never holds. Meta tensors stand for
+    ``device``'s (:data:`funcpar.attention.META_DEVICE`): a context-parallel chunk takes that device's path."""
+
+    def __init__(self, device: str):
+        self.device = device
 
     def __enter__(self):
-        self.sdpa = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = self._attention
+        self.sdpa, self.meta_device = F.scaled_dot_product_attention, A.META_DEVICE
+        F.scaled_dot_product_attention, A.META_DEVICE = self._attention, self.device
 
     def __exit__(self, *exc):
-        F.scaled_dot_product_attention = self.sdpa
+        F.scaled_dot_product_attention, A.META_DEVICE = self.sdpa, self.meta_device
 
     def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if not q.is_meta:
             return self.sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                              enable_gqa=enable_gqa)
+        if isinstance(attn_mask, CausalBias):  # CUDA's lower-right causal bias: a kernel flag, no mask kept
+            attn_mask, is_causal = None, True
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the kernel takes it: additive, q's dtype
             attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device),
                                     torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=q.device))

@@ -120,7 +120,7 @@ def test_a_context_chunk_runs_two_flash_calls_and_no_mask(shape, dtype):
     i, j = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
     exact = _run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i, enable_gqa=True), xs, go,
                  torch.float64)
-    assert A._chunk_flash(*[x.to(dtype) for x in xs], None, Tk - Tq)
+    assert A._chunk(*[x.to(dtype) for x in xs], None, Tk - Tq, "cpu")
     sizes = []
 
     class Sizes(TorchDispatchMode):
@@ -151,3 +151,21 @@ def test_a_context_chunk_differentiated_again_and_under_torch_func():
     loss = lambda f: (lambda q, k, v: (f(q, k, v) * go).sum())  # noqa: E731  (wrapped inputs: the masked kernel)
     got, ref = (torch.func.grad(loss(f), argnums=(0, 1, 2))(q, k, v) for f in (chunk, masked))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, ref, strict=True))
+
+
+def test_a_context_chunk_on_cuda_takes_torchs_lower_right_bias(monkeypatch):
+    """On CUDA a chunk runs torch's lower-right causal bias (its kernels form no mask), the keys repeated per query
+    head: exact against the masked attention here, where torch forms the bias as a mask; the route is checked on
+    meta tensors standing for CUDA ones."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, t, 16, generator=g, dtype=torch.float64) for h, t in ((6, 10), (2, 30), (2, 30)))
+    i, j = torch.arange(20, 30)[:, None], torch.arange(30)[None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i, enable_gqa=True)
+    assert torch.allclose(A._lower_right(q, k, v), want, rtol=1e-12, atol=1e-12)
+    taken = []
+    monkeypatch.setattr(A, "_lower_right", lambda *xs: taken.append("cuda") or xs[0])
+    monkeypatch.setattr(A, "_ChunkCausal", type("Spy", (), {"apply": staticmethod(lambda *xs: taken.append("cpu"))}))
+    for device in ("cuda", "cpu"):
+        monkeypatch.setattr(A, "META_DEVICE", device)
+        A.causal(q.to("meta", torch.float32), k.to("meta", torch.float32), v.to("meta", torch.float32), None, 20)
+    assert taken == ["cuda", "cpu"]

@@ -370,3 +370,14 @@ def test_a_seq_len_cp_does_not_divide_is_refused_in_one_line():
         options.build_step({**options.DEFAULTS, "seq_len": 68}, llama, cfg, mesh, llama.specs(cfg, mesh))
     with pytest.raises(SystemExit, match=r"^funcpar: unknown --cp-layout 'ring' \(zigzag, contiguous\)$"):
         options.build_step({**options.DEFAULTS, "cp_layout": "ring"}, llama, cfg, mesh, llama.specs(cfg, mesh))
+
+
+def test_plan_ranks_cp_meshes_and_names_the_ones_seq_len_rules_out(capsys):
+    """`funcpar plan --devices 4` for a model with context parallelism ranks dp x cp x tp meshes; a --seq-len the
+    zig-zag layout cannot split over cp=4 (68: not a multiple of 8) is that mesh's reason, not the end of the plan."""
+    from funcpar import cli
+
+    cli.plan(["--model", "llama-micro", "--seq-len", "68", "--global-batch", "4", "--devices", "4", "--memory", "4"])
+    out = capsys.readouterr().out
+    assert any(line.startswith("dp=2,cp=2,tp=1") and line.endswith("yes") for line in out.splitlines()), out
+    assert "dp=1,cp=4,tp=1      1            -            -  --mesh cp=4 splits each sequence into 8 pieces" in out

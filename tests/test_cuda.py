@@ -16,6 +16,8 @@ import sys
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcpar as fp
 from hf_fixtures import batch, make_checkpoint
@@ -245,3 +247,29 @@ def test_the_plan_against_max_memory_allocated(case):
                                    else ""))
     assert step.compiled == ("auto" if planned["eager_trace"] else False), step.compile_reason
     assert abs(error) <= 0.10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_context_chunk_attends_without_a_mask_on_the_gpu(dtype):
+    """A context-parallel chunk's attention (queries at the last Tq of Tk positions, GQA) on the device equals the
+    masked attention in float64, and on CUDA forms no (Tq, Tk) mask: torch's lower-right causal bias."""
+    from funcpar import attention as A
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, t, 64, generator=g, dtype=torch.float64) for h, t in ((8, 256), (2, 768), (2, 768)))
+    i, j = torch.arange(512, 768)[:, None], torch.arange(768)[None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=j <= i, enable_gqa=True)
+    shapes = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes.extend(tuple(t.shape[-2:]) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with Shapes():
+        got = A.causal(*(t.to(DEVICE, dtype) for t in (q, k, v)), None, 512)
+    if ON_GPU:  # (on the CPU stand-in, torch's lower-right bias is a mask)
+        assert (256, 768) not in shapes, shapes
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.double().cpu() - want).abs().max().item() <= tol * want.abs().max().item()

@@ -16,7 +16,7 @@ ROWS, T, V = 4, 16, 128
 CASES = {  # world size -> (mesh, zero, remat, accum_steps, param_dtype)
     1: [({}, 0, False, 1, None), ({}, 0, True, 2, None), ({}, 1, False, 1, torch.bfloat16)],
     2: [({"dp": 2}, 1, False, 1, None), ({"dp": 2}, 2, False, 2, None), ({"dp": 2}, 3, False, 1, None),
-        ({"dp": 2}, 2, True, 2, torch.bfloat16)],
+        ({"dp": 2}, 2, True, 2, torch.bfloat16), ({"cp": 2}, 1, False, 1, None)],
     4: [({"tp": 2, "dp": 2}, 1, True, 1, None), ({"tp": 2, "dp": 2}, 3, False, 2, None)],
 }
 
@@ -30,7 +30,7 @@ def _step(mesh, zero, remat, accum, dtype=None):
     model, cfg = fp.get_model("llama"), _config(mesh)
     return fp.compile_step(model.loss_fn(cfg, mesh, remat=remat), model.specs(cfg, mesh), mesh=mesh,
                            optimizer=fp.optim.adamw(1e-2, weight_decay=0.1), zero=zero, accum_steps=accum,
-                           clip_norm=0.5, param_dtype=dtype)
+                           clip_norm=0.5, param_dtype=dtype, data_axes=("dp", "cp") if "cp" in mesh.axis_names else ("dp",))
 
 
 def _batch(device):
@@ -150,3 +150,27 @@ def test_the_plan_sees_sequence_parallelism_hold_fewer_activations_for_the_same_
         assert abs(out[tp, True]["traffic"]["tp"] - out[tp, False]["traffic"]["tp"]) <= 0.01 * out[tp, False]["traffic"]["tp"]
     saved = {tp: out[tp, False]["activations"] - out[tp, True]["activations"] for tp in (2, 4)}
     assert saved[4] > saved[2]
+
+
+def test_the_plan_sees_context_parallelism_divide_the_activations_and_ranks_cp_meshes():
+    """At 256 positions the planned activations per rank fall with cp (each rank's queries are T/cp positions; the
+    chunks attend without a (T/cp, T) mask), and a ranking over 4 devices with cp candidates traces dp x cp x tp."""
+    def build(axes, zero):
+        mesh = fp.Mesh.abstract(**axes)
+        model, cfg = fp.get_model("llama"), _config(mesh)
+        return model, cfg, _step(mesh, zero, False, 1), 1, 256
+
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
+    acts = []
+    for cp in (1, 2, 4):
+        mesh = fp.Mesh.abstract(**({"cp": cp} if cp > 1 else {}))
+        step = _step(mesh, 0, False, 1)
+        plan = trace_step(step, local_params(llama.init(_config(mesh), device="meta"), step.specs, mesh),
+                          {"input_ids": ids, "labels": ids})
+        acts.append(plan["activations"])
+    assert acts[1] < 0.6 * acts[0] and acts[2] < 0.6 * acts[1], acts
+    rows = rank_meshes(build, 4, float("inf"), zeros=(1,), context=True)
+    assert sorted(tuple(r["axes"].items()) for r in rows) == sorted(
+        [(("dp", 4), ("tp", 1)), (("dp", 2), ("cp", 2), ("tp", 1)), (("dp", 1), ("cp", 4), ("tp", 1)),
+         (("dp", 2), ("tp", 2)), (("dp", 1), ("cp", 2), ("tp", 2)), (("dp", 1), ("tp", 4))])
+    assert all("need" in r for r in rows)
