@@ -269,12 +269,12 @@ def _step_parts(opts, model, cfg, mesh):
         raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
                          f"checkpointing); train it without --remat")
     if opts["sequence_parallel"] and not model.sequence_parallel:
-        raise SystemExit(f"funcpar: --sequence-parallel is not supported by model '{model.name}' yet (llama, mistral, "
-                         f"qwen2 and gpt2 have it); train it without --sequence-parallel")
+        raise SystemExit(f"funcpar: --sequence-parallel is not supported by model '{model.name}' yet ("
+                         f"{_having('sequence_parallel')} have it); train it without --sequence-parallel")
     cp = mesh.axis_size("cp") if "cp" in mesh.axis_names else 1
     if cp > 1 and not model.context_parallel:
         raise SystemExit(f"funcpar: --mesh cp={cp} (context parallelism) is not supported by model '{model.name}' "
-                         f"yet (the llama family has it)")
+                         f"yet ({_having('context_parallel')} have it)")
     if opts["cp_layout"] not in CONTEXT_LAYOUTS:
         raise SystemExit(f"funcpar: unknown --cp-layout '{opts['cp_layout']}' ({', '.join(CONTEXT_LAYOUTS)})")
     pieces = 2 * cp if opts["cp_layout"] == "zigzag" else cp
@@ -289,6 +289,11 @@ def _step_parts(opts, model, cfg, mesh):
         mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
         clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]],
         data_axes=("dp", "cp") if cp > 1 else ("dp",))  # (cp: every rank a chunk of each sequence, its sums partial)
+
+
+def _having(capability: str) -> str:
+    """The model types whose models have ``capability`` (a :class:`funcpar.ModelSpec` flag), for a message."""
+    return ", ".join(sorted(t for t, m in fp.known_models().items() if getattr(m, capability)))
 
 
 def build_step(opts, model, cfg, mesh, specs) -> fp.Step:

@@ -247,7 +247,13 @@ def _exchange(x: torch.Tensor, mesh, ep: int) -> torch.Tensor:
 
 def _moe(p, x: torch.Tensor, cfg: Config, mesh):
     """The sparse MoE block on this rank's tokens ``x`` (B, T, d), experts over ep (see the module docstring);
-    returns the output (B, T, d) and the load-balancing statistics of :func:`_route`."""
+    returns the output (B, T, d) and the load-balancing statistics of :func:`_route`. Under sequence parallelism
+    ``x`` is this tp rank's block (B, T/tp, d): the blocks are gathered (each rank then routes every token, as
+    without it; its input gradient is already whole on every rank, so the backward keeps this rank's block) and
+    the output split back (the MoE's activations are not divided: the norms and residuals around it are)."""
+    if L.sequence_parallel(mesh):  # x: this tp rank's block of the sequence; router and experts see every block
+        out, counts, prob_sum = _moe(p, C.gather_from_region(x, mesh, "tp", 1), cfg, mesh.with_sequence_parallel(False))
+        return C.scatter_to_region(out, mesh, "tp", 1), counts, prob_sum  # (B, T/tp, d): this rank's block again
     B, T, d = x.shape
     E, k, ep = cfg.num_local_experts, cfg.num_experts_per_tok, _size(mesh, "ep")
     h = x.reshape(B * T, d)  # (N, d)
@@ -270,7 +276,7 @@ def _moe(p, x: torch.Tensor, cfg: Config, mesh):
 
 def _layer(lp, x, cos, sin, cfg: Config, mesh):
     x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps, mesh)
-    y, counts, prob_sum = _moe(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
+    y, counts, prob_sum = _moe(lp, L.rms_norm(x, L.sequence_shared(lp["mlp_norm"], mesh), cfg.rms_norm_eps), cfg, mesh)
     return x + y, counts, prob_sum
 
 
@@ -348,12 +354,12 @@ def _staged_embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _attention_half(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
-    cos, sin = _rope_cos_sin(cfg, x.shape[1], x.device, x.dtype)  # (T, hd)
+    cos, sin = _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device, x.dtype)  # (T, hd)
     return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps, mesh)
 
 
 def _moe_half(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
-    return x + _moe(lp, L.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)[0]
+    return x + _moe(lp, L.rms_norm(x, L.sequence_shared(lp["mlp_norm"], mesh), cfg.rms_norm_eps), cfg, mesh)[0]
 
 
 def _staged_block(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
@@ -371,5 +377,5 @@ STAGES = fp.Stages(_staged_embed, _staged_block, _staged_head, embed_leaves=lamb
 
 MODEL = fp.register_model(fp.ModelSpec(
     name="mixtral", model_types=("mixtral",), Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, stages=STAGES,
+    hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, stages=STAGES, sequence_parallel=True,
 ))

@@ -236,3 +236,18 @@ def train_saving(step, state, batches: list, mesh, folder: str, save_after: int 
         if i == save_after:
             step.save(folder, state)
     return state, losses
+
+
+def assert_same_training(got: tuple, want: tuple, rel: float = 1e-5) -> None:
+    """``got`` and ``want`` are ``(losses, params)`` of two trainings of the same model: each loss within ``rel`` of
+    the reference's, and the parameters' difference (as one vector) within ``rel`` of the reference's norm."""
+    import math
+
+    import funcpar as fp
+
+    (losses, params), (ref_losses, ref) = got, want
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= rel * abs(b), (losses, ref_losses)
+    pairs = list(zip(fp.tree.leaves_with_path(params), fp.tree.leaves_with_path(ref), strict=True))
+    diff = math.sqrt(sum((x - y).pow(2).sum().item() for (_, x), (_, y) in pairs))
+    assert diff <= rel * math.sqrt(sum(y.pow(2).sum().item() for _, (_, y) in pairs)), diff

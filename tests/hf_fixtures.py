@@ -75,3 +75,17 @@ def folder_tensors(folder) -> dict:
         if f.endswith(".safetensors"):
             out.update(load_file(os.path.join(folder, f)))
     return out
+
+
+def config_dict(name: str) -> dict:
+    """A test-sized ``config.json`` dict of a model: :data:`CONFIGS`' through transformers, and GLM's and
+    Baichuan2's as their own tests write them."""
+    if name == "glm":
+        from test_glm import CONFIGS as GLM
+
+        return GLM["glm"]().to_dict()
+    if name == "baichuan":
+        from test_baichuan import published_config
+
+        return published_config()
+    return CONFIGS[name]().to_dict()
