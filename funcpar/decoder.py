@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as A
+from . import collectives as C
+from . import headloss as HL
 from . import layers as L
 from .spec import P
 
@@ -111,6 +113,34 @@ def rms_head_logits(params, x: torch.Tensor, cfg, mesh) -> torch.Tensor:
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     norm = L.sequence_shared(params["norm"], mesh)
     return L.column_parallel(L.rms_norm(x, norm, cfg.rms_norm_eps), [head], mesh)[0]
+
+
+def rms_head_loss(params, x: torch.Tensor, batch: dict, cfg, mesh, reduction: str = "mean") -> torch.Tensor:
+    """:func:`lm_loss` of :func:`rms_head_logits`, through :func:`head_loss` (the logits never held)."""
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    x = L.rms_norm(x, L.sequence_shared(params["norm"], mesh), cfg.rms_norm_eps)
+    return head_loss(x, head, batch, cfg, mesh, reduction)
+
+
+def head_loss(x: torch.Tensor, head, batch: dict, cfg, mesh, reduction: str = "mean") -> torch.Tensor:
+    """transformers' ``labels=`` loss of the vocab-parallel head ``head`` (this rank's rows, (V/tp, d)) on the final
+    states ``x`` (B, T, d), or this rank's block of the sequence under sequence parallelism: :func:`lm_loss` of
+    ``x @ head.T``, computed by :func:`funcpar.headloss.head_loss` in row chunks without holding the logits (each
+    counted target weighted 1/count for ``"mean"``, 1 for ``"sum"``). A head that is not a plain tensor (LoRA's
+    :class:`funcpar.lora.LoraWeight`) and ``FUSED_HEAD = False`` take the unfused composition."""
+    if not FUSED_HEAD or not isinstance(head, torch.Tensor):
+        return lm_loss(L.column_parallel(x, [head], mesh)[0], batch, cfg, mesh, reduction)
+    targets = L.context_chunk(L.shifted_targets(batch.get("labels", batch["input_ids"]), batch.get("loss_mask")),
+                              mesh)  # (B, T): the label each position predicts (this cp rank's pieces)
+    valid = targets != L.IGNORE_INDEX
+    weights = valid.float() / valid.sum().clamp(min=1) if reduction == "mean" else valid.float()
+    # the states, replicated over tp (gathered along the sequence under sequence parallelism); backward: summed
+    x = C.all_gather(x, mesh, "tp", 1) if L.sequence_parallel(mesh) else C.copy_to_region(x, mesh, "tp")
+    return HL.head_loss(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1), weights.reshape(-1), mesh, "tp",
+                        cfg.vocab_size)
+
+
+FUSED_HEAD = True  # the models' losses through head_loss's fused path (False: the logits, then lm_loss)
 
 
 def lm_loss(logits: torch.Tensor, batch: dict, cfg, mesh, reduction: str = "mean") -> torch.Tensor:

@@ -223,7 +223,8 @@ def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    return D.lm_loss(_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+    x = L.rms_norm(x, L.sequence_shared(params["norm"], mesh), cfg.rms_norm_eps)
+    return D.head_loss(x, F.normalize(params["lm_head"], dim=-1), batch, cfg, mesh, reduction)  # NormHead
 
 
 STAGES = fp.Stages(D.embed, _block, _head, embed_leaves=lambda cfg: ["embed"],

@@ -260,7 +260,8 @@ def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    return D.lm_loss(_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+    return D.head_loss(_layer_norm(x, params["ln_f_w"], params["ln_f_b"], cfg), params["wte"], batch, cfg, mesh,
+                       reduction)
 
 
 def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:

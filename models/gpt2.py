@@ -215,7 +215,8 @@ def _head_logits(params, x: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    return D.lm_loss(_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+    return D.head_loss(_norm(x, params["ln_f_w"], params["ln_f_b"], cfg, mesh), params["wte"], batch, cfg, mesh,
+                       reduction)
 
 
 STAGES = fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["wte", "wpe"],

@@ -262,7 +262,7 @@ def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    return D.lm_loss(D.rms_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+    return D.rms_head_loss(params, x, batch, cfg, mesh, reduction)
 
 
 STAGES = fp.Stages(D.embed, _block, _head, embed_leaves=lambda cfg: ["embed"],

@@ -331,7 +331,7 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", aux: b
     the load-balancing term is added as it is."""
     tokens = batch["input_ids"]
     x, counts, prob_sum = _trunk(params, tokens, cfg, mesh)
-    ce = D.lm_loss(D.rms_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+    ce = D.rms_head_loss(params, x, batch, cfg, mesh, reduction)
     if not (cfg.output_router_logits if aux is None else aux):
         return ce
     rows = tokens.numel() * cfg.num_hidden_layers
@@ -367,7 +367,7 @@ def _staged_block(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tenso
 
 
 def _staged_head(params, x: torch.Tensor, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> torch.Tensor:
-    return D.lm_loss(D.rms_head_logits(params, x, cfg, mesh), batch, cfg, mesh, reduction)
+    return D.rms_head_loss(params, x, batch, cfg, mesh, reduction)
 
 
 STAGES = fp.Stages(_staged_embed, _staged_block, _staged_head, embed_leaves=lambda cfg: ["embed"],
