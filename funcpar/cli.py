@@ -29,7 +29,8 @@ from funcpar.preflight import check_run, claim_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (build_lora, build_params, build_step, datasets, model_config, parse_mesh, read_options,
                              tokenizer)
-from funcpar.planning import params_like, print_plan, print_ranking, rank_meshes, sharding_table
+from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
+                              rank_meshes, sharding_table)
 from funcpar.plot import plot_metrics
 
 
@@ -291,8 +292,23 @@ def plan(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False, allow_abbrev=False)  # (--device is not --devices)
     ap.add_argument("--devices", type=int)
     ap.add_argument("--memory", type=float, default=float("inf"))
+    ap.add_argument("--gpu", choices=sorted(GPUS))
+    ap.add_argument("--links", default="nvlink,ib400")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--efficiency", type=float, default=MEASURED_EFFICIENCY)
     ranking, rest = ap.parse_known_args(argv)
-    opts = read_options(rest, "plan", epilog="plan also takes --devices N --memory GiB: rank the meshes that fit")
+    opts = read_options(rest, "plan", epilog=(
+        "plan also takes --devices N --memory GiB: rank the meshes that fit; --gpu h100|h200|a100 [--links "
+        f"INTRA,INTER of {','.join(LINKS)}] [--gpus-per-node 8] [--efficiency {MEASURED_EFFICIENCY}]: estimate "
+        "each step's time on such GPUs (docs/MEASUREMENTS.md: the model and its check)"))
+    links = tuple(ranking.links.split(","))
+    if len(links) != 2 or any(x not in LINKS for x in links):
+        raise SystemExit(f"funcpar: --links takes two of {', '.join(LINKS)} (within a node, between nodes), not "
+                         f"'{ranking.links}'")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts["precision"])
+
+    def estimate(row, axes, step=None):
+        return estimate_time(row, axes, ranking.gpu, links, ranking.gpus_per_node, dtype, ranking.efficiency)
 
     def build(axes, zero):
         # the device rank 0 of this mesh would get here (auto: cuda when this node has a GPU for each rank); the
@@ -312,13 +328,17 @@ def plan(argv: list[str]) -> None:
     if ranking.devices:
         memory = ranking.memory * 2**30
         context = model_config(opts["model"], None)[0].context_parallel  # cp candidates: where the model has it
-        print_ranking(rank_meshes(build, ranking.devices, memory, context=context), ranking.devices, memory)
+        rows = rank_meshes(build, ranking.devices, memory, context=context,
+                           estimate=estimate if ranking.gpu else None)
+        print_ranking(rows, ranking.devices, memory)
         return
     try:
         model, cfg, step, rows, seq_len = build(parse_mesh(opts["mesh"]), opts["zero"])
     except ValueError as e:
         raise SystemExit(f"funcpar: {e}") from None
-    print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len)
+    axes = parse_mesh(opts["mesh"])
+    print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len,
+               (lambda row, step: estimate(row, axes)) if ranking.gpu else None)
 
 
 def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:

@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from . import attention as A
+from .mesh import STANDARD_AXES
 from .spec import broadcast_specs, local_shape
 
 __all__ = ["params_like", "local_params", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan",
@@ -109,9 +111,10 @@ def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None) -> d
     return out
 
 
-def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int) -> None:
+def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int, estimate=None) -> None:
     """Print what ``funcpar plan`` shows: the parameter count, the sharding table, and per rank the memory of the
-    parameters, gradients and optimizer state, the activations and the peak of a step (traced), and the traffic."""
+    parameters, gradients and optimizer state, the activations and the peak of a step (traced), and the traffic;
+    with ``estimate(row, step)`` (:func:`estimate_time`'s dict), the step's estimated time."""
     from .tree import leaves_with_path
 
     mesh = step.mesh
@@ -133,7 +136,12 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
            if t["eager_trace"] else "")
     print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): {acts}peak "
           f"{_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])} per rank{how}; "
-          f"sends {_traffic(t['traffic'])} per step")
+          f"sends {_traffic(t['traffic'])} per step; {t['flops'] / 1e12:,.3f} TFLOP per step per rank")
+    if estimate is not None:
+        e = estimate(t, step)
+        comm = ", ".join(f"{a} {s:.3f} s" for a, s in e["comm"].items()) or "none"
+        print(f"estimated step: {e['step']:.3f} s (compute {e['compute']:.3f} s, communication {comm}); "
+              f"{rows * seq_len * step.accum_steps / e['step']:,.0f} tokens/s per rank. Assumed: {e['assumptions']}")
 
 
 def candidate_meshes(devices: int, context: bool = False) -> list[dict[str, int]]:
@@ -146,11 +154,13 @@ def candidate_meshes(devices: int, context: bool = False) -> list[dict[str, int]
     return out
 
 
-def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False) -> list[dict[str, Any]]:
+def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False,
+                estimate=None) -> list[dict[str, Any]]:
     """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too: :func:`candidate_meshes`) at
     each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows, seq_len)`` or raises ``ValueError``
-    naming why that mesh cannot run. The ones whose peak (with the runtime) fits in ``memory`` bytes come first,
-    fewest bytes sent per step first (then lowest peak)."""
+    naming why that mesh cannot run. The ones whose peak (with the runtime) fits in ``memory`` bytes come first:
+    fastest first by ``estimate(row, axes, step)`` (:func:`estimate_time`'s dict, kept as ``row["time"]``) when
+    given, else fewest bytes sent per step first (then lowest peak)."""
     out = []
     for axes in candidate_meshes(devices, context):
         for zero in zeros:
@@ -160,24 +170,74 @@ def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bo
                 row |= trace_plan(model, cfg, step, rows, seq_len)
                 row["need"] = row["peak"] + row["runtime"]
                 row["fits"] = row["need"] <= memory
+                if estimate is not None:
+                    row["time"] = estimate(row, axes, step)
             except ValueError as e:
                 row |= {"fits": False, "why": str(e)}
             out.append(row)
-    return sorted(out, key=lambda r: (not r["fits"], "why" in r, sum(r.get("traffic", {}).values()),
-                                      r.get("need", 0)))
+    return sorted(out, key=lambda r: (not r["fits"], "why" in r, r["time"]["step"] if "time" in r else 0,
+                                      sum(r.get("traffic", {}).values()), r.get("need", 0)))
+
+
+# ------------------------------------------------------------------------------------ a step's time on paper
+# Datasheet matmul rates (dense, FLOP/s) and memory. fp32 is the CUDA cores' rate: torch leaves TF32 off for matmuls.
+GPUS = {
+    "h100": {"name": "NVIDIA H100 SXM", "bf16": 989e12, "fp32": 67e12, "memory": 80 * 2**30},
+    "h200": {"name": "NVIDIA H200 SXM", "bf16": 989e12, "fp32": 67e12, "memory": 141e9},
+    "a100": {"name": "NVIDIA A100 SXM", "bf16": 312e12, "fp32": 19.5e12, "memory": 80 * 2**30},
+}
+# Bytes per second one GPU sends over a link in a collective: what NCCL reaches (its bus bandwidth), not the
+# datasheet (NVLink 4: 450 GB/s a direction, ~360 GB/s reached; a 400 Gb/s NIC per GPU: 50 GB/s, ~45 reached).
+LINKS = {"nvlink": 360e9, "nvlink3": 240e9, "ib400": 45e9, "ib200": 22e9, "eth100": 11e9}
+# funcpar's compiled step on one H100 at the Llama-3.2-1B shape (issue 44: 0.156 s for 4 x 2048 tokens, bf16):
+# its traced FLOPs over that time, as a fraction of the datasheet's bf16 rate (bench/multi_gpu_estimate.py).
+MEASURED_EFFICIENCY = 0.41
+
+
+def estimate_time(row: dict[str, Any], axes: dict[str, int], gpu: str, links: tuple[str, str],
+                  gpus_per_node: int = 8, dtype: torch.dtype | None = None,
+                  efficiency: float = MEASURED_EFFICIENCY) -> dict[str, Any]:
+    """A step's seconds on a mesh of GPUs of kind ``gpu`` (:data:`GPUS`), from a plan ``row`` (:func:`trace_plan`:
+    this rank's ``flops`` and the bytes each axis sends, ``traffic``): the FLOPs at ``efficiency`` of the datasheet
+    rate for ``dtype`` (bf16/fp16: the tensor cores'; else fp32's), plus each axis's bytes over the link it crosses
+    (``links``: within a node, between nodes; an axis is within a node when it and the axes inside it, in the mesh's
+    order, span at most ``gpus_per_node`` ranks), with no overlap of the two (funcpar overlaps only tp's backward
+    all-reduce with the weight gradients). Returns ``compute`` and ``comm`` (by axis) seconds, their sum ``step``, and
+    the assumptions in words (``assumptions``)."""
+    kind = GPUS[gpu]
+    rate = kind["bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"] * efficiency
+    order = [a for a in ("pp", "dp", *[a for a in axes if a not in STANDARD_AXES], "tp") if a in axes]
+    comm = {}
+    for i, a in enumerate(order):
+        span = math.prod(axes[b] for b in order[i:])
+        link = links[0] if span <= gpus_per_node else links[1]
+        if row["traffic"].get(a):
+            comm[a] = (row["traffic"][a] / LINKS[link], link)
+    compute = row["flops"] / rate
+    step = compute + sum(t for t, _ in comm.values())
+    said = (f"{kind['name']}: {rate / 1e12:.0f} TFLOP/s ({efficiency:.0%} of {rate / efficiency / 1e12:.0f}), "
+            + ", ".join(f"{a} over {link} at {LINKS[link] / 1e9:.0f} GB/s" for a, (_, link) in comm.items())
+            + f"; {gpus_per_node} GPUs a node; no overlap of compute and communication")
+    return {"compute": compute, "comm": {a: t for a, (t, _) in comm.items()}, "step": step, "assumptions": said}
 
 
 def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float) -> None:
-    print(f"meshes of {devices} devices with {memory / 2**30:g} GiB each (fits first, then fewest bytes sent):")
-    print(f"{'mesh':<16} {'zero':>4} {'peak/rank':>12} {'activations':>12}  {'sends per step':<30} fits")
+    timed = any("time" in r for r in rows)
+    order = "then fastest by the estimate" if timed else "then fewest bytes sent"
+    print(f"meshes of {devices} devices with {memory / 2**30:g} GiB each (fits first, {order}):")
+    print(f"{'mesh':<16} {'zero':>4} {'peak/rank':>12} {'activations':>12}  {'sends per step':<30} fits"
+          + ("  est. s/step" if timed else ""))
     for r in rows:
         mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
         if "why" in r:
-            print(f"{mesh:<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why'][:60]}")
+            print(f"{mesh:<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why']}")
             continue
         need = ("~" if r["eager_trace"] else "") + _mib(r["need"])  # (a compiled step: its eager trace's figure)
+        est = f"  {r['time']['step']:.3f}" if "time" in r else ""
         print(f"{mesh:<16} {r['zero']:>4} {need:>12} {_mib(r['activations']):>12}  "
-              f"{_traffic(r['traffic']):<30} {'yes' if r['fits'] else 'no'}")
+              f"{_traffic(r['traffic']):<30} {'yes' if r['fits'] else 'no '}{est}")
+    if timed:
+        print("the estimate, for the first mesh: " + next(r["time"]["assumptions"] for r in rows if "time" in r))
 
 
 # ------------------------------------------------------------------------------------------ tracing a step on meta
@@ -200,7 +260,7 @@ class MemoryTrace(TorchDispatchMode):
         super().__init__()
         self.device = torch.device(device).type
         self.live = self.peak = self.late = 0
-        self.phase, self.peaks = "setup", {}
+        self.phase, self.peaks, self.flops = "setup", {}, {}
         self._seen: set[int] = set()
         self._lock, self._thread = threading.RLock(), threading.get_ident()  # frees come from gloo's threads too
 
@@ -243,7 +303,29 @@ class MemoryTrace(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.device.type == self.device:
                 self._track(t)
+        self.flops[self.phase] = self.flops.get(self.phase, 0) + _flops(func, args, kwargs, out)
         return out
+
+
+def _flops(func, args, kwargs, out) -> float:
+    """The floating-point operations of one operator call: torch's count (:mod:`torch.utils.flop_counter`: matmuls,
+    convolutions, CUDA attention kernels), and torch's CPU flash attention (forward 4·B·H·Tq·Tk·D, half of it when
+    causal: the kernel skips the masked blocks; backward 2.5x the forward, as torch counts flash's)."""
+    packet = func.overloadpacket
+    if packet in _CPU_FLASH:
+        q, k = args[1:3] if packet is _CPU_FLASH[1] else args[:2]
+        causal = (args[7] if packet is _CPU_FLASH[1] else (args[4] if len(args) > 4 else kwargs.get("is_causal")))
+        B, H, Tq, D = q.shape
+        fwd = 4 * B * H * Tq * k.shape[-2] * D * (0.5 if causal and Tq == k.shape[-2] else 1)
+        return fwd * (2.5 if packet is _CPU_FLASH[1] else 1)
+    count = flop_registry.get(packet)
+    if count is None and str(packet).endswith("_"):  # an in-place variant (addmm_, baddbmm_): its out-of-place count
+        count = flop_registry.get(getattr(torch.ops.aten, str(packet).split(".")[-1][:-1], None))
+    return float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
+
+
+_CPU_FLASH = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 
 
 def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dict[str, Any]:
@@ -253,7 +335,8 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
     ``activations`` (what the forward of one micro-batch keeps for the backward), ``step_peak`` (the most live at
     any point of a step, transients included), ``peak`` (the same over ``init`` too: the parameters and their copy
     into the step's buffers), ``traffic`` (bytes this rank sends per step, by mesh axis) and ``late``
-    (:class:`MemoryTrace`: on a real mesh, the largest buffer the transport's own thread released; 0 on meta).
+    (:class:`MemoryTrace`: on a real mesh, the largest buffer the transport's own thread released; 0 on meta);
+    and ``flops``, the floating-point operations of one step on this rank (:func:`_flops`).
 
     ``device="cpu"`` traces a real step on a real mesh the same way (params and batch real): what the tests compare
     the plan with."""
@@ -278,7 +361,8 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
             state, _ = step(state, batch)
         peak = max(v for phase, v in tr.peaks.items() if phase != "probe")
         return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": peak,
-                "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late}
+                "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late,
+                "flops": tr.flops.get("step", 0.0) / steps}
 
 
 class _fused_attention_on_meta:

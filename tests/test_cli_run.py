@@ -381,3 +381,17 @@ def test_plan_ranks_cp_meshes_and_names_the_ones_seq_len_rules_out(capsys):
     out = capsys.readouterr().out
     assert any(line.startswith("dp=2,cp=2,tp=1") and line.endswith("yes") for line in out.splitlines()), out
     assert "dp=1,cp=4,tp=1      1            -            -  --mesh cp=4 splits each sequence into 8 pieces" in out
+
+
+def test_plan_estimates_a_steps_time_on_named_gpus_and_says_what_it_assumed(capsys):
+    from funcpar import cli
+
+    cli.plan(["--model", "llama-micro", "--mesh", "dp=2,tp=2", "--global-batch", "4", "--precision", "bf16",
+              "--gpu", "h100", "--links", "nvlink,ib400"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("estimated step: "))
+    assert "compute" in line and "dp " in line and "tp " in line and "tokens/s per rank" in line, line
+    assert "NVIDIA H100 SXM: 405 TFLOP/s (41% of 989)" in line and "dp over nvlink" in line, line
+    with pytest.raises(SystemExit, match=r"^funcpar: --links takes two of nvlink, nvlink3, ib400, ib200, eth100 "
+                                         r"\(within a node, between nodes\), not 'nvlink'$"):
+        cli.plan(["--model", "llama-micro", "--gpu", "h100", "--links", "nvlink"])

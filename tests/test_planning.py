@@ -174,3 +174,26 @@ def test_the_plan_sees_context_parallelism_divide_the_activations_and_ranks_cp_m
         [(("dp", 4), ("tp", 1)), (("dp", 2), ("cp", 2), ("tp", 1)), (("dp", 1), ("cp", 4), ("tp", 1)),
          (("dp", 2), ("tp", 2)), (("dp", 1), ("cp", 2), ("tp", 2)), (("dp", 1), ("tp", 4))])
     assert all("need" in r for r in rows)
+
+
+def test_the_step_time_model_adds_compute_and_each_axis_over_its_link():
+    """estimate_time: the traced FLOPs at the efficiency of the datasheet rate for the dtype, plus each axis's bytes
+    over NVLink when it and the axes inside it span a node, over the network otherwise; the traced FLOPs of a
+    step are the model's 6·N per token (no embedding matmul) plus the attention's."""
+    from funcpar.planning import GPUS, LINKS, estimate_time
+
+    row = {"flops": 4e14, "traffic": {"dp": 9e9, "tp": 36e9}}
+    e = estimate_time(row, {"dp": 4, "tp": 4}, "h100", ("nvlink", "ib400"), 8, torch.bfloat16, 0.5)
+    assert e["compute"] == 4e14 / (0.5 * GPUS["h100"]["bf16"])
+    assert e["comm"] == {"tp": 36e9 / LINKS["nvlink"], "dp": 9e9 / LINKS["ib400"]}  # dp x tp spans 16 > 8
+    assert e["step"] == pytest.approx(e["compute"] + e["comm"]["tp"] + e["comm"]["dp"], rel=1e-12)
+    assert "dp over ib400" in e["assumptions"] and "tp over nvlink" in e["assumptions"]
+    inside = estimate_time(row, {"dp": 2, "tp": 4}, "h100", ("nvlink", "ib400"), 8, torch.float32, 0.5)
+    assert inside["comm"]["dp"] == 9e9 / LINKS["nvlink"] and inside["compute"] == 4e14 / (0.5 * 67e12)
+    mesh = fp.Mesh.abstract()
+    cfg = _config(mesh)
+    step = _step(mesh, 0, False, 1)
+    flops = trace_step(step, local_params(llama.init(cfg, device="meta"), step.specs, mesh), _batch("meta"))["flops"]
+    n = sum(x.numel() for x in optree.tree_leaves(llama.init(cfg, device="meta"))) - V * 64  # (no embedding matmul)
+    attention = 3 * 3.5 * 4 * ROWS * 4 * T * T * 16 * 0.5  # 3 layers, fwd + 2.5x bwd, 4 heads of 16, causal half
+    assert flops == pytest.approx(6 * n * ROWS * T + attention, rel=0.02)
