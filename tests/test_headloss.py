@@ -5,7 +5,6 @@ padded vocabulary, ignored targets, either reduction, in bfloat16 too, vocab-par
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcpar as fp
