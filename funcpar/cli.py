@@ -27,8 +27,8 @@ from funcpar.mesh import resolve_device
 from funcpar.generate import show_arithmetic
 from funcpar.preflight import check_run, claim_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
-from funcpar.options import (build_lora, build_params, build_step, datasets, model_config, parse_mesh, read_options,
-                             tokenizer)
+from funcpar.options import (build_lora, build_params, build_step, datasets, lora_parts, model_config, parse_mesh,
+                             read_options, tokenizer)
 from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
                               rank_meshes, sharding_table)
 from funcpar.plot import plot_metrics
@@ -258,14 +258,33 @@ def _finish(run: _Run) -> None:
 ANSWER_CHECK_STEPS = 100
 
 
+def _preflight(opts, sizes) -> None:
+    """What every rank would check before its first step, checked once here, before the ranks start, so that a
+    mistake is one line within seconds rather than after every rank has loaded torch and built its mesh: the
+    options, the model on the mesh (heads, vocabulary, layers over pp), the tokenizer and the data (read and
+    tokenized, as each rank then does), the batch arithmetic, and an --out that holds another run."""
+    mesh = fp.Mesh.abstract(**sizes)
+    model, cfg = model_config(opts["model"], mesh)
+    specs = model.specs(cfg, mesh)
+    if opts["lora"]:
+        lora_parts(opts, model, cfg, mesh, specs)
+    else:
+        build_step(opts, model, cfg, mesh, specs)
+    data, train_data, eval_data = datasets(opts, cfg)
+    check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)
+    if not opts["overwrite"]:
+        claim_out(Path(opts["out"]), opts["resume"], False)
+
+
 def train(argv: list[str]) -> None:
     """Train a model on a mesh (starting the ranks here unless under torchrun), then export it."""
     opts = read_options(argv, "train")
     sizes = parse_mesh(opts["mesh"])
     nproc = math.prod(sizes.values()) if sizes else 1
     if "RANK" not in os.environ and nproc > 1:
-        # the ranks start here, all on this node: a device they cannot have is refused now, auto's choice is made
-        # (and said) once, and the ranks are told it
+        # the ranks start here, all on this node: what they would refuse is refused now, before any starts; a
+        # device they cannot have too; auto's choice is made (and said) once, and the ranks are told it
+        _preflight(opts, sizes)
         device, why_not_gpu = resolve_device(opts["device"], local_rank=0, local_world=nproc)
         if why_not_gpu:
             print(f"funcpar: warning: the ranks run on the CPU: {why_not_gpu}", flush=True)

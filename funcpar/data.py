@@ -6,7 +6,10 @@ by blank lines):
 
 - ``{"type": "pretrain", "text": ...}`` (also a bare ``{"text": ...}``): loss on every token;
 - ``{"type": "instruct", "instruct": ..., "input": ... (optional), "output": ...}``: loss on the output only;
-- ``{"type": "conversation", "rounds": [["ask", ...], ["ans", ...], ...]}``: loss on the ``ans`` turns only;
+- ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`` (TRL's, axolotl's, torchtune's) or
+  ``{"type": "conversation", "rounds": [["ask"|"user", ...], ["ans"|"assistant", ...], ...]}``: loss on the
+  assistant turns only, through the tokenizer's chat template when it has one (``System:``/``User:``/``Assistant:``
+  lines otherwise);
 - ``{"type": "ref_qa", "reference": ..., "rounds": [...]}``: a reference text, then a conversation.
 
 A sample becomes token ids and a loss mask; ids end with EOS. Batches are ``{"input_ids", "labels"}`` with
@@ -77,6 +80,9 @@ class ByteTokenizer:
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model")  # (or *.model)
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer folder (``tokenizer.json`` etc.), loaded with ``transformers``.
 
@@ -86,7 +92,22 @@ class HFTokenizer:
     def __init__(self, path: str | os.PathLike, chat_template: bool = True):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(path))
+        if not Path(path).is_dir():
+            raise DataError(f"--tokenizer {path}: no such folder (give a folder with an HF tokenizer's files, or "
+                            f"'byte')")
+        files = sorted(p.name for p in Path(path).iterdir() if p.is_file())
+        empty = DataError(f"--tokenizer {path} holds no tokenizer: it would encode every text to nothing (the folder "
+                          f"has {', '.join(files[:8]) or 'no files'}{' ...' if len(files) > 8 else ''}; a tokenizer "
+                          f"is tokenizer.json, or tokenizer.model or vocab files, beside tokenizer_config.json). Give "
+                          f"the folder the tokenizer was saved to")
+        if not any(f in _TOKENIZER_FILES or f.endswith((".tiktoken", ".model")) for f in files):
+            raise empty
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(path))
+        except (ValueError, OSError) as e:  # (a missing converter package, a broken file)
+            raise DataError(f"--tokenizer {path}: transformers cannot load it: {str(e).splitlines()[0]}") from None
+        if len(self.tok) == 0 or not self.tok.encode("Hello, world", add_special_tokens=False):
+            raise empty
         self.chat = chat_template and bool(getattr(self.tok, "chat_template", None))
         self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else 0
         self.bos_id = self.tok.bos_token_id
@@ -130,25 +151,54 @@ def _need(sample: dict, key: str, where: str, kind: type = str):
     return sample[key]
 
 
-def _rounds(sample: dict, where: str) -> list[tuple[str, bool]]:
-    rounds = _need(sample, "rounds", where, list)
-    out = []
-    for k, r in enumerate(rounds):
-        if not (isinstance(r, (list, tuple)) and len(r) == 2 and r[0] in ("ask", "ans") and isinstance(r[1], str)):
-            raise DataError(f"{where}: round {k} must be [\"ask\"|\"ans\", text], got {r!r}")
-        role, text = r
-        if role == "ask":
-            out.append((f"User: {text}\n", False))
+ROLES = {"ask": "user", "user": "user", "ans": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _chat(sample: dict, where: str) -> list[dict]:
+    """The turns of a chat sample as ``[{"role": "system"|"user"|"assistant", "content": text}, ...]``: its
+    ``messages`` (TRL's, axolotl's and torchtune's format: a list of ``{"role", "content"}`` objects) or its
+    ``rounds`` (``[role, text]`` pairs, role ``ask``/``user``, ``ans``/``assistant`` or ``system``); at least one
+    assistant turn."""
+    if "messages" in sample:
+        turns = _need(sample, "messages", where, list)
+        for k, m in enumerate(turns):
+            if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+                raise DataError(f"{where}: message {k} must be {{\"role\": \"system\"|\"user\"|\"assistant\", "
+                                f"\"content\": text}}, got {json.dumps(m)[:80]}")
+        msgs = [{"role": ROLES[m["role"]], "content": m["content"]} for m in turns]
+    else:
+        msgs = []
+        for k, r in enumerate(_need(sample, "rounds", where, list)):
+            if not (isinstance(r, (list, tuple)) and len(r) == 2 and r[0] in ROLES and isinstance(r[1], str)):
+                raise DataError(f"{where}: round {k} must be [role, text] with role user, assistant or system (or "
+                                f"ask, ans), got {json.dumps(r)[:80]}")
+            msgs.append({"role": ROLES[r[0]], "content": r[1]})
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise DataError(f"{where}: a conversation with no assistant turn has nothing to train on")
+    return msgs
+
+
+def _builtin_chat(msgs: list[dict]) -> list[tuple[str | None, bool]]:
+    """funcpar's template: ``System: ...``, ``User: ...`` lines, each reply ``Assistant: `` then the text and EOS,
+    trained on."""
+    out: list[tuple[str | None, bool]] = []
+    for m in msgs:
+        if m["role"] == "assistant":
+            out += [("Assistant: ", False), (m["content"], True), (None, True)]  # None = EOS, trained on
         else:
-            out += [("Assistant: ", False), (text, True), (None, True)]  # None = EOS, trained on
+            out.append((f"{m['role'].capitalize()}: {m['content']}\n", False))
     return out
+
+
+def _kind(sample: dict) -> str:
+    return sample.get("type", "conversation" if "messages" in sample else "pretrain")
 
 
 def render(sample: dict, where: str = "sample") -> list[tuple[str | None, bool]]:
     """A sample as ``[(text or None for EOS, trained_on), ...]``: the prompt template of each format."""
     if not isinstance(sample, dict):
         raise DataError(f"{where}: a sample must be a JSON object, got {type(sample).__name__}")
-    kind = sample.get("type", "pretrain")
+    kind = _kind(sample)
     if kind == "pretrain":
         return [(_need(sample, "text", where), True), (None, True)]
     if kind == "instruct":
@@ -159,17 +209,16 @@ def render(sample: dict, where: str = "sample") -> list[tuple[str | None, bool]]
         prompt = f"{instruct}\n{inp}\n" if inp else f"{instruct}\n"
         return [(prompt, False), (_need(sample, "output", where), True), (None, True)]
     if kind == "conversation":
-        return _rounds(sample, where)
+        return _builtin_chat(_chat(sample, where))
     if kind == "ref_qa":
-        return [(f"Reference: {_need(sample, 'reference', where)}\n", False)] + _rounds(sample, where)
+        return [(f"Reference: {_need(sample, 'reference', where)}\n", False)] + _builtin_chat(_chat(sample, where))
     raise DataError(f"{where}: unknown sample type '{kind}' (known: pretrain, instruct, conversation, ref_qa)")
 
 
 def _messages(sample: dict, where: str) -> list[dict]:
     """A conversation or ref_qa sample as chat messages (the reference as a system message)."""
-    _rounds(sample, where)  # the rounds' checks
-    msgs = [{"role": "assistant" if role == "ans" else "user", "content": text} for role, text in sample["rounds"]]
-    if sample.get("type") == "ref_qa":
+    msgs = _chat(sample, where)
+    if _kind(sample) == "ref_qa":
         msgs.insert(0, {"role": "system", "content": f"Reference: {_need(sample, 'reference', where)}"})
     return msgs
 
@@ -178,7 +227,7 @@ def encode(sample: dict, tok, where: str = "sample") -> tuple[list[int], list[in
     """``(ids, loss_mask)`` of one sample."""
     ids: list[int] = []
     mask: list[int] = []
-    chat = getattr(tok, "chat", False) and isinstance(sample, dict) and sample.get("type") in ("conversation", "ref_qa")
+    chat = getattr(tok, "chat", False) and isinstance(sample, dict) and _kind(sample) in ("conversation", "ref_qa")
     for text, train in (tok.chat_segments(_messages(sample, where), where) if chat else render(sample, where)):
         piece = [tok.eos_id] if text is None else tok.encode(text)
         ids += piece

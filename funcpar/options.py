@@ -303,16 +303,24 @@ def build_step(opts, model, cfg, mesh, specs) -> fp.Step:
     return fp.compile_step(loss, specs, pipeline=opts["pipeline"], chunks=opts["chunks"] or None, parts=parts, **kw)
 
 
-def build_lora(opts, model, cfg, mesh, specs):
-    """``--lora``: ``(lora, base, step over the adapters, its initial state)``; the base never enters the step's
-    state. It is this rank's whole shards, or with ``--zero 3`` a :class:`funcpar.lora.ShardedBase` holding 1/dp of
-    each block (the adapters then train at ZeRO-2: their gradients and state 1/dp too)."""
+def lora_parts(opts, model, cfg, mesh, specs):
+    """``--lora``'s checks and parts without the model's parameters: ``(lora, base loss, step options)``."""
     if mesh.axis_size("pp") > 1:
         raise SystemExit("funcpar: --lora trains on tp and dp meshes (the adapters are small: pipeline stages have "
                          "nothing to gain; --zero 3 shards the frozen base over dp instead)")
     base_loss, kw = _step_parts(opts, model, cfg, mesh)
     try:
-        lora = fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(opts["lora"]), mesh, specs)
+        return fp.lora.Lora(model, cfg, fp.lora.LoraConfig.parse(opts["lora"]), mesh, specs), base_loss, kw
+    except fp.lora.LoraError as e:
+        raise SystemExit(f"funcpar: {e}") from None
+
+
+def build_lora(opts, model, cfg, mesh, specs):
+    """``--lora``: ``(lora, base, step over the adapters, its initial state)``; the base never enters the step's
+    state. It is this rank's whole shards, or with ``--zero 3`` a :class:`funcpar.lora.ShardedBase` holding 1/dp of
+    each block (the adapters then train at ZeRO-2: their gradients and state 1/dp too)."""
+    lora, base_loss, kw = lora_parts(opts, model, cfg, mesh, specs)
+    try:
         params = build_params(opts, model, cfg, specs, mesh)
         loss = lora.loss_fn(base_loss, params, shard_base=opts["zero"] == 3)
     except fp.lora.LoraError as e:

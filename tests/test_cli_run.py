@@ -286,6 +286,9 @@ CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endf
      [("<|user|>a</s><|assistant|>", 0), ("b</s>", 1), ("<|user|>c</s><|assistant|>", 0), ("d</s>", 1)]),
     ({"type": "ref_qa", "reference": "R", "rounds": [["ask", "q"], ["ans", "x"], ["ask", "more?"]]},
      [("<|system|>Reference: R</s><|user|>q</s><|assistant|>", 0), ("x</s>", 1), ("<|user|>more?</s>", 0)]),
+    ({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+                   {"role": "assistant", "content": "a"}]},
+     [("<|system|>S</s><|user|>q</s><|assistant|>", 0), ("a</s>", 1)]),
 ])
 def test_conversations_follow_the_tokenizers_chat_template_and_train_only_the_answers(tmp_path, sample, segments):
     from funcpar import data
@@ -304,9 +307,8 @@ def test_conversations_follow_the_tokenizers_chat_template_and_train_only_the_an
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("args, message", [
-    (["plan", "--mesh", "tp=3"], "funcpar: leaf 'layers.0.wo' with shape (128, 128): dimension 1 (size 128) is not "
-                                 "divisible by axis tp=3 of Mesh(pp=1, dp=1, tp=3); pad it to a multiple of 3 or leave "
-                                 "dimension 1 unsplit in the spec"),
+    (["plan", "--mesh", "tp=3"], "funcpar: num_attention_heads=4 is not divisible by tp=3: tensor parallelism "
+                                 "splits attention by whole heads (use tp=1, 2 or 4)"),
     (["convert", "missing", "x"], "funcpar: missing is not a checkpoint (no meta.json) and has no 'latest' file"),
     (["train", "--config", "nope.toml"], "funcpar: --config nope.toml: no such file"),
 ])
@@ -395,3 +397,55 @@ def test_plan_estimates_a_steps_time_on_named_gpus_and_says_what_it_assumed(caps
     with pytest.raises(SystemExit, match=r"^funcpar: --links takes two of nvlink, nvlink3, ib400, ib200, eth100 "
                                          r"\(within a node, between nodes\), not 'nvlink'$"):
         cli.plan(["--model", "llama-micro", "--gpu", "h100", "--links", "nvlink"])
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_refused_naming_what_it_holds(tmp_path):
+    """transformers loads a folder with only a model's config as an empty tokenizer that encodes every text to
+    nothing: refused, naming the folder and its files, before any data is read."""
+    from funcpar import data
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with pytest.raises(data.DataError, match=r"^--tokenizer .* holds no tokenizer: it would encode every text to nothing "
+                                             r"\(the folder has config.json; a tokenizer is tokenizer.json"):
+        data.HFTokenizer(tmp_path)
+    with pytest.raises(data.DataError, match=r"^--tokenizer .*nowhere: no such folder"):
+        data.HFTokenizer(tmp_path / "nowhere")
+
+
+def _preflight_case(d):
+    (d / "bad.jsonl").write_text('{"text": "a"}\n{"text": oops}\n')
+    (d / "model").mkdir()
+    (d / "model" / "config.json").write_text("{}")
+    (d / "prev").mkdir()
+    (d / "prev" / "metrics.jsonl").write_text("")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--precision", "bfloat16"], "funcpar: unknown --precision 'bfloat16' (fp32, bf16, fp16)"),
+    (["--mesh", "tp=8"], "funcpar: num_attention_heads=4 is not divisible by tp=8: tensor parallelism splits "
+                         "attention by whole heads (use tp=1, 2 or 4)"),
+    (["--data", "missing.jsonl"], "funcpar: data file missing.jsonl does not exist"),
+    (["--data", "bad.jsonl"], "funcpar: bad.jsonl:2: not valid JSON (Expecting value at column 10)"),
+    (["--tokenizer", "model"], "funcpar: --tokenizer model holds no tokenizer: it would encode every text to nothing "
+                               "(the folder has config.json; a tokenizer is tokenizer.json, or tokenizer.model or "
+                               "vocab files, beside tokenizer_config.json). Give the folder the tokenizer was saved to"),
+    (["--out", "prev"], "funcpar: --out prev holds an earlier run (metrics.jsonl): pass --resume to continue it, "
+                        "--overwrite to replace it, or choose another --out"),
+])
+def test_a_multi_rank_runs_mistakes_are_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys, args, message):
+    """`funcpar train --mesh dp=2,...` checks in the launching process what every rank would check before its
+    first step: the ranks are never started (the launcher would fail this test), one line on stderr, nothing
+    written."""
+    from funcpar import cli
+
+    _preflight_case(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "launch_if_needed", lambda *a: pytest.fail("the ranks were started"))
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    mesh = [] if "--mesh" in args else ["--mesh", "dp=2"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--model", "llama-micro", *mesh, "--steps", "2", *args])
+    out, err = capsys.readouterr()
+    # (a string SystemExit is the interpreter's to print, to stderr with status 1; a ValueError is printed here)
+    assert (e.value.code, err) in ((message, ""), (1, message + "\n")) and out == ""
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before

@@ -45,13 +45,34 @@ def test_conversation_and_ref_qa_train_on_answers_only():
     assert [i for i, m in zip(ids, mask, strict=True) if m] == toks("France") + [EOS]
 
 
+def test_messages_and_role_named_rounds_train_on_the_assistant_turns():
+    """TRL's ``messages`` (a system turn included) and rounds with user/assistant role names are conversations:
+    funcpar's template, the assistant turns (and their EOS) trained on, nothing else."""
+    msgs = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "content": "4"}]}
+    ids, mask = encode(msgs, TOK)
+    assert ids == toks("System: Be brief.\nUser: hi\nAssistant: hello") + [EOS] + toks("User: 2+2?\nAssistant: 4") + [EOS]
+    assert [i for i, m in zip(ids, mask, strict=True) if m] == toks("hello") + [EOS] + toks("4") + [EOS]
+    rounds = {"type": "conversation", "rounds": [["system", "Be brief."], ["user", "hi"], ["assistant", "hello"],
+                                                  ["user", "2+2?"], ["assistant", "4"]]}
+    assert encode(rounds, TOK) == (ids, mask)
+
+
 @pytest.mark.parametrize(
     "line, pattern",
     [
         ('{"type": "instruct", "output": "x"}', r"data.jsonl:2: a 'instruct' sample needs field 'instruct'"),
         ('{"type": "poem", "text": "x"}', r"data.jsonl:2: unknown sample type 'poem' \(known: pretrain, instruct, conversation, ref_qa\)"),
         ('{"type": "pretrain", "text": ', r"data.jsonl:2: not valid JSON"),
-        ('{"type": "conversation", "rounds": [["say", "x"]]}', r"data.jsonl:2: round 0 must be \[\"ask\"\|\"ans\", text\]"),
+        ('{"type": "conversation", "rounds": [["say", "x"]]}',
+         r"data.jsonl:2: round 0 must be \[role, text\] with role user, assistant or system \(or ask, ans\), got "
+         r"\[\"say\", \"x\"\]"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}',
+         r"data.jsonl:2: a conversation with no assistant turn has nothing to train on"),
+        ('{"messages": [{"role": "bot", "content": "hi"}]}',
+         r"data.jsonl:2: message 0 must be \{\"role\": \"system\"\|\"user\"\|\"assistant\", \"content\": text\}, got "
+         r"\{\"role\": \"bot\", \"content\": \"hi\"\}"),
         ('{"type": "instruct", "instruct": "a", "output": 3}', r"data.jsonl:2: field 'output' must be a str, got int"),
         ('[1, 2]', r"data.jsonl:2: a sample must be a JSON object, got list"),
     ],
