@@ -28,7 +28,7 @@ from funcpar.generate import show_arithmetic
 from funcpar.preflight import check_run, claim_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (build_lora, build_params, build_step, datasets, lora_parts, model_config, parse_mesh,
-                             read_options, tokenizer)
+                             read_options, run_options, saved_options, tokenizer)
 from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
                               rank_meshes, sharding_table)
 from funcpar.plot import plot_metrics
@@ -104,13 +104,34 @@ def _params(run: _Run) -> Any:
     return run.lora.merge(base, run.state.params)
 
 
+def resume_point(ckpts: Path) -> Path | None:
+    """The checkpoint ``--resume`` continues: the one ``latest`` names, else the newest ``step-N`` beside it (each
+    is complete: written aside and renamed into place; a crash between that rename and ``latest``'s leaves one
+    without the other), else None."""
+    if (ckpts / "latest").exists():
+        return ckpts
+    saved = [p for p in ckpts.glob("step-*") if p.name[5:].isdigit() and (p / "meta.json").is_file()]
+    return max(saved, key=lambda p: int(p.name[5:])) if saved else None
+
+
 def _resume(run: _Run) -> None:
-    """With ``--resume`` and a checkpoint in the output folder: continue from its state and data position."""
-    if run.opts["resume"] and (run.ckpts / "latest").exists():
-        run.state, extra = run.step.load(run.ckpts)
-        run.loader.load_state_dict(extra["data"])
+    """With ``--resume``: continue from the output folder's checkpoint (:func:`resume_point`), its state and data
+    position; with none there yet, say so and start at step 0."""
+    if not run.opts["resume"]:
+        return
+    src = resume_point(run.ckpts)
+    if src is None:
         if run.rank0:
-            print(f"resumed from {fp.checkpoint.resolve(run.ckpts)} at step {run.state.step}", flush=True)
+            print(f"funcpar: --resume: {run.ckpts} holds no checkpoint yet: starting at step 0", flush=True)
+        return
+    run.state, extra = run.step.load(src)
+    run.loader.load_state_dict(extra["data"])
+    if run.rank0:
+        print(f"resumed from {fp.checkpoint.resolve(src)} at step {run.state.step}", flush=True)
+        said = (f" (its 'latest' was missing: {src.name} is the newest complete checkpoint)"
+                if src != run.ckpts else "")
+        if said:
+            print(f"funcpar: --resume{said}", flush=True)
 
 
 def _announce(run: _Run) -> None:
@@ -123,7 +144,7 @@ def _announce(run: _Run) -> None:
         old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
         kept = [line for line in old if json.loads(line).get("step", 0) <= step]
         run.metrics_file.write_text("".join(line + "\n" for line in kept))
-        (run.out / "config.json").write_text(json.dumps(opts, indent=2) + "\n")  # re-usable as --config
+        (run.out / "config.json").write_text(json.dumps(saved_options(opts), indent=2) + "\n")  # a --config
 
     error = None
     if run.rank0:
@@ -278,7 +299,7 @@ def _preflight(opts, sizes) -> None:
 
 def train(argv: list[str]) -> None:
     """Train a model on a mesh (starting the ranks here unless under torchrun), then export it."""
-    opts = read_options(argv, "train")
+    opts = run_options(read_options(argv, "train"), argv)
     sizes = parse_mesh(opts["mesh"])
     nproc = math.prod(sizes.values()) if sizes else 1
     if "RANK" not in os.environ and nproc > 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,50 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
     opts.update({k: v for k, v in vars(args).items() if v is not None and k not in ("config", "debug")})
     _check_options(opts, args.config)
     return opts
+
+
+def run_options(opts: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """``--resume`` without ``--config``: the run's own options (``--out``/config.json, written when it started)
+    under the command line's flags, so that a resumed run is the run it continues unless a flag says otherwise. A
+    flag that changes ``--steps`` is said (the learning-rate schedule is stretched or cut from the step resumed)."""
+    saved = Path(opts["out"]) / "config.json"
+    if not opts["resume"] or "--config" in argv or not saved.is_file():
+        return opts
+    try:
+        run = json.loads(saved.read_text())
+    except ValueError:
+        return opts  # (not a run's options: claim_out and the checkpoint say what the folder is)
+    if not isinstance(run, dict) or set(run) - set(DEFAULTS):
+        return opts
+    out = read_options(["--config", str(saved), *argv], "train")
+    if out["steps"] != run.get("steps", out["steps"]) and _speaks_for_the_job():
+        print(f"funcpar: warning: --steps {out['steps']} differs from the run's {run['steps']}: its "
+              f"{out['schedule']} learning-rate schedule is laid over {out['steps']} steps from here on, so the "
+              f"rate at the step resumed changes too", flush=True)
+    return out
+
+
+def _speaks_for_the_job() -> bool:
+    """Whether this process says what the whole job would: a lone process or funcpar's launcher (whose ranks stay
+    quiet), or rank 0 under a user's torchrun."""
+    from funcpar.lifeline import LAUNCHER_ENV
+
+    return "RANK" not in os.environ or (os.environ["RANK"] == "0" and os.environ.get(LAUNCHER_ENV) != "1")
+
+
+PATH_OPTIONS = ("model", "data", "tokenizer", "out")  # options that may name files or folders
+
+
+def saved_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` as a run's config.json holds them: the paths made absolute (a --config read from another working
+    directory, or ``--resume`` from one, names the same files); built-in names stay as they are."""
+    out = dict(opts)
+    for key in PATH_OPTIONS:
+        v = out[key]
+        if isinstance(v, str) and v not in BUILTIN_MODELS and not v.startswith("builtin:") and v != "byte" and (
+                key == "out" or Path(v).exists()):
+            out[key] = str(Path(v).resolve())
+    return out
 
 
 _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,

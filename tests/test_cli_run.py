@@ -449,3 +449,29 @@ def test_a_multi_rank_runs_mistakes_are_refused_before_any_rank_starts(tmp_path,
     # (a string SystemExit is the interpreter's to print, to stderr with status 1; a ValueError is printed here)
     assert (e.value.code, err) in ((message, ""), (1, message + "\n")) and out == ""
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.subprocess
+def test_resume_is_the_runs_own_options_from_its_newest_checkpoint_and_says_what_changed(tmp_path):
+    """`--resume` alone continues the run in --out with its own options (config.json, its paths absolute), from
+    the newest complete checkpoint when `latest` is missing, says that a new --steps reshapes the schedule, and
+    into a folder with no checkpoint yet says it starts at step 0."""
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"{a}+{a}={2 * a}"}) + "\n" for a in range(200)))
+    first = ["train", *SMALL, "--mesh", "1", "--seq-len", "32", "--global-batch", "4", "--lr", "0.01",
+             "--data", "d.jsonl", "--eval-every", "0", "--save-every", "2", "--steps", "2", "--out", "run"]
+    p = _funcpar(tmp_path, *first)
+    assert p.returncode == 0, p.stderr
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["data"] == str(tmp_path / "d.jsonl") and saved["out"] == str(tmp_path / "run")
+    (tmp_path / "run" / "checkpoints" / "latest").unlink()  # (a crash between the save's two renames)
+    (tmp_path / "elsewhere").mkdir()
+    p = _funcpar(tmp_path / "elsewhere", "train", "--out", str(tmp_path / "run"), "--resume", "--steps", "3")
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-2'} at step 2" in p.stdout
+    assert "funcpar: --resume (its 'latest' was missing: step-2 is the newest complete checkpoint)" in p.stdout
+    assert "funcpar: warning: --steps 3 differs from the run's 2" in p.stdout
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.01
+    p = _funcpar(tmp_path, *first[:-2], "--out", "fresh", "--steps", "1", "--resume")
+    assert p.returncode == 0, p.stderr
+    assert f"funcpar: --resume: {Path('fresh') / 'checkpoints'} holds no checkpoint yet: starting at step 0" in p.stdout
