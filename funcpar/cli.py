@@ -293,8 +293,7 @@ def _preflight(opts, sizes) -> None:
         build_step(opts, model, cfg, mesh, specs)
     data, train_data, eval_data = datasets(opts, cfg)
     check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)
-    if not opts["overwrite"]:
-        claim_out(Path(opts["out"]), opts["resume"], False)
+    claim_out(Path(opts["out"]), opts["resume"], opts["overwrite"], check_only=True)
 
 
 def train(argv: list[str]) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import collectives as C
+from . import pointwise
 
 if TYPE_CHECKING:
     from .mesh import Mesh
@@ -60,8 +61,9 @@ class _HeadLoss(torch.autograd.Function):
             if pad is not None:
                 logits.masked_fill_(pad, float("-inf"))
             m = C.all_reduce(logits.amax(-1), mesh, axis, "max")  # (r,): a statistic, exact for log-sum-exp
-            e = logits.sub_(m[:, None]).exp_()  # (r, V/tp): exp(logits - max), in place of the logits
-            s = C.all_reduce(e.sum(-1), mesh, axis)  # (r,)
+            e, s = pointwise.exp_and_sum(logits, m)  # (r, V/tp): exp(logits - max), and its row sums
+            del logits
+            s = C.all_reduce(s, mesh, axis)  # (r,)
             local = targets[a:a + rows] - off
             inside = (local >= 0) & (local < n)
             at = local.clamp(0, n - 1)[:, None]

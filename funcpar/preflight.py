@@ -5,6 +5,7 @@ Refusals are one line saying what to change (``SystemExit``); doubtful choices a
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -68,14 +69,41 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
 
 
 # what a run writes in --out
-_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard")
+_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter")
 
 
-def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """``out`` for a new run: refused if it holds another run (unless ``resume`` continues it or ``overwrite``
-    replaces it: then only the files a run writes are removed; others in ``out`` stay)."""
-    found = [name for name in _RUN_FILES if (out / name).exists()]
-    if not found or resume:
+def _run_config(path: Path) -> bool:
+    """Whether ``path`` is a run's config.json (funcpar's options), not a model's or anyone else's."""
+    from .options import DEFAULTS
+
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and bool(cfg) and set(cfg) <= set(DEFAULTS)
+
+
+def run_files(out: Path) -> list[str]:
+    """The entries of ``out`` a funcpar run wrote (its config.json only if it holds funcpar's options)."""
+    return [n for n in _RUN_FILES if (out / n).exists() and (n != "config.json" or _run_config(out / n))]
+
+
+def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False) -> None:
+    """``out`` for a run: a new or empty folder, or one a funcpar run wrote (its metrics, checkpoints or options
+    are there). Another run's folder is refused unless ``resume`` continues it or ``overwrite`` replaces it (then
+    only the files a run writes are removed; others in ``out`` stay). A folder that is not a run's (a model folder,
+    a user's files) is refused whatever the flags: funcpar writes only into new, empty or its own folders.
+    ``check_only``: refuse as that would, remove nothing (the launcher's check, before the ranks start)."""
+    if not out.is_dir():
+        return  # (new; or not a folder: creating it says why)
+    entries = sorted(e.name for e in out.iterdir())
+    found = run_files(out)
+    ours = [n for n in found if n in ("metrics.jsonl", "checkpoints", "config.json")]
+    if entries and not ours:
+        shown = ", ".join(entries[:6]) + (" ..." if len(entries) > 6 else "")
+        raise SystemExit(f"funcpar: --out {out} holds files funcpar did not write ({shown}): funcpar writes only "
+                         "into a new or empty folder or one of its own runs; choose another --out")
+    if not found or resume or (overwrite and check_only):
         return
     if not overwrite:
         raise SystemExit(f"funcpar: --out {out} holds an earlier run ({', '.join(found)}): pass --resume to continue "

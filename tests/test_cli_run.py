@@ -475,3 +475,30 @@ def test_resume_is_the_runs_own_options_from_its_newest_checkpoint_and_says_what
     p = _funcpar(tmp_path, *first[:-2], "--out", "fresh", "--steps", "1", "--resume")
     assert p.returncode == 0, p.stderr
     assert f"funcpar: --resume: {Path('fresh') / 'checkpoints'} holds no checkpoint yet: starting at step 0" in p.stdout
+
+
+def test_an_out_of_someone_elses_files_is_refused_whatever_the_flags_and_left_untouched(tmp_path):
+    """A model folder or a folder of notes as --out: refused with and without --resume/--overwrite, nothing
+    removed or written; a run's own folder (its options in config.json) is still claimed as before."""
+    from funcpar.preflight import claim_out
+
+    model = tmp_path / "mymodel"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (model / "model.safetensors").write_bytes(b"x")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    before = _snapshot(tmp_path)
+    for folder, listed in ((model, "config.json, model.safetensors"), (notes, "todo.txt")):
+        for resume, overwrite in ((False, False), (True, False), (False, True)):
+            with pytest.raises(SystemExit, match=rf"^funcpar: --out {folder} holds files funcpar did not write "
+                                                 rf"\({listed}\): funcpar writes only into a new or empty folder"):
+                claim_out(folder, resume, overwrite)
+    assert _snapshot(tmp_path) == before
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"steps": 3, "lr": 0.1}))
+    (run / "notes.txt").write_text("kept")
+    claim_out(run, False, True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
