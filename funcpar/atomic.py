@@ -30,10 +30,38 @@ from . import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from .mesh import Mesh
 
-__all__ = ["write_folder", "swap_into_place", "recover", "agree", "MARKER"]
+__all__ = ["write_folder", "swap_into_place", "recover", "agree", "MARKER", "open_own", "refuse_links"]
 
 MARKER = ".funcpar"  # in every folder funcpar writes: what may be replaced without overwrite=True
 _MESSAGE_BYTES = 2048
+
+
+def open_own(path: str | os.PathLike, mode: str = "w"):
+    """``open(path, mode)`` for a file funcpar writes in its run folder, never through a symbolic link (a link
+    planted there, dangling or not, would have the write land in someone else's file): ``"w"``/``"wb"`` replace a
+    link with a new file, ``"a"`` refuses one (``OSError`` naming it)."""
+    path = Path(path)
+    if mode.startswith("w") and path.is_symlink():
+        path.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (os.O_APPEND if mode[0] == "a" else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if path.is_symlink():
+            raise OSError(f"{path} is a symbolic link (to {os.readlink(path)}): funcpar does not write through "
+                          f"links in its run folder; remove it") from None
+        raise e
+    return os.fdopen(fd, mode)
+
+
+def refuse_links(folder: Path, names) -> None:
+    """Raise ``SystemExit`` (one line) if any of ``names`` in ``folder`` is a symbolic link: the files and folders
+    a run writes there are its own, never another's reached through a link."""
+    for name in names:
+        p = folder / name
+        if p.is_symlink():
+            raise SystemExit(f"funcpar: {p} is a symbolic link (to {os.readlink(p)}): funcpar writes only its own "
+                             f"files in the run folder, not through links; remove the link or choose another --out")
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -34,7 +34,7 @@ import optree
 import torch
 
 from ._ckpt_source import FORMAT, CheckpointError, crc, Source, resolve, write_meta
-from .atomic import write_folder
+from .atomic import open_own, write_folder
 from .layout import ZeroLayout
 from .mesh import Mesh
 from .model import get_model
@@ -190,7 +190,8 @@ def _publish(path: Path, keep: int | None, run: str, latest: bool) -> None:
     """Point ``latest`` at the new checkpoint (written beside and renamed: atomic) and apply ``keep``."""
     if latest:
         latest_tmp = path.parent / ".latest.tmp"
-        latest_tmp.write_text(path.name + "\n")
+        with open_own(latest_tmp) as fh:  # (a link planted there is replaced, not written through)
+            fh.write(path.name + "\n")
         os.replace(latest_tmp, path.parent / "latest")
     if keep is not None:
         _apply_keep(path, keep, run)

@@ -22,10 +22,10 @@ import torch
 
 import funcpar as fp
 from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, run_and_exit
-from funcpar.atomic import agree
+from funcpar.atomic import agree, open_own, refuse_links
 from funcpar.mesh import resolve_device
 from funcpar.generate import show_arithmetic
-from funcpar.preflight import check_run, claim_out
+from funcpar.preflight import RUN_FILES, check_run, claim_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (build_lora, build_params, build_step, datasets, lora_parts, model_config, parse_mesh,
                              read_options, run_options, saved_options, tokenizer)
@@ -139,12 +139,15 @@ def _announce(run: _Run) -> None:
     opts, step, mesh = run.opts, run.state.step, run.mesh
 
     def prepare():
+        refuse_links(run.out, RUN_FILES + ("checkpoints/latest", "checkpoints/.latest.tmp"))
         claim_out(run.out, opts["resume"], opts["overwrite"])
         run.out.mkdir(parents=True, exist_ok=True)
         old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
         kept = [line for line in old if json.loads(line).get("step", 0) <= step]
-        run.metrics_file.write_text("".join(line + "\n" for line in kept))
-        (run.out / "config.json").write_text(json.dumps(saved_options(opts), indent=2) + "\n")  # a --config
+        with open_own(run.metrics_file) as fh:
+            fh.write("".join(line + "\n" for line in kept))
+        with open_own(run.out / "config.json") as fh:  # a --config
+            fh.write(json.dumps(saved_options(opts), indent=2) + "\n")
 
     error = None
     if run.rank0:

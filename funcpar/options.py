@@ -144,7 +144,11 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
         else:
             ap.add_argument(flag, dest=key, type=type(default), default=None, help=text,
                             metavar=type(default).__name__.upper())
-    args = ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        flags = ["--config", "--debug"] + ["--" + k.replace("_", "-") for k in DEFAULTS
+                                           if command != "plan" or k in _PLAN_FLAGS]
+        raise SystemExit(_unknown_flag(unknown[0], ap.prog, flags))
     opts = dict(DEFAULTS)
     if args.config:
         cfg = _read_config(args.config)
@@ -199,6 +203,16 @@ def saved_options(opts: dict[str, Any]) -> dict[str, Any]:
                 key == "out" or Path(v).exists()):
             out[key] = str(Path(v).resolve())
     return out
+
+
+def _unknown_flag(arg: str, prog: str, flags: list[str]) -> str:
+    """One line for an argument the command does not take, with the closest of its ``flags``."""
+    import difflib
+
+    close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.75)
+    hint = f" (did you mean {close[0]}?)" if close else f" ({prog} --help lists its options)"
+    what = "option" if arg.startswith("-") else "argument"
+    return f"funcpar: {prog.removeprefix('funcpar ')} takes no {what} '{arg}'{hint}"
 
 
 _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,

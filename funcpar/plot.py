@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from .atomic import open_own
+
 __all__ = ["plot_metrics"]
 
 
@@ -45,6 +47,7 @@ def plot_metrics(metrics_file: str | os.PathLike, out_png: str | os.PathLike, ti
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    with open_own(out_png, "wb") as fh:  # (never through a link planted where the plot goes)
+        fig.savefig(fh, dpi=110, format="png")
     plt.close(fig)
     return drawn

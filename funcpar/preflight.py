@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_run", "claim_out"]
+__all__ = ["check_run", "claim_out", "run_files", "RUN_FILES"]
 
 
 def _seq_len_that_fits(opts: dict[str, Any], tokens: int | None) -> int:
@@ -69,7 +69,7 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
 
 
 # what a run writes in --out
-_RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter")
+RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter")
 
 
 def _run_config(path: Path) -> bool:
@@ -85,7 +85,7 @@ def _run_config(path: Path) -> bool:
 
 def run_files(out: Path) -> list[str]:
     """The entries of ``out`` a funcpar run wrote (its config.json only if it holds funcpar's options)."""
-    return [n for n in _RUN_FILES if (out / n).exists() and (n != "config.json" or _run_config(out / n))]
+    return [n for n in RUN_FILES if (out / n).exists() and (n != "config.json" or _run_config(out / n))]
 
 
 def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False) -> None:

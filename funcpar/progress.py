@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import funcpar as fp
+from funcpar.atomic import open_own
 
 __all__ = ["Progress", "flops_per_token", "measure_peak_flops", "eta_seconds"]
 
@@ -89,7 +90,7 @@ class Progress:
         """Append ``row`` to metrics.jsonl; print the interval line when due (above the bar on a terminal)."""
         if not self.rank0:
             return
-        with open(self.metrics_file, "a") as fh:
+        with open_own(self.metrics_file, "a") as fh:
             fh.write(json.dumps(row) + "\n")
         if self.board is not None:
             for key in ("loss", "eval_loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "bubble"):

@@ -502,3 +502,17 @@ def test_an_out_of_someone_elses_files_is_refused_whatever_the_flags_and_left_un
     (run / "notes.txt").write_text("kept")
     claim_out(run, False, True)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+def test_a_mistyped_flag_is_one_line_with_the_flag_meant():
+    for argv, message in ((["--global-bach", "4"], "funcpar: train takes no option '--global-bach' (did you mean "
+                                                   "--global-batch?)"),
+                          (["--zzz"], "funcpar: train takes no option '--zzz' (funcpar train --help lists its options)"),
+                          (["stray"], "funcpar: train takes no argument 'stray' (funcpar train --help lists its "
+                                      "options)")):
+        with pytest.raises(SystemExit) as e:
+            options.read_options(argv, "train")
+        assert e.value.code == message
+    with pytest.raises(SystemExit) as e:
+        options.read_options(["--resume"], "plan")  # (a train flag: plan takes only what shapes the step)
+    assert e.value.code == "funcpar: plan takes no option '--resume' (funcpar plan --help lists its options)"

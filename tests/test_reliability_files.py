@@ -314,3 +314,54 @@ def test_a_config_json_key_of_the_wrong_type_is_named(hf_folders, tmp_path, kind
         fp.hf.load(folder)
     assert str(e.value) == f"{folder / 'config.json'}{message}"
     assert _snapshot(tmp_path) == before
+
+
+def test_the_run_folders_files_are_never_written_through_a_symbolic_link(tmp_path):
+    """Issue 46, BAD 1-3: a link where funcpar writes (dangling or to someone's file) is replaced by a new file when
+    funcpar writes the file whole, refused when it appends; a checkpoint saved while a link is planted at
+    checkpoints/.latest.tmp leaves the link's target as it was."""
+    from funcpar.atomic import open_own
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").symlink_to(victim)
+    (run / "loss.png").symlink_to(tmp_path / "outside.png")  # dangling: writing through would create it
+    with open_own(run / "config.json") as fh:
+        fh.write("{}")
+    with open_own(run / "loss.png", "wb") as fh:
+        fh.write(b"png")
+    assert victim.read_text() == "mine" and not (tmp_path / "outside.png").exists()
+    assert not (run / "config.json").is_symlink() and (run / "config.json").read_text() == "{}"
+    (run / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(OSError, match=r"metrics.jsonl is a symbolic link \(to .*victim.txt\): funcpar does not write "
+                                      r"through links in its run folder; remove it"):
+        open_own(run / "metrics.jsonl", "a")
+    assert victim.read_text() == "mine"
+    step, state = _tiny_step(fp.Mesh())
+    ckpts = tmp_path / "ckpts"
+    step.save(ckpts / "step-1", state)
+    (ckpts / ".latest.tmp").symlink_to(victim)
+    step.save(ckpts / "step-2", state)
+    assert victim.read_text() == "mine" and (ckpts / "latest").read_text() == "step-2\n"
+
+
+@pytest.mark.subprocess
+def test_a_run_refuses_links_in_its_folder_before_writing_anything(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").symlink_to(victim)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--mesh", "1", "--steps",
+                        "1", "--eval-every", "0", "--out", "out", "--resume"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and p.stderr.startswith(
+        f"funcpar: {os.path.join('out', 'metrics.jsonl')} is a symbolic link (to {victim}): funcpar writes only its "
+        f"own files in the run folder, not through links"), p.stderr
+    assert victim.read_text() == "mine" and sorted(os.listdir(tmp_path / "out")) == ["metrics.jsonl"]
