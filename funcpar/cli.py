@@ -25,7 +25,7 @@ from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, l
 from funcpar.atomic import agree, open_own, refuse_links
 from funcpar.mesh import resolve_device
 from funcpar.generate import show_arithmetic
-from funcpar.preflight import RUN_FILES, check_run, claim_out
+from funcpar.preflight import RUN_FILES, check_run, claim_out, lock_out
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (build_lora, build_params, build_step, datasets, lora_parts, model_config, parse_mesh,
                              read_options, run_options, saved_options, tokenizer)
@@ -56,6 +56,7 @@ class _Run:
     warnings: list
     lora: Any = None  # --lora: the adapters' Lora, and the frozen base parameters (this rank's shards)
     base: Any = None
+    lock: int | None = None  # rank 0: the run folder's lock (preflight.lock_out), held while the process lives
 
     def __post_init__(self):
         self.rank0, self.out = self.mesh.rank == 0, Path(self.opts["out"])
@@ -142,6 +143,7 @@ def _announce(run: _Run) -> None:
         refuse_links(run.out, RUN_FILES + ("checkpoints/latest", "checkpoints/.latest.tmp"))
         claim_out(run.out, opts["resume"], opts["overwrite"])
         run.out.mkdir(parents=True, exist_ok=True)
+        run.lock = lock_out(run.out)  # (kept open: the lock lasts as long as this process)
         old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
         kept = [line for line in old if json.loads(line).get("step", 0) <= step]
         with open_own(run.metrics_file) as fh:
@@ -297,6 +299,7 @@ def _preflight(opts, sizes) -> None:
     data, train_data, eval_data = datasets(opts, cfg)
     check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)
     claim_out(Path(opts["out"]), opts["resume"], opts["overwrite"], check_only=True)
+    lock_out(Path(opts["out"]), hold=False)
 
 
 def train(argv: list[str]) -> None:

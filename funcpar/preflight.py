@@ -6,11 +6,12 @@ Refusals are one line saying what to change (``SystemExit``); doubtful choices a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_run", "claim_out", "run_files", "RUN_FILES"]
+__all__ = ["check_run", "claim_out", "run_files", "lock_out", "RUN_FILES"]
 
 
 def _seq_len_that_fits(opts: dict[str, Any], tokens: int | None) -> int:
@@ -96,7 +97,7 @@ def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False
     ``check_only``: refuse as that would, remove nothing (the launcher's check, before the ranks start)."""
     if not out.is_dir():
         return  # (new; or not a folder: creating it says why)
-    entries = sorted(e.name for e in out.iterdir())
+    entries = sorted(e.name for e in out.iterdir() if e.name != LOCK)
     found = run_files(out)
     ours = [n for n in found if n in ("metrics.jsonl", "checkpoints", "config.json")]
     if entries and not ours:
@@ -111,3 +112,31 @@ def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False
     for name in found:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+LOCK = ".lock"  # in a run folder: held (flock) by the run writing there, with its pid
+
+
+def lock_out(out: Path, hold: bool = True) -> int | None:
+    """An exclusive lock on the run folder ``out`` (``flock`` on ``out/.lock``, which the kernel releases when the
+    process ends, however it ends): a second run into the same folder is refused naming the first's pid, instead
+    of both writing its metrics and checkpoints. Returns the lock's descriptor, to keep for the run's life;
+    ``hold=False`` only checks (the launcher's check, before the ranks start)."""
+    import fcntl
+
+    if not out.is_dir():
+        return None
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SystemExit(f"funcpar: --out {out} is in use by another funcpar run (pid {holder}): wait for it to end, "
+                         f"or choose another --out") from None
+    if not hold:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd

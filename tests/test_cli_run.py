@@ -516,3 +516,24 @@ def test_a_mistyped_flag_is_one_line_with_the_flag_meant():
     with pytest.raises(SystemExit) as e:
         options.read_options(["--resume"], "plan")  # (a train flag: plan takes only what shapes the step)
     assert e.value.code == "funcpar: plan takes no option '--resume' (funcpar plan --help lists its options)"
+
+
+def test_a_run_folder_in_use_is_refused_naming_the_run_that_holds_it(tmp_path, monkeypatch):
+    """Issue 46, BAD 6: the run writing into --out holds a lock on it (flock, released with its process); a second
+    run there is refused before its ranks start, naming the first's pid; once the first ends, it may go on."""
+    import os
+
+    from funcpar import cli
+    from funcpar.preflight import lock_out
+
+    out = tmp_path / "out"
+    out.mkdir()
+    held = lock_out(out)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "launch_if_needed", lambda *a: pytest.fail("the ranks were started"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--model", "llama-micro", "--mesh", "dp=2", "--steps", "1", "--out", "out", "--resume"])
+    assert e.value.code == (f"funcpar: --out out is in use by another funcpar run (pid {os.getpid()}): wait for it to "
+                            f"end, or choose another --out")
+    os.close(held)  # (the first run ended)
+    assert lock_out(out, hold=False) is None
