@@ -18,6 +18,7 @@ is unavailable, ``NAME`` is first renamed to ``.NAME.old``; a crash between the 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 from pathlib import Path
@@ -118,17 +119,42 @@ def _readable_as_umask_allows(folder: Path) -> None:
             os.chmod(f, 0o666 & ~mask)
 
 
-def check_owned(path: Path, overwrite: bool, error: type[Exception] = FileExistsError) -> None:
-    """Refuse to replace ``path`` unless it is absent, an empty folder, a folder funcpar wrote, or ``overwrite``."""
+def written_as(path: Path) -> dict:
+    """What the funcpar folder ``path`` says it is (its :data:`MARKER`): ``{"kind": ..., "owner": ...}``, or ``{}``
+    for a marker from before folders said (replaceable by any write, as then)."""
+    try:
+        said = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return said if isinstance(said, dict) else {}
+
+
+def check_owned(path: Path, overwrite: bool, error: type[Exception] = FileExistsError, kind: str | None = None,
+                owner: str | None = None) -> None:
+    """Refuse to replace ``path`` unless it is absent, an empty folder, or a folder funcpar wrote as the same
+    ``kind`` of folder for the same ``owner`` (a checkpoint of the same run, an export); or ``overwrite``."""
     if overwrite or not path.exists() and not path.is_symlink():
         return
     if not path.is_dir() or path.is_symlink():
         raise error(f"{path} exists and is not a folder: refusing to replace it; choose another path "
                               "(or pass overwrite=True / --overwrite)")
-    if any(path.iterdir()) and not (path / MARKER).is_file():
+    if not any(path.iterdir()):
+        return
+    if not (path / MARKER).is_file():
         raise error(
             f"{path} exists and was not written by funcpar (it has no {MARKER} marker): refusing to replace what is "
             "in it; choose another folder, empty it, or pass overwrite=True (--overwrite on the command line)")
+    was = written_as(path)
+    if kind is not None and was.get("kind") not in (None, kind):
+        raise error(f"{path} is a {KINDS.get(was['kind'], was['kind'])}; refusing to replace it with a "
+                    f"{KINDS.get(kind, kind)}: choose another folder (or pass overwrite=True / --overwrite)")
+    if owner is not None and was.get("owner") not in (None, owner):
+        raise error(f"{path} is a {KINDS.get(was.get('kind'), 'folder')} of another run ({was['owner']}); refusing "
+                    f"to replace it with this run's: choose another folder (or pass overwrite=True / --overwrite)")
+
+
+KINDS = {"checkpoint": "funcpar checkpoint", "hf": "transformers folder funcpar exported",
+         "adapter": "PEFT adapter folder funcpar exported"}
 
 
 def agree(error: BaseException | None, mesh: "Mesh") -> str | None:
@@ -164,23 +190,27 @@ def write_folder(
     publish: Callable[[Path], None] | None = None,
     error: type[Exception] = RuntimeError,
     overwrite: bool = False,
+    kind: str | None = None,
+    owner: str | None = None,
 ) -> None:
     """Write the folder ``path`` atomically with every rank of ``mesh`` (see the module docstring); collective.
 
     ``write`` runs on every rank and must issue the same collectives on every rank even when it fails part-way
     (catch, keep going, raise at the end); ``finalize`` and ``publish`` run on rank 0 only. ``overwrite``: replace
-    an existing folder funcpar did not write (its contents are deleted).
+    an existing folder funcpar did not write (its contents are deleted), or one it wrote as another ``kind`` of
+    folder (:data:`KINDS`) or for another ``owner`` (a run's id): the folder's marker records both.
     """
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
     rank0, made = mesh.rank == 0, []
 
     def make_tmp():
-        check_owned(recover(path), overwrite, error)
+        check_owned(recover(path), overwrite, error, kind, owner)
         made.append(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        (tmp / MARKER).write_text("written by funcpar; a folder without this file is never replaced\n")
+        # (a folder without this file is never replaced; one with it only by the same kind of write)
+        (tmp / MARKER).write_text(json.dumps({"written_by": "funcpar", "kind": kind, "owner": owner}) + "\n")
 
     err = _attempt(make_tmp, None) if rank0 else None
     if agree(err, mesh) is None:

@@ -169,7 +169,7 @@ def save(path, state: TrainState, layout: ZeroLayout | None, *, run: str, extra:
         })
 
     write_folder(path, mesh, write, finalize=finalize, publish=lambda p: _publish(p, keep, run, latest),
-                 error=CheckpointError, overwrite=overwrite)
+                 error=CheckpointError, overwrite=overwrite, kind="checkpoint", owner=run)
 
 
 def _merge_sides(tmp: Path, mesh: Mesh) -> tuple[list, list, list]:

@@ -25,10 +25,10 @@ from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, l
 from funcpar.atomic import agree, open_own, refuse_links
 from funcpar.mesh import resolve_device
 from funcpar.generate import show_arithmetic
-from funcpar.preflight import RUN_FILES, check_run, claim_out, lock_out
+from funcpar.preflight import RUN_FILES, check_run, claim_out, lock_out, run_files
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
-from funcpar.options import (build_lora, build_params, build_step, datasets, lora_parts, model_config, parse_mesh,
-                             read_options, run_options, saved_options, tokenizer)
+from funcpar.options import (DEFAULTS, build_lora, build_params, build_step, datasets, lora_parts, model_config,
+                             parse_mesh, read_options, run_options, saved_options, tokenizer)
 from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
                               rank_meshes, sharding_table)
 from funcpar.plot import plot_metrics
@@ -397,34 +397,47 @@ def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:
     return "funcpar checkpoint"
 
 
-def _to_hf(src: Path, dst: str, mesh, max_shard_size, overwrite: bool) -> str:
-    """A funcpar checkpoint (one that records its model config) exported as a transformers folder."""
+def _to_hf(src: Path, dst: str, mesh, max_shard_size, overwrite: bool, tokenizer=None) -> str:
+    """A funcpar checkpoint (one that records its model config) exported as a transformers folder, with
+    ``tokenizer``'s files when given."""
     extra = fp.checkpoint.metadata(src).get("extra") or {}  # verified: schema and checksum
     if "config" not in extra:
         raise SystemExit(f"funcpar: {src} does not record its model config (saved by funcpar train/convert?)")
     model = fp.get_model(extra["model"])
     fp.checkpoint.export_hf(src, dst, model, model.config(extra["config"], mesh), mesh, max_shard_size=max_shard_size,
-                            overwrite=overwrite)
+                            overwrite=overwrite, tokenizer=tokenizer)
     return "transformers folder"
 
 
 def convert(argv: list[str]) -> None:
     """HF folder -> funcpar checkpoint (parameters; a fresh optimizer on resume), or checkpoint -> HF folder."""
     ap = argparse.ArgumentParser(prog="funcpar convert", description=convert.__doc__)
-    ap.add_argument("src")
-    ap.add_argument("dst")
-    ap.add_argument("--mesh", default="1")
-    ap.add_argument("--max-shard-size", default="2GB")
-    ap.add_argument("--overwrite", action="store_true", help="replace DST even if funcpar did not write it")
+    ap.add_argument("src", help="an HF model folder (with config.json), a funcpar checkpoint (or the folder holding "
+                                "its 'latest'), or a run folder (--out of funcpar train: its latest checkpoint)")
+    ap.add_argument("dst", help="the folder to write: a funcpar checkpoint from an HF folder, a transformers "
+                                "folder from a checkpoint; never SRC or a folder inside it")
+    ap.add_argument("--mesh", default="1", help="the ranks to convert with (default 1)")
+    ap.add_argument("--max-shard-size", default="2GB", help="the largest safetensors file of an HF export")
+    ap.add_argument("--tokenizer", help="a tokenizer folder (or 'byte') whose files the HF export gets, so that "
+                                        "transformers.pipeline loads it")
+    ap.add_argument("--overwrite", action="store_true", help="replace DST even if funcpar did not write it, or "
+                                                             "wrote it as another kind of folder or for another run")
     args = ap.parse_args(argv)
+    src, dst = Path(args.src), Path(args.dst)
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise SystemExit(f"funcpar: convert {src} {dst}: the destination is the source or inside it; write to "
+                         f"another folder")
+    if (src / "config.json").is_file() and run_files(src) and (src / "checkpoints").is_dir():
+        src = src / "checkpoints"  # a run folder: its config.json holds funcpar's options; its latest checkpoint
     sizes = parse_mesh(args.mesh)
     if launch_if_needed(["convert", *argv], math.prod(sizes.values()) if sizes else 1):
         return
-    mesh, src = fp.Mesh(**sizes), Path(args.src)
+    mesh = fp.Mesh(**sizes)
     if (src / "config.json").exists():
         what = _to_checkpoint(src, args.dst, mesh, args.overwrite)
     else:
-        what = _to_hf(src, args.dst, mesh, args.max_shard_size, args.overwrite)
+        tok = tokenizer({**DEFAULTS, "tokenizer": args.tokenizer}) if args.tokenizer else None
+        what = _to_hf(src, args.dst, mesh, args.max_shard_size, args.overwrite, tok)
     if mesh.rank == 0:
         print(f"wrote {what} {args.dst}")
 

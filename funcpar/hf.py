@@ -393,7 +393,7 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
                 _add_tokenizer(tmp, d, tokenizer)
             (tmp / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
-    write_folder(path, mesh, write, error=HFError, overwrite=overwrite)
+    write_folder(path, mesh, write, error=HFError, overwrite=overwrite, kind="hf")
 
 
 def _add_tokenizer(folder: Path, config: dict, tokenizer: Any) -> None:

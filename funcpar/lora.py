@@ -350,7 +350,7 @@ class Lora:
                 save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
                 (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-        write_folder(path, self.mesh, write, error=LoraError, overwrite=overwrite)
+        write_folder(path, self.mesh, write, error=LoraError, overwrite=overwrite, kind="adapter")
 
 
 def _one(axes: tuple[str, ...]):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import funcpar as fp
 import hf_fixtures
 from funcpar._ckpt_source import crc
-from test_reliability import _tiny_step
+from test_reliability import SMALL, _tiny_step
 
 
 def _snapshot(root):
@@ -365,3 +365,53 @@ def test_a_run_refuses_links_in_its_folder_before_writing_anything(tmp_path):
         f"funcpar: {os.path.join('out', 'metrics.jsonl')} is a symbolic link (to {victim}): funcpar writes only its "
         f"own files in the run folder, not through links"), p.stderr
     assert victim.read_text() == "mine" and sorted(os.listdir(tmp_path / "out")) == ["metrics.jsonl"]
+
+
+def test_a_funcpar_folder_is_replaced_only_by_the_same_kind_of_write_for_the_same_run(tmp_path):
+    """Issue 46, BAD 5: a checkpoint is not replaced by an export, nor by another run's checkpoint; an export not by
+    a checkpoint; convert refuses a destination that is its source or inside it; every refusal leaves the files as
+    they were, and the same run saving again (a resumed run re-saving its step) still replaces its own."""
+    from funcpar import cli
+
+    step, state = _tiny_step(fp.Mesh())
+    ckpts = tmp_path / "run" / "checkpoints"
+    step.save(ckpts / "step-5", state)
+    other, other_state = _tiny_step(fp.Mesh())  # another run: another run id
+    fp.hf.save(tmp_path / "hf", step.gather_params(state), "llama", SMALL["llama"]())
+    before = _snapshot(tmp_path)
+    with pytest.raises(fp.checkpoint.CheckpointError, match=r"step-5 is a funcpar checkpoint of another run \("):
+        other.save(ckpts / "step-5", other_state)
+    with pytest.raises(fp.hf.HFError, match=r"step-5 is a funcpar checkpoint; refusing to replace it with a "
+                                            r"transformers folder funcpar exported"):
+        fp.hf.save(ckpts / "step-5", step.gather_params(state), "llama", SMALL["llama"]())
+    with pytest.raises(fp.checkpoint.CheckpointError, match=r"hf is a transformers folder funcpar exported; "
+                                                            r"refusing to replace it with a funcpar checkpoint"):
+        step.save(tmp_path / "hf", state, latest=False)
+    for src, dst in ((ckpts / "step-5", ckpts / "step-5"), (ckpts, ckpts / "step-5")):
+        with pytest.raises(SystemExit, match=r"the destination is the source or inside it"):
+            cli.convert([str(src), str(dst)])
+    assert _snapshot(tmp_path) == before
+    step.save(ckpts / "step-5", state)  # the same run: its own checkpoint, replaced
+
+
+def test_convert_takes_a_run_folder_and_gives_the_export_a_tokenizer(tmp_path):
+    """Issue 45, item 8: `funcpar convert RUN_FOLDER OUT` exports the run's latest checkpoint (its config.json is
+    funcpar's options, not a model's), and `--tokenizer` puts the tokenizer's files in the export."""
+    import json
+
+    from funcpar import cli
+
+    cfg = SMALL["llama"](vocab_size=264)  # (the byte tokenizer's ids fit)
+    run = tmp_path / "run"
+    model = fp.get_model("llama")
+    specs = model.specs(cfg, fp.Mesh())
+    big = fp.compile_step(model.loss_fn(cfg, fp.Mesh()), specs, mesh=fp.Mesh(), optimizer=fp.optim.sgd(0.1))
+    big_state = big.init(model.init(cfg, seed=1))
+    big.save(run / "checkpoints" / "step-1", big_state, extra={"model": "llama", "config": cfg.to_hf()})
+    (run / "config.json").write_text(json.dumps({"steps": 1, "model": "llama-micro"}))
+    (run / "metrics.jsonl").write_text("")
+    cli.convert([str(run), str(tmp_path / "out"), "--tokenizer", "byte"])
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "model.safetensors" in files and "tokenizer.json" in files and "config.json" in files
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(got["model.embed_tokens.weight"], big_state.params["embed"])
