@@ -65,7 +65,7 @@ class _Run:
     def save(self) -> None:
         """A checkpoint of the state and the data position at the current step (keeping the last ``--keep``)."""
         extra = {"model": self.cfg.model_type, "config": self.cfg.to_hf(), "tokenizer": self.opts["tokenizer"],
-                 "data": self.loader.state_dict()}
+                 "data": self.loader.state_dict(), "seq_len": self.opts["seq_len"], "lora": _lora_fields(self.opts)}
         self.step.save(self.ckpts / f"step-{self.state.step}", self.state, extra=extra, keep=self.opts["keep"],
                        overwrite=self.opts["overwrite"])
 
@@ -115,6 +115,41 @@ def resume_point(ckpts: Path) -> Path | None:
     return max(saved, key=lambda p: int(p.name[5:])) if saved else None
 
 
+def _parsed_row(line: str, where: Path) -> dict:
+    """A metrics.jsonl row; a line cut short (a kill or a full disk mid-append) is dropped, with a warning."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        row = None
+    if not isinstance(row, dict):
+        print(f"funcpar: warning: {where}: dropped a line that is not a whole metrics row (a write cut short): "
+              f"{line[:60]!r}", flush=True)
+        return {"step": float("inf")}
+    return row
+
+
+def _lora_fields(opts) -> dict | None:
+    """``--lora``'s settings as a checkpoint records them (r, alpha, targets, dropout), None without it."""
+    return dataclasses.asdict(fp.lora.LoraConfig.parse(opts["lora"])) if opts["lora"] else None
+
+
+def _same_run(opts, extra: dict, src: Path) -> None:
+    """Refuse to resume with settings that would change what the checkpoint's state means without changing any
+    shape (another --seq-len: the saved data position counts rows of the old length; another LoRA alpha or
+    dropout: the adapters were trained under the old scale). A checkpoint that predates a record is not checked."""
+    if extra.get("seq_len") not in (None, opts["seq_len"]):
+        raise SystemExit(f"funcpar: --seq-len {opts['seq_len']} differs from the checkpoint's {extra['seq_len']} "
+                         f"({src}): its data position counts rows of {extra['seq_len']} tokens; resume with --seq-len "
+                         f"{extra['seq_len']}, or start a new run")
+    saved, now = extra.get("lora"), _lora_fields(opts)
+    if saved is not None and now is not None:
+        changed = [f"{k}={now[k]} (the checkpoint's: {saved[k]})" for k in ("alpha", "dropout")
+                   if k in saved and saved[k] != now[k]]
+        if changed:
+            raise SystemExit(f"funcpar: --lora {', '.join(changed)} differs from the run being resumed ({src}): its "
+                             f"adapters were trained under the checkpoint's settings; resume with them")
+
+
 def _resume(run: _Run) -> None:
     """With ``--resume``: continue from the output folder's checkpoint (:func:`resume_point`), its state and data
     position; with none there yet, say so and start at step 0."""
@@ -126,6 +161,7 @@ def _resume(run: _Run) -> None:
             print(f"funcpar: --resume: {run.ckpts} holds no checkpoint yet: starting at step 0", flush=True)
         return
     run.state, extra = run.step.load(src)
+    _same_run(run.opts, extra, src)
     run.loader.load_state_dict(extra["data"])
     if run.rank0:
         print(f"resumed from {fp.checkpoint.resolve(src)} at step {run.state.step}", flush=True)
@@ -145,7 +181,7 @@ def _announce(run: _Run) -> None:
         run.out.mkdir(parents=True, exist_ok=True)
         run.lock = lock_out(run.out)  # (kept open: the lock lasts as long as this process)
         old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
-        kept = [line for line in old if json.loads(line).get("step", 0) <= step]
+        kept = [line for line in old if _parsed_row(line, run.metrics_file).get("step", 0) <= step]
         with open_own(run.metrics_file) as fh:
             fh.write("".join(line + "\n" for line in kept))
         with open_own(run.out / "config.json") as fh:  # a --config

@@ -370,6 +370,10 @@ class Loader:
         return {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        position = state.get("position") if isinstance(state, dict) else None
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            raise DataError(f"cannot resume data order: the saved loader state {state!r} has no position (a "
+                            f"non-negative integer: the batches served)")
         same = state.get("global_batch", self.global_batch) == self.global_batch
         if not same or state.get("seed", self.seed) != self.seed:
             raise DataError(
@@ -377,7 +381,7 @@ class Loader:
                 f"seed={state.get('seed')}, "
                 f"now global_batch={self.global_batch} seed={self.seed}"
             )
-        self.position = int(state["position"])
+        self.position = position
 
 
 def batches(dataset: Dataset, mesh: Mesh, global_batch: int, seed: int = 0) -> Loader:

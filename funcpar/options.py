@@ -219,6 +219,7 @@ _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "w
              "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
              "eval_fraction": 0, "lr": 0, "heartbeat": 0}
 _AT_MOST = {"zero": 3, "eval_fraction": 0.5}
+MIN_HEARTBEAT = 2.0  # seconds: below it a slow collective or a checkpoint write reads as a stuck rank
 _CHOICES = {"device": DEVICES}
 
 
@@ -234,6 +235,10 @@ def _check_options(opts: dict[str, Any], config: str | None) -> None:
             raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: expected {kind.__name__}")
         if key in _CHOICES and v not in _CHOICES[key]:
             raise SystemExit(f"funcpar: --{key} {v!r}{where}: expected one of {', '.join(_CHOICES[key])}")
+        if key == "heartbeat" and 0 < v < MIN_HEARTBEAT:
+            raise SystemExit(f"funcpar: --heartbeat {v!r}{where}: a rank is declared stuck after this many seconds "
+                             f"without progress; use 0 (off) or at least {MIN_HEARTBEAT:g} (a healthy step's "
+                             f"collectives and checkpoints take longer than {v!r} s)")
         if key in _AT_LEAST and not (v >= _AT_LEAST[key] and v <= _AT_MOST.get(key, float("inf"))):
             hi = f" and at most {_AT_MOST[key]}" if key in _AT_MOST else ""
             raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: must be a number at least "

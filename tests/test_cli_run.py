@@ -537,3 +537,36 @@ def test_a_run_folder_in_use_is_refused_naming_the_run_that_holds_it(tmp_path, m
                             f"end, or choose another --out")
     os.close(held)  # (the first run ended)
     assert lock_out(out, hold=False) is None
+
+
+def test_what_resume_would_misread_is_refused_and_a_cut_metrics_line_dropped(tmp_path, capsys):
+    """Issue 46, WEAK: another --seq-len, LoRA alpha or dropout on resume is refused (the state would mean something
+    else); a heartbeat that would kill a healthy job is refused; a loader state without a position is named."""
+    import torch
+
+    import funcpar as fp
+    from funcpar import cli, data
+
+    src = tmp_path / "ck"
+    opts = {**options.DEFAULTS, "seq_len": 64, "lora": "r=4,alpha=8,targets=q,v"}
+    cli._same_run(opts, {"seq_len": 64, "lora": cli._lora_fields(opts)}, src)  # the same: resumes
+    cli._same_run(opts, {}, src)  # a checkpoint from before these were recorded: not checked
+    with pytest.raises(SystemExit, match=r"^funcpar: --seq-len 64 differs from the checkpoint's 32 \(.*ck\): its "
+                                         r"data position counts rows of 32 tokens"):
+        cli._same_run(opts, {"seq_len": 32}, src)
+    saved = cli._lora_fields({**opts, "lora": "r=4,alpha=16,targets=q,v,dropout=0.1"})
+    with pytest.raises(SystemExit, match=r"^funcpar: --lora alpha=8.0 \(the checkpoint's: 16.0\), dropout=0.0 \(the "
+                                         r"checkpoint's: 0.1\) differs from the run being resumed"):
+        cli._same_run(opts, {"lora": saved}, src)
+    with pytest.raises(SystemExit, match=r"^funcpar: --heartbeat 0.001: .* use 0 \(off\) or at least 2"):
+        options.read_options(["--heartbeat", "0.001"], "train")
+    loader = data.Loader(data.Dataset(torch.zeros(8, 4, dtype=torch.long), torch.ones(8, 4, dtype=torch.bool), 8, 0,
+                                      32), fp.Mesh(), 4)
+    for bad in ({}, {"position": -1}):
+        with pytest.raises(data.DataError, match=r"cannot resume data order: the saved loader state .* has no "
+                                                 r"position"):
+            loader.load_state_dict(bad)
+    m = tmp_path / "metrics.jsonl"
+    assert cli._parsed_row('{"step": 3, "lo', m) == {"step": float("inf")}
+    assert "dropped a line that is not a whole metrics row" in capsys.readouterr().out
+
