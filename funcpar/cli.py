@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 import funcpar as fp
-from funcpar.launch import INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, run_and_exit
+from funcpar.launch import (INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, restarted,
+                            run_and_exit)
 from funcpar.atomic import agree, open_own, refuse_links
 from funcpar.mesh import resolve_device
 from funcpar.generate import show_arithmetic
@@ -352,10 +353,15 @@ def train(argv: list[str]) -> None:
             print(f"funcpar: warning: the ranks run on the CPU: {why_not_gpu}", flush=True)
         os.environ[CHOSEN_DEVICE] = device.type  # (not in argv: the resume command a rank prints is the user's)
         try:
-            launch_if_needed(["train", *argv], nproc)
+            launch_if_needed(["train", *argv], nproc, opts["max_restarts"])
         finally:
             os.environ.pop(CHOSEN_DEVICE, None)
         return
+    if restarted():  # torchrun restarted this rank's group after a failure: continue the run it was, from its last
+        opts = {**opts, "resume": True}  # checkpoint (or from step 0 when it had saved none yet)
+        if os.environ.get("RANK") == "0":
+            print(f"funcpar: a rank failed; restart {restarted()} of --max-restarts {opts['max_restarts']}: "
+                  f"resuming", flush=True)
     run = _setup_run(opts, sizes)
     _resume(run)
     _announce(run)

@@ -15,7 +15,8 @@ from typing import Callable, NoReturn
 import funcpar as fp
 from funcpar import lifeline
 
-__all__ = ["launch_if_needed", "fail", "debug", "USER_ERRORS", "INTERRUPTED", "StopRequest", "run_and_exit"]
+__all__ = ["launch_if_needed", "fail", "debug", "USER_ERRORS", "INTERRUPTED", "StopRequest", "run_and_exit",
+           "restarted"]
 
 INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it
 
@@ -46,12 +47,13 @@ class StopRequest:
         return bool(fp.collectives.all_reduce(flag, mesh, mesh.axis_names, "max").item())
 
 
-def launch_if_needed(argv: list[str], nproc: int) -> bool:
+def launch_if_needed(argv: list[str], nproc: int, max_restarts: int = 0) -> bool:
     """Outside torchrun with a multi-rank mesh: run this same command under torch.distributed.run. True if done.
 
     The workers report why they ended through torchrun's error files (:func:`funcpar.lifeline.report`); a failed
     job prints each distinct reason once, naming the ranks when not all of them gave it (``--debug``: torchrun's
-    own logs and the tracebacks too)."""
+    own logs and the tracebacks too). ``max_restarts``: torchrun restarts every worker when one fails, that many
+    times at most (the restarted ones see ``TORCHELASTIC_RESTART_COUNT`` > 0: :func:`restarted`)."""
     if nproc <= 1 or "RANK" in os.environ:
         return False
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -65,7 +67,8 @@ def launch_if_needed(argv: list[str], nproc: int) -> bool:
             if name.startswith("torch.distributed"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "funcpar", *argv]))
+        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                                          f"--max-restarts={max_restarts}", "-m", "funcpar", *argv]))
     except ChildFailedError as e:
         if all(f.exitcode == INTERRUPTED for f in e.failures.values()):
             raise SystemExit(INTERRUPTED) from None  # rank 0 said where it saved and how to resume
@@ -73,6 +76,11 @@ def launch_if_needed(argv: list[str], nproc: int) -> bool:
     except SignalException:  # Ctrl-C reached torchrun too: it passed SIGTERM on, and the workers saved
         raise SystemExit(INTERRUPTED) from None
     return True
+
+
+def restarted() -> int:
+    """How many times torchrun has restarted this worker's group (0: the first attempt, or not under torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def _failure_summary(failures: dict, world: int) -> str:

@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "cp_layout": "zigzag", "lora": "", "steps": 300,
     "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
-    "heartbeat": 60.0, "chat_template": "auto",
+    "heartbeat": 60.0, "chat_template": "auto", "max_restarts": 0,
 }
 
 HELP = {
@@ -63,6 +63,8 @@ HELP = {
     "heartbeat": "seconds without progress after which a stuck rank is reported and the job ends (0: off)",
     "chat_template": "conversations through the HF tokenizer's chat_template when it has one (auto), or "
                      "funcpar's User:/Assistant: template (builtin)",
+    "max_restarts": "when a rank dies, restart every rank up to this many times (torchrun's restarts); restarted "
+                    "ranks resume from the run's last complete checkpoint",
 }
 
 _LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -217,7 +219,7 @@ def _unknown_flag(arg: str, prog: str, flags: list[str]) -> str:
 
 _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,
              "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
-             "eval_fraction": 0, "lr": 0, "heartbeat": 0}
+             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0}
 _AT_MOST = {"zero": 3, "eval_fraction": 0.5}
 MIN_HEARTBEAT = 2.0  # seconds: below it a slow collective or a checkpoint write reads as a stuck rank
 _CHOICES = {"device": DEVICES}

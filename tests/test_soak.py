@@ -1,6 +1,8 @@
-"""Issue 12's fault-injection soak: ``funcpar train`` at ``Mesh(tp=2, dp=2)`` for 100 steps, a random rank killed
-(SIGKILL) at a random moment three times and resumed each time with ``--resume``; the final parameters equal the
-uninterrupted run's bit for bit. The seed is random per run and printed on failure (``FUNCPAR_SOAK_SEED`` fixes it)."""
+"""The fault-injection soak (issues 12 and 46): ``funcpar train --max-restarts 3`` at ``Mesh(tp=2, dp=2)`` for 100
+steps, a random rank killed (SIGKILL) at a random moment twice; torchrun restarts the ranks, they resume from the
+run's last checkpoint by themselves, the job exits 0, and the final parameters equal the uninterrupted run's bit for
+bit. The seed is random per run and printed on failure (``FUNCPAR_SOAK_SEED`` fixes it); the time from each kill to
+the first step logged after it is printed (a figure, not an assertion)."""
 
 import os
 import random
@@ -19,7 +21,7 @@ from test_lifeline import _Job, _children, _rank_of
 pytestmark = [pytest.mark.soak, pytest.mark.subprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 100  # (three kills among them; 100 keeps the suite within its time on a slow day)
+STEPS = 100  # (two kills among them; 100 keeps the suite within its time on a slow day)
 ARGS = ["--mesh", "tp=2,dp=2", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "32", "--warmup", "10",
         "--save-every", "10", "--keep", "2", "--eval-every", "0", "--log-every", "1"]
 
@@ -36,37 +38,46 @@ def _step_of(line: str) -> int | None:
     return None
 
 
-def test_a_run_killed_three_times_and_resumed_ends_bit_equal_to_the_uninterrupted_run(tmp_path):
+def _next_step(job: _Job, at_least: int) -> tuple[int, float]:
+    """The first logged step at or past ``at_least`` (a resumed run repeats the steps since its checkpoint), and
+    when it came."""
+    while True:
+        t = job.wait_for("step ", timeout=300)
+        step = _step_of(job.seen[-1])
+        if step is not None and step >= at_least:
+            return step, t
+
+
+def test_a_run_that_loses_a_rank_twice_restarts_resumes_and_ends_bit_equal_by_itself(tmp_path):
     seed = int(os.environ.get("FUNCPAR_SOAK_SEED", random.randrange(2**31)))
     rng = random.Random(seed)
     where = f"(FUNCPAR_SOAK_SEED={seed})"
     ref = _train(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
-    kills = sorted(rng.sample(range(2, STEPS), 3))
-    events = []
-    for k in kills:
-        job = _Job(tmp_path, *ARGS, "--resume")  # writes to tmp_path / "out"
-        try:
-            while True:  # the first step at or past k (a resumed run repeats the steps since its checkpoint)
-                job.wait_for("step ", timeout=300)
-                step = _step_of(job.seen[-1])
-                if step is not None and step >= k:
-                    break
+    kills = sorted(rng.sample(range(2, STEPS - 5), 2))
+    job = _Job(tmp_path, "--model", "llama-micro", *ARGS, "--max-restarts", "3")  # writes to tmp_path / "out"
+    events, recoveries = [], []
+    try:
+        for k in kills:
+            step, _ = _next_step(job, k)
             time.sleep(rng.uniform(0.0, 0.3))  # anywhere in the step or the save after it
             workers = {_rank_of(p): p for p in _children(job.proc.pid)}
             victim = rng.choice(sorted(workers))
             os.kill(workers[victim], signal.SIGKILL)
-            code = job.proc.wait(timeout=120)
-            events.append(f"killed rank {victim} after step {step}: exit {code}")
-            assert code != 0, f"{where} {events}"
-        finally:
-            job.kill_all()
-    last = _train(tmp_path / "out", "--resume")
-    assert last.returncode == 0, f"{where} {events}\n{last.stderr}"
-    assert "resumed from" in last.stdout, f"{where} {events}"
+            killed = time.monotonic()
+            events.append(f"killed rank {victim} after step {step}")
+            job.wait_for("resuming", timeout=300)
+            _, back = _next_step(job, 0)
+            recoveries.append(back - killed)
+        code = job.proc.wait(timeout=600)
+    finally:
+        job.kill_all()
+    assert code == 0, f"{where} {events}\n" + "\n".join(job.seen[-30:])
+    assert sum("restart" in line and "resuming" in line for line in job.seen) == 2, f"{where} {events}"
     want, got = load_file(tmp_path / "ref" / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "hf" /
                                                                                      "model.safetensors")
     assert want.keys() == got.keys()
     unequal = [k for k in want if not torch.equal(want[k], got[k])]
     assert unequal == [], f"{where} {events}: {unequal}"
-    print(where, *events, sep="\n")
+    print(where, *events, "seconds from each kill to the first step after it: "
+          + ", ".join(f"{s:.1f}" for s in recoveries), sep="\n")
