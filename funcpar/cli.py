@@ -15,6 +15,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,7 @@ def _metrics_row(run: _Run, m: dict) -> dict:
     row = {k: m[k] for k in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "skipped", "bubble")
            if k in m}
     row["truncated"] = run.data.truncated
+    row["time"] = round(time.time(), 3)  # (when the step ended: seconds since the epoch, for trackers and plots)
     if opts["eval_every"] and (run.state.step % opts["eval_every"] == 0 or run.state.step == opts["steps"]):
         ev = _evaluate(run, run.eval_data, opts["global_batch"])
         row |= {"eval_loss": ev, "eval_ppl": math.exp(min(ev, 50))}

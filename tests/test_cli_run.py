@@ -470,7 +470,10 @@ def test_resume_is_the_runs_own_options_from_its_newest_checkpoint_and_says_what
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-2'} at step 2" in p.stdout
     assert "funcpar: --resume (its 'latest' was missing: step-2 is the newest complete checkpoint)" in p.stdout
     assert "funcpar: warning: --steps 3 differs from the run's 2" in p.stdout
-    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3]
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    times = [r["time"] for r in rows]  # (issue 45: each row says when its step ended)
+    assert times == sorted(times) and time.time() - 600 < times[0] <= time.time()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.01
     p = _funcpar(tmp_path, *first[:-2], "--out", "fresh", "--steps", "1", "--resume")
     assert p.returncode == 0, p.stderr
