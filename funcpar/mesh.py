@@ -318,7 +318,12 @@ class Mesh:
         # at the set_device above: issue 40.)
         importlib.import_module("torch._dynamo")
 
-        dist.init_process_group(backend=self.backend, timeout=self.timeout)
+        store = _attempt_store(self.timeout)
+        if store is None:
+            dist.init_process_group(backend=self.backend, timeout=self.timeout)
+        else:
+            dist.init_process_group(backend=self.backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=self.timeout)
         atexit.register(_destroy_process_groups)
         _report_fatal_signals()
 
@@ -425,6 +430,20 @@ class Mesh:
         if self.context_layout != "zigzag" and self._sizes.get("cp", 1) > 1:
             sp += f", context_layout={self.context_layout!r}"
         return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + sp + ")"
+
+
+def _attempt_store(timeout):
+    """After torchrun restarted the workers (``TORCHELASTIC_RESTART_COUNT`` > 0, its agent hosting the store): the
+    job's store under this attempt's prefix, else None (torch's own ``env://`` rendezvous). The agent keeps one
+    store across restarts, and the previous attempt's ranks' addresses are still in it under the same keys: a
+    restarted rank reading one before its peer overwrote it would connect to a dead port (gloo: "Connection
+    refused"), so every restart failed the same way."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"funcpar/attempt_{attempt}", store)
 
 
 class AbstractMesh(Mesh):
