@@ -191,7 +191,7 @@ GPUS = {
 LINKS = {"nvlink": 360e9, "nvlink3": 240e9, "ib400": 45e9, "ib200": 22e9, "eth100": 11e9}
 # funcpar's compiled step on one H100 at the Llama-3.2-1B shape (issue 44: 0.156 s for 4 x 2048 tokens, bf16):
 # its traced FLOPs over that time, as a fraction of the datasheet's bf16 rate (bench/multi_gpu_estimate.py).
-MEASURED_EFFICIENCY = 0.41
+MEASURED_EFFICIENCY = 0.42
 
 
 def estimate_time(row: dict[str, Any], axes: dict[str, int], gpu: str, links: tuple[str, str],

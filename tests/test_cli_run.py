@@ -393,7 +393,7 @@ def test_plan_estimates_a_steps_time_on_named_gpus_and_says_what_it_assumed(caps
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("estimated step: "))
     assert "compute" in line and "dp " in line and "tp " in line and "tokens/s per rank" in line, line
-    assert "NVIDIA H100 SXM: 405 TFLOP/s (41% of 989)" in line and "dp over nvlink" in line, line
+    assert "NVIDIA H100 SXM: 415 TFLOP/s (42% of 989)" in line and "dp over nvlink" in line, line
     with pytest.raises(SystemExit, match=r"^funcpar: --links takes two of nvlink, nvlink3, ib400, ib200, eth100 "
                                          r"\(within a node, between nodes\), not 'nvlink'$"):
         cli.plan(["--model", "llama-micro", "--gpu", "h100", "--links", "nvlink"])
