@@ -30,7 +30,7 @@ from funcpar.generate import show_arithmetic
 from funcpar.preflight import RUN_FILES, check_run, claim_out, lock_out, run_files
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (DEFAULTS, build_lora, build_params, build_step, datasets, lora_parts, model_config,
-                             parse_mesh, read_options, run_options, saved_options, tokenizer)
+                             parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs)
 from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
                               rank_meshes, sharding_table)
 from funcpar.plot import plot_metrics
@@ -84,6 +84,7 @@ def _setup_run(opts, sizes) -> _Run:
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
+    opts = with_epochs(opts, len(train_data))
     # before any work: refused now or never
     warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)
     if why_not_gpu:
@@ -336,7 +337,7 @@ def _preflight(opts, sizes) -> None:
     else:
         build_step(opts, model, cfg, mesh, specs)
     data, train_data, eval_data = datasets(opts, cfg)
-    check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)
+    check_run(with_epochs(opts, len(train_data)), cfg, mesh, len(train_data), len(eval_data), data.tokens)
     claim_out(Path(opts["out"]), opts["resume"], opts["overwrite"], check_only=True)
     lock_out(Path(opts["out"]), hold=False)
 

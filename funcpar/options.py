@@ -23,7 +23,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
     "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "sequence_parallel": False,
     "cp_layout": "zigzag", "lora": "", "steps": 300,
-    "eval_every": 100, "eval_fraction": 0.05, "save_every": 100, "keep": 2,
+    "epochs": 0, "eval_every": 100, "eval_fraction": 0.05, "eval_data": "", "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
     "heartbeat": 60.0, "chat_template": "auto", "max_restarts": 0,
 }
@@ -53,7 +53,10 @@ HELP = {
     "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
             "model to hf/ and a PEFT adapter folder to adapter/",
     "eval_every": "held-out loss every N steps and at the end (0: never)",
-    "eval_fraction": "share of the rows held out for evaluation",
+    "eval_fraction": "share of the rows held out for evaluation (without --eval-data)",
+    "eval_data": "held-out data (a file or folder, --data's formats): the held-out loss is computed on it, and every "
+                 "row of --data trains",
+    "epochs": "passes over the training rows: sets --steps to epochs x (rows // --global-batch) (0: --steps decides)",
     "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints of this run to keep", "log_every": "a log line every N steps",
     "out": "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/",
@@ -219,7 +222,7 @@ def _unknown_flag(arg: str, prog: str, flags: list[str]) -> str:
 
 _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,
              "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
-             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0}
+             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0, "epochs": 0}
 _AT_MOST = {"zero": 3, "eval_fraction": 0.5}
 MIN_HEARTBEAT = 2.0  # seconds: below it a slow collective or a checkpoint write reads as a stuck rank
 _CHOICES = {"device": DEVICES}
@@ -289,15 +292,28 @@ def tokenizer(opts):
 
 
 def datasets(opts, cfg):
-    """``(data, train_data, eval_data)``: the tokenized samples and their train / held-out split."""
+    """``(data, train_data, eval_data)``: the tokenized samples and their train / held-out split, or with
+    ``--eval-data`` every row of ``--data`` to train and that file's rows held out."""
     tok = tokenizer(opts)
     samples = fp.data.load_samples(ARITHMETIC if opts["data"] == "builtin:arithmetic" else opts["data"])
     data = fp.data.Dataset.from_samples(samples, tok, opts["seq_len"], pack=opts["pack"])
-    train_data, eval_data = data.split(opts["eval_fraction"], seed=opts["seed"])
-    if int(data.ids.max()) >= cfg.vocab_size:
-        raise SystemExit(f"funcpar: the tokenizer produced id {int(data.ids.max())}, beyond the model's vocab_size "
-                         f"{cfg.vocab_size}")
+    if opts["eval_data"]:
+        held = fp.data.Dataset.from_samples(fp.data.load_samples(opts["eval_data"]), tok, opts["seq_len"],
+                                            pack=opts["pack"])
+        train_data, eval_data = data, held
+    else:
+        train_data, eval_data = data.split(opts["eval_fraction"], seed=opts["seed"])
+    top = max(int(data.ids.max()), int(eval_data.ids.max()) if len(eval_data) else 0)
+    if top >= cfg.vocab_size:
+        raise SystemExit(f"funcpar: the tokenizer produced id {top}, beyond the model's vocab_size {cfg.vocab_size}")
     return data, train_data, eval_data
+
+
+def with_epochs(opts, train_rows: int) -> dict[str, Any]:
+    """``opts`` with ``--steps`` set from ``--epochs`` (whole global batches per pass over ``train_rows``)."""
+    if not opts["epochs"]:
+        return opts
+    return {**opts, "steps": opts["epochs"] * max(1, train_rows // opts["global_batch"])}
 
 
 def build_optimizer(opts):

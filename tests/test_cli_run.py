@@ -573,3 +573,21 @@ def test_what_resume_would_misread_is_refused_and_a_cut_metrics_line_dropped(tmp
     assert cli._parsed_row('{"step": 3, "lo', m) == {"step": float("inf")}
     assert "dropped a line that is not a whole metrics row" in capsys.readouterr().out
 
+
+
+def test_eval_data_holds_out_its_own_file_and_epochs_set_the_steps(tmp_path):
+    """`--eval-data FILE`: every row of --data trains, the held-out rows are FILE's; `--epochs N`: --steps becomes
+    N passes of whole global batches over the training rows (and the schedule is laid over them)."""
+    import funcpar as fp
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": "a" * 60}) + "\n" for _ in range(40)))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"text": "b" * 60}) + "\n" for _ in range(5)))
+    llama = fp.get_model("llama")
+    cfg = llama.config(options.BUILTIN_MODELS["llama-micro"], fp.Mesh())
+    opts = {**options.DEFAULTS, "data": str(tmp_path / "train.jsonl"), "eval_data": str(tmp_path / "held.jsonl"),
+            "seq_len": 32, "global_batch": 8, "epochs": 3}
+    data, train, held = options.datasets(opts, cfg)
+    assert len(train) == len(data) == 40 * 61 // 32 and len(held) == 5 * 61 // 32
+    assert bool((held.ids == ord("b")).any()) and not bool((train.ids == ord("b")).any())
+    assert options.with_epochs(opts, len(train))["steps"] == 3 * (len(train) // 8)
+    assert options.with_epochs({**opts, "epochs": 0}, len(train))["steps"] == options.DEFAULTS["steps"]
