@@ -76,11 +76,12 @@ class VocabPadding:
         """Raise unless ``mesh``'s tp divides the attention heads (the tp plan splits attention by whole heads) and
         the vocab tables' rows (it always does after ``with_mesh``)."""
         tp = 1 if mesh is None else mesh.axis_size("tp")
-        heads = getattr(self, "num_attention_heads", None) or getattr(self, "n_head", None)
+        key = next((k for k in ("num_attention_heads", "n_head") if getattr(self, k, None)), None)
+        heads = getattr(self, key) if key else 0
         if heads and heads % tp:
             fits = [str(n) for n in range(1, heads + 1) if heads % n == 0]
-            raise ValueError(f"num_attention_heads={heads} is not divisible by tp={tp}: tensor parallelism splits "
-                             f"attention by whole heads (use tp={', '.join(fits[:-1])} or {fits[-1]})")
+            raise ValueError(f"{key}={heads} is not divisible by tp={tp}: tensor parallelism splits attention by "
+                             f"whole heads (use tp={', '.join(fits[:-1])} or {fits[-1]})")
         if mesh is not None and self.rows % mesh.axis_size("tp"):
             raise ValueError(
                 f"vocab_size {self.vocab_size} ({self.rows} rows) is not divisible by tp={mesh.axis_size('tp')}: "

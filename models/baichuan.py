@@ -154,11 +154,7 @@ _LAYER_SPECS = {
 def specs(cfg: Config, mesh=None):
     """Megatron's plan: q/k/v column-parallel by heads, gate/up column-parallel, o/down row-parallel,
     vocab-parallel embedding and NormHead."""
-    cfg.check_mesh(mesh)
-    tp = 1 if mesh is None else mesh.axis_size("tp")
-    if cfg.num_attention_heads % tp:
-        raise ValueError(f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}: q/k/v are "
-                         f"split over tp by whole heads")
+    cfg.check_mesh(mesh)  # (tp divides the heads: q/k/v are split over tp by whole heads)
     return {"embed": P("tp", None), "layers": [dict(_LAYER_SPECS) for _ in range(cfg.num_hidden_layers)],
             "norm": P(), "lm_head": P("tp", None)}
 

@@ -320,5 +320,6 @@ def test_unsupported_layouts_are_refused_by_key(tmp_path, edits, match):
 def test_a_tp_that_does_not_divide_the_heads_is_refused():
     model, mesh = fp.get_model("baichuan"), fp.Mesh.abstract(tp=3)
     cfg = model.config(published_config(), mesh)  # the vocabulary padded to 384 rows: tp=3 divides them
-    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4"):
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp=3: tensor parallelism splits "
+                                         r"attention by whole heads \(use tp=1, 2 or 4\)"):
         model.specs(cfg, mesh)

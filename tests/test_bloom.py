@@ -155,7 +155,8 @@ def test_config_round_trips_and_errors_name_the_key(ckpts):
     with pytest.raises(ValueError, match=r"hidden_size=64 is not a multiple of n_head=6"):
         model.config(raw | {"n_head": 6})
     six = model.config(_config(ckpts["h6"][0]))
-    with pytest.raises(ValueError, match=r"tp=4 does not divide n_head=6; a tp rank must hold whole attention heads"):
+    with pytest.raises(ValueError, match=r"n_head=6 is not divisible by tp=4: tensor parallelism splits attention by "
+                                         r"whole heads \(use tp=1, 2, 3 or 6\)"):
         model.specs(six.with_mesh(fp.Mesh.abstract(tp=4)), fp.Mesh.abstract(tp=4))
 
 

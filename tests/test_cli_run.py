@@ -375,14 +375,14 @@ def test_a_seq_len_cp_does_not_divide_is_refused_in_one_line():
 
 
 def test_plan_ranks_cp_meshes_and_names_the_ones_seq_len_rules_out(capsys):
-    """`funcpar plan --devices 4` for a model with context parallelism ranks dp x cp x tp meshes; a --seq-len the
-    zig-zag layout cannot split over cp=4 (68: not a multiple of 8) is that mesh's reason, not the end of the plan."""
+    """`funcpar plan --devices 2` for a model with context parallelism ranks dp x cp x tp meshes; a --seq-len the
+    zig-zag layout cannot split over cp=2 (66: not a multiple of 4) is that mesh's reason, not the end of the plan."""
     from funcpar import cli
 
-    cli.plan(["--model", "llama-micro", "--seq-len", "68", "--global-batch", "4", "--devices", "4", "--memory", "4"])
+    cli.plan(["--model", "llama-micro", "--seq-len", "66", "--global-batch", "4", "--devices", "2", "--memory", "4"])
     out = capsys.readouterr().out
-    assert any(line.startswith("dp=2,cp=2,tp=1") and line.endswith("yes") for line in out.splitlines()), out
-    assert "dp=1,cp=4,tp=1      1            -            -  --mesh cp=4 splits each sequence into 8 pieces" in out
+    assert any(line.startswith("dp=2,tp=1") and line.endswith("yes") for line in out.splitlines()), out
+    assert "dp=1,cp=2,tp=1      1            -            -  --mesh cp=2 splits each sequence into 4 pieces" in out
 
 
 def test_plan_estimates_a_steps_time_on_named_gpus_and_says_what_it_assumed(capsys):

@@ -367,8 +367,12 @@ def _hf_save(folder, **kw):
     fp.hf.save(folder, model.init(cfg, seed=0), model, cfg, **kw)
 
 
+_RUN: list = []  # one step, so one run: a run replaces its own checkpoint folders, not another run's
+
+
 def _ckpt_save(folder, **kw):
-    step, state = _tiny_step(fp.Mesh())
+    _RUN[:] = _RUN or [_tiny_step(fp.Mesh())]
+    step, state = _RUN[0]
     step.save(folder, state, **kw)
 
 

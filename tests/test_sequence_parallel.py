@@ -1,9 +1,10 @@
 """Megatron's sequence parallelism (``model.loss_fn(cfg, mesh, sequence_parallel=True)``): between tp regions each tp
 rank holds its block of the sequence (norms, residuals and dropout-free element-wise work on T/tp positions), the
 sequence gathered before the column-parallel linears and reduce-scattered after the row-parallel ones. Three AdamW
-steps at tp=2, tp=4 and tp=2 x dp=2 against one process, in float32, for Llama with GQA and GPT-2 (layer norms
-with biases, learned positions), and at tp=2 for Qwen2 (q/k/v biases), GLM (partial rotary), Baichuan2 (NormHead) and Mixtral (the router and experts on the gathered sequence, with
-its load-balancing loss)."""
+steps at tp=2, tp=4 and tp=2 x dp=2 against one process, in float32, for Llama with GQA, at tp=2 and tp=2 x dp=2
+for GPT-2 (layer norms with biases, learned positions), and at tp=2 for Qwen2 (q/k/v biases), GLM (partial
+rotary), Baichuan2 (NormHead) and Mixtral (the router and experts on the gathered sequence, with its load-balancing
+loss)."""
 
 import math
 
@@ -41,7 +42,7 @@ def _train(name, sizes, sequence_parallel, zero=1, micro=1):
 MESHES = [{"tp": 2}, {"tp": 4}, {"tp": 2, "dp": 2}]
 
 
-CASES = [(name, sizes) for name in ("llama", "gpt2") for sizes in MESHES] + [
+CASES = [("llama", sizes) for sizes in MESHES] + [("gpt2", sizes) for sizes in MESHES if sizes != {"tp": 4}] + [
     (name, {"tp": 2}) for name in ("qwen2", "glm", "baichuan", "mixtral")]  # (qwen2: q/k/v biases; glm: partial
 # rotary; mixtral: the MoE on the gathered blocks, with its load-balancing loss)
 

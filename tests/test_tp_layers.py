@@ -141,7 +141,7 @@ def test_tp_mlp_example_trains_on_four_ranks():
     """``python examples/tp_mlp.py`` starts its own 4 ranks (Mesh(tp=2, dp=2)) and its loss falls."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    p = subprocess.run([sys.executable, "examples/tp_mlp.py", "--steps", "40"], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "examples/tp_mlp.py", "--steps", "20"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "tensor-parallel MLP on Mesh(tp=2, dp=2), 4 process(es)" in p.stdout
