@@ -96,15 +96,19 @@ MESHES = [{"pp": 2}, {"pp": 4}, {"pp": 2, "dp": 2}, {"pp": 2, "tp": 2}, {"pp": 2
 @pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "-".join(f"{a}{n}" for a, n in s.items()))
 def test_every_schedule_trains_as_the_single_process_run(sizes):
     layers = 2 * sizes["pp"]  # the fewest interleaving (2 chunks per rank) can take: the 8-rank mesh's runs are slow
-    # the schedules' whole matrix on pure pipeline meshes; beside tp or dp, each schedule once per model (a tied
-    # and an untied embedding): what those axes add is the same for every schedule
-    alone = set(sizes) == {"pp"}
+    # the schedules' whole matrix on pp=2; on pp=4 and beside tp or dp, each schedule once per model (a tied and an
+    # untied embedding): what those axes add is the same for every schedule; on the 8-rank mesh, the tied model's
+    # 1F1B and interleaved runs and GPT-2's interleaved zero bubble (eight ranks on this machine's cores are slow)
+    alone = sizes == {"pp": 2}
     plans = [(micro, p, c) for micro in ((4, 8) if alone else (8,)) for p, c in SCHEDULES if p != "zb"]
     runs = [(f"{name}:{layers}", micro, pipeline, chunks)
             for name in (("llama", "llama-tied", "gpt2") if alone else ("llama-tied", "gpt2"))
             for micro, pipeline, chunks in plans]
     # zero bubble, plain and interleaved, on a tied embedding (summed over the first and last stage) and on GPT-2
     runs += [(f"llama-tied:{layers}", 4, "zb", None), (f"gpt2:{layers}", 8, "zb", 2)]
+    if math.prod(sizes.values()) == 8:
+        runs = [r for r in runs if (r[0].startswith("llama-tied") and r[2] in ("1f1b", "interleaved"))
+                or (r[0].startswith("gpt2") and r[2] == "zb")]
     results = harness.run(math.prod(sizes.values()), _matrix, sizes, runs)
     pp = sizes["pp"]
     for k, (name, micro, pipeline, chunks) in enumerate(runs):

@@ -1,4 +1,4 @@
-"""The fault-injection soak (issues 12 and 46): ``funcpar train --max-restarts 3`` at ``Mesh(tp=2, dp=2)`` for 60
+"""The fault-injection soak (issues 12 and 46): ``funcpar train --max-restarts 3`` at ``Mesh(tp=2, dp=2)`` for 40
 steps, a random rank killed (SIGKILL) at a random moment twice; torchrun restarts the ranks, they resume from the
 run's last checkpoint by themselves, the job exits 0, and the final parameters equal the uninterrupted run's bit for
 bit. The seed is random per run and printed on failure (``FUNCPAR_SOAK_SEED`` fixes it); the time from each kill to
@@ -21,7 +21,7 @@ from test_lifeline import _Job, _children, _rank_of
 pytestmark = [pytest.mark.soak, pytest.mark.subprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 60  # (two kills among them, six checkpoints; short enough for the suite's time on a slow day)
+STEPS = 40  # (two kills among them, four checkpoints; short enough for the suite's time on a slow day)
 ARGS = ["--mesh", "tp=2,dp=2", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "32", "--warmup", "10",
         "--save-every", "10", "--keep", "2", "--eval-every", "0", "--log-every", "1"]
 
