@@ -166,19 +166,24 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
     return opts
 
 
+def saved_run_options(path: Path) -> dict[str, Any] | None:
+    """The options in ``path`` if it is a run's config.json (a non-empty object of funcpar's option names), else
+    None (absent, unreadable, or a model's or anyone else's config.json)."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) and cfg and set(cfg) <= set(DEFAULTS) else None
+
+
 def run_options(opts: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     """``--resume`` without ``--config``: the run's own options (``--out``/config.json, written when it started)
     under the command line's flags, so that a resumed run is the run it continues unless a flag says otherwise. A
     flag that changes ``--steps`` is said (the learning-rate schedule is stretched or cut from the step resumed)."""
     saved = Path(opts["out"]) / "config.json"
-    if not opts["resume"] or "--config" in argv or not saved.is_file():
-        return opts
-    try:
-        run = json.loads(saved.read_text())
-    except ValueError:
-        return opts  # (not a run's options: claim_out and the checkpoint say what the folder is)
-    if not isinstance(run, dict) or set(run) - set(DEFAULTS):
-        return opts
+    run = saved_run_options(saved) if opts["resume"] and "--config" not in argv else None
+    if run is None:
+        return opts  # (none, or not a run's options: claim_out and the checkpoint say what the folder is)
     out = read_options(["--config", str(saved), *argv], "train")
     if out["steps"] != run.get("steps", out["steps"]) and _speaks_for_the_job():
         print(f"funcpar: warning: --steps {out['steps']} differs from the run's {run['steps']}: its "

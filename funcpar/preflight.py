@@ -5,7 +5,6 @@ Refusals are one line saying what to change (``SystemExit``); doubtful choices a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -75,13 +74,9 @@ RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "t
 
 def _run_config(path: Path) -> bool:
     """Whether ``path`` is a run's config.json (funcpar's options), not a model's or anyone else's."""
-    from .options import DEFAULTS
+    from .options import saved_run_options
 
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and bool(cfg) and set(cfg) <= set(DEFAULTS)
+    return saved_run_options(path) is not None
 
 
 def run_files(out: Path) -> list[str]:
