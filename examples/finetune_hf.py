@@ -1,10 +1,11 @@
 """Supervised fine-tuning of a Hugging Face checkpoint on the JSON formats, then an export transformers loads.
 
-    torchrun --nproc-per-node 2 examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl --tokenizer path/to/hf-llama
+    torchrun --nproc-per-node 2 examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl --tokenizer path/to/its-tokenizer
     python examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl      # one process, byte tokenizer
 
 ``sft.jsonl`` holds lines such as {"type": "instruct", "instruct": ..., "output": ...} or
-{"type": "conversation", "rounds": [["ask", ...], ["ans", ...]]}; the loss counts answer tokens only.
+{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}; the loss counts answer
+tokens only. The export holds the tokenizer too, so ``transformers.pipeline("text-generation", OUT)`` loads it.
 """
 
 import argparse
@@ -29,8 +30,8 @@ model = fp.get_model(cfg.model_type)                               # the registe
 specs = model.specs(cfg, mesh)
 tok = fp.data.ByteTokenizer() if args.tokenizer == "byte" else fp.data.HFTokenizer(args.tokenizer)
 data = fp.data.Dataset.from_samples(fp.data.load_samples(args.data), tok, args.seq_len, pack=False)
-if int(data.ids.max()) >= cfg.vocab_size:
-    raise SystemExit(f"the tokenizer produced id {int(data.ids.max())}, beyond the model's vocab_size {cfg.vocab_size}")
+if data.max_id >= cfg.vocab_size:
+    raise SystemExit(f"the tokenizer produced id {data.max_id}, beyond the model's vocab_size {cfg.vocab_size}")
 if mesh.rank == 0 and data.truncated:
     print(f"{data.truncated} of {data.samples} samples were longer than {args.seq_len} tokens and were truncated")
 
@@ -44,6 +45,6 @@ for batch in fp.data.batches(data, mesh, global_batch=args.global_batch):
         print(f"step {state.step}: loss {metrics['loss']:.4f}", flush=True)
     if state.step == args.steps:
         break
-fp.hf.save(args.out, state.params, model, cfg, mesh, specs=specs)
+fp.hf.save(args.out, state.params, model, cfg, mesh, specs=specs, tokenizer=tok)  # pipeline() loads it
 if mesh.rank == 0:
     print(f"exported {args.out}")

@@ -46,6 +46,6 @@ for batch in loader:
         break
 
 step.save(f"{args.out}/ckpt/step-{state.step}", state, extra={"data": loader.state_dict()})
-fp.hf.save(f"{args.out}/hf", state.params, llama, cfg, mesh)     # transformers.from_pretrained loads it
+fp.hf.save(f"{args.out}/hf", state.params, llama, cfg, mesh, tokenizer=tok)  # transformers.pipeline loads it
 if mesh.rank == 0:
     print(f"final loss {metrics['loss']:.4f}; exported {args.out}/hf")

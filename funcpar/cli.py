@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import optree
 import torch
 
 import funcpar as fp
@@ -32,7 +33,7 @@ from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (DEFAULTS, build_lora, build_params, build_step, datasets, lora_parts, model_config,
                              parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs)
 from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
-                              rank_meshes, sharding_table)
+                              rank_meshes, sharding_table, vocab_note)
 from funcpar.plot import plot_metrics
 
 
@@ -208,7 +209,18 @@ def _announce(run: _Run) -> None:
     print(f"funcpar train: {run.cfg.model_type} on {mesh!r} ({mesh.size} process(es), {mesh.device.type}), "
           f"{len(run.train_data)} train rows x {opts['seq_len']} tokens, {len(run.eval_data)} held-out rows"
           + (f", {run.data.truncated} samples truncated" if run.data.truncated else ""), flush=True)
+    if run.lora:
+        total = sum(x.numel() for _, x in fp.tree.leaves_with_path(params_like(run.model, run.cfg)))
+        print(f"funcpar train: LoRA {opts['lora']}: {run.lora.trainable():,} trainable parameters "
+              f"({run.lora.trainable() / total:.2%} of the model's {total:,}; the base frozen)", flush=True)
+    mix = run.train_data
+    if len(mix.parts) > 1:
+        print("funcpar train: mixing " + ", ".join(f"{name} {w:.0%} ({len(p)} rows)" for name, w, p in
+                                                   zip(mix.names, mix.weights, mix.parts, strict=True)), flush=True)
     print(sharding_table(params_like(run.model, run.cfg), run.specs, mesh), flush=True)
+    note = vocab_note(run.cfg, tokenizer(opts).vocab_size)
+    if note:
+        print(note, flush=True)
     if run.step.pipe is not None:
         print(run.step.pipe.plan.describe(), flush=True)
 
@@ -217,13 +229,13 @@ def _evaluate(run: _Run, data, global_batch) -> float:
     """Mean held-out token loss over the whole eval set, split over dp (through the pipeline's stages on pp)."""
     model, cfg, mesh = run.model, run.cfg, run.mesh
     params = _params(run)
-    dp = mesh.axis_size("dp")
+    dp, c = mesh.axis_size("dp"), mesh.coord("dp")
     gb = min(global_batch, len(data)) // dp * dp
-    if gb:
-        loader = fp.data.Loader(data, mesh, gb, shuffle=False)
-        local = [next(loader) for _ in range(len(data) // gb)]
+    if gb:  # whole batches of the held-out rows in order, each dp rank its block
+        local = [{k: v.chunk(dp)[c] for k, v in data.take_range(lo, lo + gb).items()}
+                 for lo in range(0, len(data) // gb * gb, gb)]
     else:  # fewer held-out rows than dp ranks: every rank evaluates them all
-        local = [{"input_ids": data.ids, "labels": data.ids.masked_fill(~data.mask, -100)}]
+        local = [data.take_range(0, len(data))]
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for b in local:
@@ -289,11 +301,17 @@ def _interrupted(run: _Run, argv: list[str]) -> None:
 def _finish(run: _Run) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
+    choice = run.opts["export_dtype"]
+    masters = run.step.gather_masters(run.state) if choice == "fp32" and not run.lora else None
     # the checkpoint holds the optimizer state now: its memory goes to the export's whole leaves (at ZeRO-3 each
     # rank gathers them from its parts; a model sized to fill the ranks has no room for both)
     run.state = run.state._replace(opt_state=None)
     run.step.buffers.live = None
-    fp.hf.save(run.out / "hf", _params(run), run.model, run.cfg, run.mesh, specs=run.specs,
+    params = masters if masters is not None else _params(run)
+    if choice != "auto":
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
+        params = optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, params)
+    fp.hf.save(run.out / "hf", params, run.model, run.cfg, run.mesh, specs=run.specs,
                overwrite=run.opts["overwrite"], tokenizer=tokenizer(run.opts))
     peft = None
     if run.lora:
@@ -448,6 +466,12 @@ def _to_hf(src: Path, dst: str, mesh, max_shard_size, overwrite: bool, tokenizer
     extra = fp.checkpoint.metadata(src).get("extra") or {}  # verified: schema and checksum
     if "config" not in extra:
         raise SystemExit(f"funcpar: {src} does not record its model config (saved by funcpar train/convert?)")
+    if extra.get("lora"):
+        lo, run = extra["lora"], src.parent if src.name == "checkpoints" else src.parent.parent
+        raise SystemExit(f"funcpar: {src} holds LoRA adapters (r={lo['r']}, alpha={lo['alpha']}, targets "
+                         f"{','.join(lo['targets'])}), not a model: funcpar convert exports whole models. Its run "
+                         f"wrote the model with the adapters merged to {run / 'hf'} and the adapters alone (a PEFT "
+                         f"folder) to {run / 'adapter'}")
     model = fp.get_model(extra["model"])
     fp.checkpoint.export_hf(src, dst, model, model.config(extra["config"], mesh), mesh, max_shard_size=max_shard_size,
                             overwrite=overwrite, tokenizer=tokenizer)

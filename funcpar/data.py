@@ -20,9 +20,10 @@ position is a small dict that goes into the checkpoint, so a resumed run sees ex
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,8 +31,8 @@ import torch
 
 from .mesh import Mesh
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "load_samples", "encode", "Dataset", "Loader", "batches", "DataError",
-           "render"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_samples", "iter_samples", "data_files", "encode", "tokenize",
+           "Stream", "Dataset", "Mixture", "Loader", "batches", "permute", "DataError", "render"]
 
 
 class DataError(ValueError):
@@ -57,6 +58,17 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str):
+        """``encode`` as a numpy array, without a list of ints (tokenizing a large corpus in bulk)."""
+        import numpy as np
+
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies this tokenizer's encoding (a token cache's key)."""
+        return "byte-v1"
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -113,6 +125,18 @@ class HFTokenizer:
         self.bos_id = self.tok.bos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tok)
+        self.path = Path(path)
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the folder's files and of the chat-template choice: what a token cache's key needs (a file
+        edited, or another template, is another encoding)."""
+        import hashlib
+
+        h = hashlib.sha256(f"hf-v1 chat={self.chat}".encode())
+        for f in sorted(p for p in self.path.iterdir() if p.is_file()):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        return h.hexdigest()[:32]
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -235,126 +259,397 @@ def encode(sample: dict, tok, where: str = "sample") -> tuple[list[int], list[in
     return ids, mask
 
 
-def load_samples(path: str | os.PathLike) -> list[tuple[dict, str]]:
-    """``[(sample, "file:line"), ...]`` from a ``.jsonl``/``.json`` file, a ``.txt`` file, or a folder of them."""
+def data_files(path: str | os.PathLike) -> list[Path]:
+    """The files a data path names: the file itself, or a folder's ``.jsonl``/``.json``/``.txt`` files (sorted,
+    recursively)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".txt"))
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".txt") and p.is_file())
         if not files:
             raise DataError(f"{path}: no .jsonl, .json or .txt files")
-        return [s for f in files for s in load_samples(f)]
+        return files
     if not path.exists():
         raise DataError(f"data file {path} does not exist")
-    out = []
-    raw = path.read_bytes()
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as e:  # name the line and column, not just a byte offset
-        line = raw.count(b"\n", 0, e.start) + 1
-        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {col}); save the file "
-                        f"as UTF-8") from None
-    if path.suffix == ".txt":
-        text = raw.decode("utf-8")
-        line = 1
-        for doc in text.split("\n\n"):
-            if doc.strip():
-                out.append(({"type": "pretrain", "text": doc.strip("\n")}, f"{path}:{line}"))
-            line += doc.count("\n") + 2
-        return out
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
+    return [path]
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 file, read a line at a time; bytes that are not UTF-8 are named by line
+    and column."""
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                f"save the file as UTF-8") from None
+
+
+def iter_samples(path: str | os.PathLike) -> Iterator[tuple[dict, str]]:
+    """``(sample, "file:line")`` of a ``.jsonl``/``.json`` file (a JSON object per line), a ``.txt`` file
+    (documents separated by blank lines, each a ``pretrain`` sample) or a folder of them, read a line at a time so
+    that a corpus larger than memory streams through."""
+    for f in data_files(path):
+        if f.suffix == ".txt":
+            doc: list[str] = []
+            first = 0
+            for n, line in _text_lines(f):
+                if line.strip("\r\n"):
+                    first = first or n
+                    doc.append(line)
+                elif doc:
+                    yield {"type": "pretrain", "text": "".join(doc).strip("\n")}, f"{f}:{first}"
+                    doc, first = [], 0
+            if doc:
+                yield {"type": "pretrain", "text": "".join(doc).strip("\n")}, f"{f}:{first}"
+            continue
+        for n, line in _text_lines(f):
             if not line.strip():
                 continue
             try:
-                out.append((json.loads(line), f"{path}:{n}"))
+                yield json.loads(line), f"{f}:{n}"
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-    return out
+                raise DataError(f"{f}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def load_samples(path: str | os.PathLike) -> list[tuple[dict, str]]:
+    """``[(sample, "file:line"), ...]`` of a data file or folder (:func:`iter_samples`), all in memory."""
+    return list(iter_samples(path))
+
+
+# --------------------------------------------------------------------------------------------------- streams
+
+
+@dataclass
+class Stream:
+    """A data source tokenized: every sample's ids end to end (``ids``, a 1-D numpy array, in memory or
+    memory-mapped from a token cache), their loss mask (``mask``, uint8; None when every token is trained on), and
+    where each sample starts (``starts``: samples + 1 offsets). Rows are cut from it on demand, so a stream on disk
+    is never read whole."""
+
+    ids: Any
+    mask: Any
+    starts: Any
+    max_id: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def samples(self) -> int:
+        return int(self.starts.shape[0]) - 1
+
+
+class StreamWriter:
+    """Builds a :class:`Stream` a sample at a time, in chunks of about :attr:`CHUNK` tokens: ``sink(name, array)``
+    receives each chunk of ``ids`` and ``mask`` and at the end the ``starts`` (a token cache's files); without a
+    sink the chunks stay in memory. Memory is a chunk whatever the corpus."""
+
+    CHUNK = 1 << 22
+
+    def __init__(self, dtype, sink=None):
+        import numpy as np
+
+        self.np, self.dtype, self.sink = np, dtype, sink
+        self.parts: dict[str, list] = {"ids": [], "mask": []}
+        self.done: dict[str, list] = {"ids": [], "mask": []}
+        self.buffered = self.tokens = self.max_id = 0
+        self.starts = [0]
+        self.all_trained = True
+
+    def add(self, ids, mask) -> None:
+        """One sample: its ids and loss mask (lists or arrays)."""
+        np = self.np
+        ids, mask = np.asarray(ids), np.asarray(mask, dtype=np.uint8)
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
+        self.all_trained = self.all_trained and bool(mask.all())
+        self.parts["ids"].append(ids.astype(self.dtype, copy=False))
+        self.parts["mask"].append(mask)
+        self.tokens += len(ids)
+        self.buffered += len(ids)
+        self.starts.append(self.tokens)
+        if self.buffered >= self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        for name, parts in self.parts.items():
+            if parts:
+                chunk = self.np.concatenate(parts)
+                self.sink(name, chunk) if self.sink else self.done[name].append(chunk)
+        self.parts, self.buffered = {"ids": [], "mask": []}, 0
+
+    def finish(self) -> Stream | dict:
+        """The stream (in memory); with a sink, once the last chunks and the starts went to it, what its files hold
+        (``tokens``, ``samples``, ``max_id``, ``all_trained``, ``dtype``)."""
+        np = self.np
+        self._flush()
+        starts = np.asarray(self.starts, dtype=np.int64)
+        if self.sink:
+            self.sink("starts", starts)
+            return {"tokens": self.tokens, "samples": len(starts) - 1, "max_id": self.max_id,
+                    "all_trained": self.all_trained, "dtype": np.dtype(self.dtype).name}
+        ids = np.concatenate(self.done["ids"]) if self.done["ids"] else np.zeros(0, self.dtype)
+        mask = None if self.all_trained else np.concatenate(self.done["mask"])
+        return Stream(ids, mask, starts, self.max_id)
+
+
+def id_dtype(vocab_size: int):
+    """The narrowest integer type that holds every id of a ``vocab_size`` vocabulary (uint16 for most)."""
+    import numpy as np
+
+    return np.uint16 if vocab_size <= 1 << 16 else np.int32
+
+
+def tokenize(samples, tok, sink=None) -> Stream | dict:
+    """``samples`` (``(sample, where)`` pairs; an iterator streams) as a :class:`Stream` (``sink``: see
+    :class:`StreamWriter`). A tokenizer with ``encode_array`` (the byte tokenizer) encodes plain text in bulk."""
+    import numpy as np
+
+    w = StreamWriter(id_dtype(tok.vocab_size), sink)
+    bulk = getattr(tok, "encode_array", None)
+    for sample, where in samples:
+        if bulk is not None and isinstance(sample, dict) and _kind(sample) == "pretrain":
+            ids = np.append(bulk(_need(sample, "text", where)), tok.eos_id)
+            w.add(ids, np.ones(len(ids), dtype=np.uint8))
+        else:
+            w.add(*encode(sample, tok, where))
+    return w.finish()
+
+
+# --------------------------------------------------------------------------------------------------- order
+
+
+def _mix(*xs: int) -> int:
+    """A 64-bit hash of integers (splitmix64 steps): the keys of :func:`permute`."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = (h ^ (x & (1 << 64) - 1)) * 0xBF58476D1CE4E5B9 & (1 << 64) - 1
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & (1 << 64) - 1
+    return h ^ (h >> 29)
+
+
+def permute(i: torch.Tensor, n: int, key: int) -> torch.Tensor:
+    """Where positions ``i`` go in a pseudo-random ordering of ``range(n)`` chosen by ``key``: a keyed bijection
+    (a four-round Feistel network on the next even power of two, walked back into range), so an epoch's order over
+    any number of rows costs memory only for the positions asked."""
+    x = i.to(torch.int64).clone()
+    if n <= 1:
+        return x
+    half = ((n - 1).bit_length() + 1) // 2
+    low = (1 << half) - 1
+    keys = [_mix(key, r) & low for r in range(4)]
+    out = torch.ones_like(x, dtype=torch.bool)
+    while bool(out.any()):  # cycle walking: a value beyond n goes round again; every cycle holds one below n
+        y = x[out]
+        left, right = y >> half, y & low
+        for k in keys:
+            f = (right ^ k) * 0x45D9F3B & 0xFFFFFFFF
+            f = (f ^ (f >> 16)) * 0x45D9F3B & 0xFFFFFFFF
+            left, right = right, left ^ ((f ^ (f >> 16)) & low)
+        x[out] = left << half | right
+        out = x >= n
+    return x
 
 
 # --------------------------------------------------------------------------------------------------- dataset
 
 
-@dataclass
-class Dataset:
-    """Tokenized rows of ``seq_len`` tokens: ``ids`` (N, T) and ``mask`` (N, T) tensors, and statistics."""
+HELD_OUT_MAX = 2000  # held-out rows per data source at most: an evaluation of a large corpus stays seconds
 
-    ids: torch.Tensor
-    mask: torch.Tensor
-    samples: int
-    truncated: int
-    tokens: int
-    stats: dict = field(default_factory=dict)
+
+class Dataset:
+    """Rows of ``seq_len`` tokens cut from a :class:`Stream`: packed (the stream cut into consecutive rows; a
+    sample longer than a row continues into the next) or one sample per row (truncated, or padded with positions not
+    trained on). ``part`` ``(lo, hi, key)`` keeps positions ``lo..hi`` of the rows' ordering under ``key`` (a
+    train or held-out split) without holding an index. :meth:`take` reads the rows asked for and nothing else."""
+
+    def __init__(self, stream: Stream, seq_len: int, pack: bool = True, pad_id: int = 0, part=None):
+        self.stream, self.seq_len, self.pack, self.pad_id, self.part = stream, seq_len, pack, pad_id, part
+        self.rows = stream.tokens // seq_len if pack else stream.samples
+        if not self.rows:
+            raise DataError(f"the data holds {stream.tokens} tokens, not enough for one row of seq_len={seq_len}")
+        self.samples, self.tokens, self.max_id = stream.samples, stream.tokens, stream.max_id
 
     @classmethod
-    def from_samples(cls, samples: list[tuple[dict, str]], tok, seq_len: int, pack: bool = True) -> "Dataset":
-        rows_ids: list[list[int]] = []
-        rows_mask: list[list[int]] = []
-        truncated = tokens = 0
-        if pack:  # one stream, cut into rows; a sample longer than a row continues into the next row
-            stream_ids: list[int] = []
-            stream_mask: list[int] = []
-            for sample, where in samples:
-                ids, mask = encode(sample, tok, where)
-                stream_ids += ids
-                stream_mask += mask
-                tokens += len(ids)
-            for k in range(0, len(stream_ids) - seq_len + 1, seq_len):
-                rows_ids.append(stream_ids[k : k + seq_len])
-                rows_mask.append(stream_mask[k : k + seq_len])
-        else:  # one sample per row: truncated to seq_len (counted) or padded (pad positions not trained on)
-            for sample, where in samples:
-                ids, mask = encode(sample, tok, where)
-                tokens += len(ids)
-                if len(ids) > seq_len:
-                    truncated += 1
-                    ids, mask = ids[:seq_len], mask[:seq_len]
-                pad = seq_len - len(ids)
-                rows_ids.append(ids + [tok.pad_id] * pad)
-                rows_mask.append(mask + [0] * pad)
-        if not rows_ids:
-            raise DataError(f"the data holds {tokens} tokens, not enough for one row of seq_len={seq_len}")
-        return cls(torch.tensor(rows_ids), torch.tensor(rows_mask, dtype=torch.bool), len(samples), truncated, tokens)
+    def from_samples(cls, samples, tok, seq_len: int, pack: bool = True) -> "Dataset":
+        """The rows of ``samples`` (``(sample, where)`` pairs) tokenized in memory."""
+        return cls(tokenize(samples, tok), seq_len, pack, tok.pad_id)
+
+    @classmethod
+    def from_rows(cls, ids: torch.Tensor, mask: torch.Tensor | None = None) -> "Dataset":
+        """A dataset whose rows are ``ids`` (N, T) (and ``mask``, all trained on if None) as given."""
+        import numpy as np
+
+        n, t = ids.shape
+        m = None if mask is None else mask.reshape(-1).numpy().astype(np.uint8)
+        stream = Stream(ids.reshape(-1).numpy().copy(), m, np.arange(0, n * t + 1, t), int(ids.max()) if n else 0)
+        return cls(stream, t, pack=True)
 
     def __len__(self) -> int:
-        return self.ids.shape[0]
+        return self.part[1] - self.part[0] if self.part else self.rows
+
+    @functools.cached_property
+    def truncated(self) -> int:
+        """Samples longer than a row (cut short when rows are one sample each; continued when packed)."""
+        import numpy as np
+
+        if self.pack:
+            return 0
+        s, n = self.stream.starts, 0
+        for a in range(0, len(s) - 1, 1 << 20):  # (in chunks: the starts may be memory-mapped and long)
+            block = np.asarray(s[a : a + (1 << 20) + 1])
+            n += int((np.diff(block) > self.seq_len).sum())
+        return n
+
+    def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, mask)`` (k, seq_len) of rows ``index`` (positions in this dataset, 0..len-1)."""
+        import numpy as np
+
+        index = index.to(torch.int64)
+        if self.part:
+            index = permute(index + self.part[0], self.rows, self.part[2])
+        rows, t, st = index.numpy(), self.seq_len, self.stream
+        if self.pack:
+            spans = rows[:, None] * t + np.arange(t)
+            ids = st.ids[spans.reshape(-1)].reshape(len(rows), t) if len(rows) else np.zeros((0, t), st.ids.dtype)
+            mask = np.ones(ids.shape, np.bool_) if st.mask is None else st.mask[spans.reshape(-1)].reshape(ids.shape)
+        else:
+            ids = np.full((len(rows), t), self.pad_id, dtype=np.int64)
+            mask = np.zeros((len(rows), t), dtype=np.bool_)
+            for k, r in enumerate(rows):
+                a = int(st.starts[r])
+                b = min(int(st.starts[r + 1]), a + t)
+                ids[k, : b - a] = st.ids[a:b]
+                mask[k, : b - a] = True if st.mask is None else st.mask[a:b]
+        return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.bool_))
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """Every row's ids (N, seq_len), read whole: for small data (tests, examples)."""
+        return self.take(torch.arange(len(self)))[0]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """Every row's loss mask (N, seq_len), read whole."""
+        return self.take(torch.arange(len(self)))[1]
 
     def split(self, eval_fraction: float, seed: int = 0) -> tuple["Dataset", "Dataset"]:
-        """A deterministic (train, held-out) split of the rows."""
-        n_eval = max(1, int(len(self) * eval_fraction)) if eval_fraction > 0 else 0
-        perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
-        ev, tr = perm[:n_eval], perm[n_eval:]
-        return (Dataset(self.ids[tr], self.mask[tr], self.samples, self.truncated, self.tokens),
-                Dataset(self.ids[ev], self.mask[ev], self.samples, self.truncated, self.tokens))
+        """A deterministic ``(train, held-out)`` split of the rows: ``eval_fraction`` of them (at least one, at most
+        :data:`HELD_OUT_MAX`) held out, chosen by ``seed``."""
+        if self.part:
+            raise DataError("a split of a split: split the whole dataset once")
+        n_eval = min(max(1, int(self.rows * eval_fraction)), HELD_OUT_MAX) if eval_fraction > 0 else 0
+        key = _mix(seed, 0x5EED)
+        return (Dataset(self.stream, self.seq_len, self.pack, self.pad_id, (n_eval, self.rows, key)),
+                Dataset(self.stream, self.seq_len, self.pack, self.pad_id, (0, n_eval, key)))
+
+
+class Mixture:
+    """Data sources trained on together: each global batch draws from source ``s`` its share ``weights[s]`` of the
+    rows (exactly, over the batches so far), each source in its own per-epoch order. One source is the plain case;
+    none, an empty held-out set."""
+
+    def __init__(self, parts: list[Dataset], weights: list[float] | None = None, names: list[str] | None = None):
+        from fractions import Fraction
+
+        raw = [Fraction(str(w)) for w in (weights or [1.0] * len(parts))]
+        if len(raw) != len(parts) or any(w <= 0 for w in raw):
+            raise DataError(f"data weights {weights}: one positive weight per source")
+        self.parts, self.names = parts, names or [f"source {k}" for k in range(len(parts))]
+        self.shares = [w / sum(raw) for w in raw]
+        self.weights = [float(w) for w in self.shares]
+        self.main = max(range(len(parts)), key=lambda s: self.shares[s], default=0)  # takes what rounding leaves
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    @property
+    def samples(self) -> int:
+        return sum(p.samples for p in self.parts)
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self.parts)
+
+    @property
+    def truncated(self) -> int:
+        return sum(p.truncated for p in self.parts)
+
+    @property
+    def max_id(self) -> int:
+        return max((p.max_id for p in self.parts), default=0)
+
+    def take_range(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """Rows ``lo..hi`` of the sources one after another, as a batch (an evaluation's pass, in order)."""
+        got, start = [], 0
+        for p in self.parts:
+            a, b = max(lo - start, 0), min(hi - start, len(p))
+            if a < b:
+                got.append(p.take(torch.arange(a, b)))
+            start += len(p)
+        ids, mask = torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+        return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+
+    def taken(self, s: int, rows: int) -> int:
+        """How many of the first ``rows`` rows drawn come from source ``s`` (floor of its share; the main source
+        takes the rest)."""
+        if s != self.main:
+            share = self.shares[s]
+            return rows * share.numerator // share.denominator
+        return rows - sum(self.taken(o, rows) for o in range(len(self.parts)) if o != self.main)
+
+    def check_batch(self, global_batch: int) -> None:
+        """Every source's rows per batch never negative: the main source's share of a batch covers the others'
+        rounding up."""
+        def fits(g: int) -> bool:
+            return sum(-(-g * w.numerator // w.denominator) for s, w in enumerate(self.shares) if s != self.main) <= g
+
+        if not fits(global_batch):
+            least = next(g for g in range(global_batch, 1 << 20) if fits(g))
+            raise DataError(f"--global-batch {global_batch} is too small to mix {len(self.parts)} sources with "
+                            f"weights {', '.join(f'{w:g}' for w in self.weights)}: use {least} or more")
 
 
 class Loader:
-    """Endless, reshuffled-per-epoch global batches; each rank yields its dp block.
+    """Endless global batches of a :class:`Dataset` or :class:`Mixture`; each rank yields its dp block.
 
-    ``state_dict()`` / ``load_state_dict()`` carry the position (batches served), so a resumed run continues the
-    exact order. The order depends only on ``seed`` and the global batch size, not on the mesh.
+    Row ``i`` drawn from a source of ``n`` rows is row ``permute(i % n, n, key(seed, source, i // n))``: a new
+    order every epoch, batches running on across epochs, nothing held in memory but the batch. ``state_dict()`` /
+    ``load_state_dict()`` carry the position (batches served), so a resumed run continues the exact order, which
+    depends only on ``seed``, the global batch and the weights, not on the mesh.
     """
 
-    def __init__(self, data: Dataset, mesh: Mesh, global_batch: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, data, mesh: Mesh, global_batch: int, seed: int = 0, shuffle: bool = True):
         dp = mesh.axis_size("dp")
         if global_batch % dp:
             raise DataError(f"global_batch={global_batch} is not divisible by dp={dp}")
+        data = data if isinstance(data, Mixture) else Mixture([data])
         if len(data) < global_batch:
             raise DataError(f"the data has {len(data)} rows, fewer than one global batch of {global_batch}")
+        data.check_batch(global_batch)
         self.data, self.mesh, self.global_batch, self.seed, self.shuffle = data, mesh, global_batch, seed, shuffle
         self.position = 0
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(len(self.data))
-        return torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+    def _rows(self, s: int, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``first..stop`` drawn from source ``s``."""
+        part = self.data.parts[s]
+        n, i = len(part), torch.arange(first, stop)
+        if self.shuffle and stop > first:
+            for epoch in range(first // n, (stop - 1) // n + 1):
+                sel = i // n == epoch
+                i[sel] = permute(i[sel] % n, n, _mix(self.seed, s, epoch))
+        return part.take(i % n)
 
     def global_batch_at(self, position: int) -> dict[str, torch.Tensor]:
-        per_epoch = len(self.data) // self.global_batch
-        epoch, k = divmod(position, per_epoch)
-        rows = self._order(epoch)[k * self.global_batch : (k + 1) * self.global_batch]
-        ids, mask = self.data.ids[rows], self.data.mask[rows]
+        gb, mix = self.global_batch, self.data
+        parts = [self._rows(s, mix.taken(s, gb * position), mix.taken(s, gb * (position + 1)))
+                 for s in range(len(mix.parts))]
+        ids, mask = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        if len(parts) > 1 and self.shuffle:  # the sources interleaved, so dp ranks each see the mixture
+            order = permute(torch.arange(gb), gb, _mix(self.seed, position, 0xB1E))
+            ids, mask = ids[order], mask[order]
         return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -367,7 +662,8 @@ class Loader:
         return {k: v.chunk(dp)[c].to(self.mesh.device) for k, v in b.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
+        out = {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
+        return out if len(self.data.parts) == 1 else {**out, "weights": self.data.weights}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         position = state.get("position") if isinstance(state, dict) else None
@@ -381,9 +677,14 @@ class Loader:
                 f"seed={state.get('seed')}, "
                 f"now global_batch={self.global_batch} seed={self.seed}"
             )
+        saved = state.get("weights", [1.0])
+        now = self.state_dict().get("weights", [1.0])
+        if len(saved) != len(now) or any(abs(a - b) > 1e-9 for a, b in zip(saved, now, strict=True)):
+            raise DataError(f"cannot resume data order: saved with data weights {saved}, now {now} (the rows each "
+                            f"source has served follow from the weights)")
         self.position = position
 
 
-def batches(dataset: Dataset, mesh: Mesh, global_batch: int, seed: int = 0) -> Loader:
+def batches(dataset, mesh: Mesh, global_batch: int, seed: int = 0) -> Loader:
     """This rank's batches of ``dataset`` (see :class:`Loader`)."""
     return Loader(dataset, mesh, global_batch, seed)

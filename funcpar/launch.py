@@ -72,7 +72,7 @@ def launch_if_needed(argv: list[str], nproc: int, max_restarts: int = 0) -> bool
     except ChildFailedError as e:
         if all(f.exitcode == INTERRUPTED for f in e.failures.values()):
             raise SystemExit(INTERRUPTED) from None  # rank 0 said where it saved and how to resume
-        raise SystemExit(_failure_summary(e.failures, nproc)) from None
+        raise SystemExit(_failure_summary(e.failures, nproc) or 1) from None  # (1: every reason said already)
     except SignalException:  # Ctrl-C reached torchrun too: it passed SIGTERM on, and the workers saved
         raise SystemExit(INTERRUPTED) from None
     return True
@@ -84,10 +84,15 @@ def restarted() -> int:
 
 
 def _failure_summary(failures: dict, world: int) -> str:
-    """One line per distinct reason the failed ranks gave (deaths by signal first, then in time order)."""
+    """One line per distinct reason the failed ranks gave (deaths by signal first, then in time order), but for
+    those a rank printed as it ended (``lifeline.report(printed=True)``)."""
     reasons: dict[str, list[int]] = {}
+    printed = set()
     for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0])):
-        said = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        said = data.get("message")
+        if data.get("printed") is True and isinstance(said, str):
+            printed.add(said)
         if isinstance(said, str) and said.startswith("funcpar"):  # written by lifeline.report
             reason = said
         elif f.exitcode < 0:
@@ -97,6 +102,8 @@ def _failure_summary(failures: dict, world: int) -> str:
         reasons.setdefault(reason, []).append(rank)
     lines = []
     for reason, ranks in reasons.items():
+        if reason in printed:
+            continue
         who = "" if len(ranks) == world or f"rank {ranks[0]} " in reason else (
             f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))})")
         lines.append(reason + who)

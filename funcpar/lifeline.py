@@ -44,24 +44,26 @@ def default_heartbeat() -> float:
     return float(os.environ.get("FUNCPAR_HEARTBEAT", "60"))
 
 
-def report(message: str, echo: bool = True) -> None:
+def report(message: str, echo: bool = True, printed: bool = False) -> None:
     """Record why this worker ends: torchrun's error file, and stderr (if ``echo``) unless funcpar's launcher
-    prints it."""
+    prints it. ``printed``: said on stderr already (the launcher's summary leaves it out, so it is said once)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
             with open(path, "w") as fh:
-                json.dump({"message": message, "timestamp": int(time.time())}, fh)
+                json.dump({"message": message, "timestamp": int(time.time()), "printed": printed}, fh)
         except OSError:
             path = None
-    if not path or echo and os.environ.get(LAUNCHER_ENV) != "1":
+    if not printed and (not path or echo and os.environ.get(LAUNCHER_ENV) != "1"):
         print(message, file=sys.stderr, flush=True)
 
 
 def _end(message: str, now: bool = False) -> None:
-    report(message)
-    if now and os.environ.get(LAUNCHER_ENV) == "1":  # the launcher's summary comes only after torchrun's teardown
-        print(message, file=sys.stderr, flush=True)
+    if now and os.environ.get(LAUNCHER_ENV) == "1":  # the launcher's summary comes only after torchrun's teardown:
+        print(message, file=sys.stderr, flush=True)  # said now, and marked so that the summary does not repeat it
+        report(message, printed=True)
+    else:
+        report(message)
     os._exit(1)  # from a watcher thread: the main thread may be blocked in a collective that never returns
 
 

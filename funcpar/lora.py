@@ -257,6 +257,10 @@ class Lora:
             return {"lora_A": a.contiguous().to(device), "lora_B": b_local.contiguous().to(device)}
         return self._tree(one)
 
+    def trainable(self) -> int:
+        """How many numbers the adapters hold, over every rank (``r x (in + out)`` per targeted weight)."""
+        return sum(self.config.r * (shape[0] + shape[1]) for _, shape, _ in self.targets.values())
+
     def specs_of(self, path: str) -> dict[str, P]:
         """The specs of the adapters of the targeted leaf at ``path``."""
         s = self.targets[path][0]

@@ -19,13 +19,15 @@ from funcpar.mesh import CONTEXT_LAYOUTS, DEVICES
 
 DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte",
+    "token_cache": "auto",
     "seq_len": 64, "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
-    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "sequence_parallel": False,
+    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "sequence_parallel": False, "offload": False,
+    "compile": "auto", "final_lr": 0.1,
     "cp_layout": "zigzag", "lora": "", "steps": 300,
     "epochs": 0, "eval_every": 100, "eval_fraction": 0.05, "eval_data": "", "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
-    "heartbeat": 60.0, "chat_template": "auto", "max_restarts": 0,
+    "heartbeat": 60.0, "chat_template": "auto", "max_restarts": 0, "export_dtype": "auto",
 }
 
 HELP = {
@@ -33,7 +35,11 @@ HELP = {
     "mesh": "axis sizes, e.g. tp=2,dp=2 or pp=2,dp=2 ('1': one process); the ranks start here unless under torchrun",
     "device": "where the ranks run: cuda (one GPU per rank, refused when a node's ranks outnumber its GPUs), cpu, "
               "or auto: cuda when every rank of the node has a GPU, else cpu with a warning",
-    "data": "a .jsonl/.txt file or a folder of them, or builtin:arithmetic (README: the formats and their text)",
+    "data": "a .jsonl/.txt file or a folder of them, or builtin:arithmetic (README: the formats and their text); "
+            "several mixed by weight: a.jsonl:0.7,b.txt:0.3 (each batch draws those shares of its rows)",
+    "token_cache": "where sources are tokenized once and memory-mapped by every later run and rank: auto (sources "
+                   "of 256 MiB or more, under $FUNCPAR_TOKEN_CACHE or ~/.cache/funcpar/tokens), a folder (every "
+                   "source), or off (tokenize in memory each run)",
     "tokenizer": "byte, or a folder with an HF tokenizer", "seq_len": "tokens per row",
     "pack": "pack samples into rows (--no-pack: one sample per row, padded)",
     "global_batch": "rows per optimizer step, over all dp ranks and micro-batches",
@@ -46,6 +52,10 @@ HELP = {
     "weight_decay": "decoupled weight decay (not on norms and biases)", "zero": "ZeRO stage: 0, 1, 2 or 3",
     "clip": "clip the global gradient norm to this (0: off)", "precision": "fp32, bf16 or fp16 (with loss scaling)",
     "remat": "recompute activations in the backward pass (less memory)",
+    "offload": "keep the optimizer state and the master weights in host memory (GPU memory for larger models; the "
+               "update runs on the host)",
+    "compile": "torch.compile the gradient: auto (on a GPU, where it pays), on or off",
+    "final_lr": "the learning rate the warmup_cosine schedule ends at, as a fraction of --lr",
     "sequence_parallel": "between tp regions each tp rank keeps its block of the sequence (less activation memory; "
                          "--seq-len a multiple of tp; llama-family and gpt2)", "steps": "optimizer steps to train",
     "cp_layout": "how --mesh cp=N splits each sequence: zigzag (rank c: pieces c and 2N-1-c of 2N, balanced "
@@ -66,6 +76,8 @@ HELP = {
     "heartbeat": "seconds without progress after which a stuck rank is reported and the job ends (0: off)",
     "chat_template": "conversations through the HF tokenizer's chat_template when it has one (auto), or "
                      "funcpar's User:/Assistant: template (builtin)",
+    "export_dtype": "the dtype of hf/'s weights: auto (the training dtype: --precision bf16 exports bf16), fp32 (with "
+                    "bf16/fp16 the float32 master weights, not their roundings), bf16 or fp16",
     "max_restarts": "when a rank dies, restart every rank up to this many times (torchrun's restarts); restarted "
                     "ranks resume from the run's last complete checkpoint",
 }
@@ -129,7 +141,7 @@ def _read_config(path: str) -> dict[str, Any]:
 
 # what shapes the step's memory; the rest: defaults
 _PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline",
-               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel", "cp_layout")
+               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel", "cp_layout", "offload", "compile")
 _ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
           "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
 
@@ -227,10 +239,10 @@ def _unknown_flag(arg: str, prog: str, flags: list[str]) -> str:
 
 _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,
              "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
-             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0, "epochs": 0}
-_AT_MOST = {"zero": 3, "eval_fraction": 0.5}
+             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0, "epochs": 0, "final_lr": 0}
+_AT_MOST = {"zero": 3, "eval_fraction": 0.5, "final_lr": 1}
 MIN_HEARTBEAT = 2.0  # seconds: below it a slow collective or a checkpoint write reads as a stuck rank
-_CHOICES = {"device": DEVICES}
+_CHOICES = {"device": DEVICES, "export_dtype": ("auto", "fp32", "bf16", "fp16"), "compile": ("auto", "on", "off")}
 
 
 def _check_options(opts: dict[str, Any], config: str | None) -> None:
@@ -244,7 +256,8 @@ def _check_options(opts: dict[str, Any], config: str | None) -> None:
         if not ok:
             raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: expected {kind.__name__}")
         if key in _CHOICES and v not in _CHOICES[key]:
-            raise SystemExit(f"funcpar: --{key} {v!r}{where}: expected one of {', '.join(_CHOICES[key])}")
+            raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: expected one of "
+                             f"{', '.join(_CHOICES[key])}")
         if key == "heartbeat" and 0 < v < MIN_HEARTBEAT:
             raise SystemExit(f"funcpar: --heartbeat {v!r}{where}: a rank is declared stuck after this many seconds "
                              f"without progress; use 0 (off) or at least {MIN_HEARTBEAT:g} (a healthy step's "
@@ -296,19 +309,52 @@ def tokenizer(opts):
     return fp.data.HFTokenizer(opts["tokenizer"], chat_template=opts["chat_template"] == "auto")
 
 
+def data_sources(text: str) -> list[tuple[str, float]]:
+    """``--data``: ``PATH`` or ``PATH:WEIGHT,PATH:WEIGHT,...`` (a mixture; a missing weight is 1) as ``[(path,
+    weight)]``; ``builtin:arithmetic`` is a path."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        path, _, tail = part.rpartition(":")
+        try:
+            weight = float(tail) if path else None
+        except ValueError:
+            weight = None
+        if weight is None:
+            path, weight = part, 1.0
+        if not path or not weight > 0:
+            raise SystemExit(f"funcpar: bad --data '{text}': expected FILE or FILE:WEIGHT,FILE:WEIGHT,... (weights "
+                             f"positive numbers)")
+        out.append((path, weight))
+    return out
+
+
+def _source_stream(path: str, tok, choice: str):
+    from funcpar.tokencache import stream
+
+    return stream(ARITHMETIC if path == "builtin:arithmetic" else path, tok, choice)
+
+
 def datasets(opts, cfg):
-    """``(data, train_data, eval_data)``: the tokenized samples and their train / held-out split, or with
-    ``--eval-data`` every row of ``--data`` to train and that file's rows held out."""
-    tok = tokenizer(opts)
-    samples = fp.data.load_samples(ARITHMETIC if opts["data"] == "builtin:arithmetic" else opts["data"])
-    data = fp.data.Dataset.from_samples(samples, tok, opts["seq_len"], pack=opts["pack"])
+    """``(data, train_data, eval_data)`` as :class:`funcpar.data.Mixture` s: every source's rows, their train
+    part weighted as ``--data`` says, and the held-out part (``--eval-fraction`` of each source, or with
+    ``--eval-data`` every row of ``--data`` trains and that data is held out). A large source is read from the
+    token cache (``--token-cache``), tokenizing it first if needed."""
+    tok, seq, pack = tokenizer(opts), opts["seq_len"], opts["pack"]
+    sources = data_sources(opts["data"])
+    whole = [fp.data.Dataset(_source_stream(path, tok, opts["token_cache"]), seq, pack, tok.pad_id)
+             for path, _ in sources]
+    names, weights = [p for p, _ in sources], [w for _, w in sources]
     if opts["eval_data"]:
-        held = fp.data.Dataset.from_samples(fp.data.load_samples(opts["eval_data"]), tok, opts["seq_len"],
-                                            pack=opts["pack"])
-        train_data, eval_data = data, held
+        held = [fp.data.Dataset(_source_stream(path, tok, opts["token_cache"]), seq, pack, tok.pad_id)
+                for path, _ in data_sources(opts["eval_data"])]
+        train = whole
     else:
-        train_data, eval_data = data.split(opts["eval_fraction"], seed=opts["seed"])
-    top = max(int(data.ids.max()), int(eval_data.ids.max()) if len(eval_data) else 0)
+        train, held = zip(*(d.split(opts["eval_fraction"], seed=opts["seed"]) for d in whole), strict=True)
+        held = [h for h in held if len(h)]
+    data = fp.data.Mixture(whole, weights, names)
+    train_data = fp.data.Mixture(list(train), weights, names)
+    eval_data = fp.data.Mixture(held)
+    top = max(data.max_id, eval_data.max_id)
     if top >= cfg.vocab_size:
         raise SystemExit(f"funcpar: the tokenizer produced id {top}, beyond the model's vocab_size {cfg.vocab_size}")
     return data, train_data, eval_data
@@ -324,10 +370,14 @@ def with_epochs(opts, train_rows: int) -> dict[str, Any]:
 def build_optimizer(opts):
     lr, steps, warmup = opts["lr"], opts["steps"], min(opts["warmup"], max(opts["steps"] - 1, 0))
     schedules = {"constant": lambda: fp.optim.constant(lr),
-                 "warmup_cosine": lambda: fp.optim.warmup_cosine(lr, warmup, max(steps, warmup + 1), end=lr / 10),
+                 "warmup_cosine": lambda: fp.optim.warmup_cosine(lr, warmup, max(steps, warmup + 1),
+                                                                 end=lr * opts["final_lr"]),
                  "warmup_linear": lambda: fp.optim.warmup_linear_decay(lr, warmup, steps, warmup_type="linear")}
     if opts["schedule"] not in schedules:
         raise SystemExit(f"funcpar: unknown --schedule '{opts['schedule']}' (constant, warmup_cosine, warmup_linear)")
+    if opts["final_lr"] != DEFAULTS["final_lr"] and opts["schedule"] != "warmup_cosine":
+        raise SystemExit(f"funcpar: --final-lr sets where warmup_cosine ends; --schedule {opts['schedule']} "
+                         f"{'keeps --lr throughout' if opts['schedule'] == 'constant' else 'decays to 0'}")
     sched, wd = schedules[opts["schedule"]](), opts["weight_decay"]
     optimizers = {"adamw": lambda: fp.optim.adamw(sched, b2=0.95, weight_decay=wd),
                   "lion": lambda: fp.optim.lion(sched, weight_decay=wd),
@@ -375,6 +425,7 @@ def _step_parts(opts, model, cfg, mesh):
     return model.loss_fn(cfg, mesh, remat=opts["remat"], sequence_parallel=opts["sequence_parallel"]), dict(
         mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
         clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]],
+        offload="cpu" if opts["offload"] else None, compile={"on": True, "off": False}.get(opts["compile"], "auto"),
         data_axes=("dp", "cp") if cp > 1 else ("dp",))  # (cp: every rank a chunk of each sequence, its sums partial)
 
 

@@ -60,6 +60,19 @@ def sharding_table(params_like, specs, mesh) -> str:
     return "\n".join(lines)
 
 
+def vocab_note(cfg, tokens: int | None = None) -> str | None:
+    """A line for under the sharding table where the vocabulary tables hold rows no token uses: padded for tp
+    (``vocab_rows``), or beyond a tokenizer's ``tokens``; None where every row is a token."""
+    size, rows = getattr(cfg, "vocab_size", None), getattr(cfg, "vocab_rows", None)
+    notes = []
+    if size and rows and rows != size:
+        notes.append(f"vocab_size {size} padded to {rows} rows, a multiple of 128 and of tp (the {rows - size} extra "
+                     f"rows are never predicted and are not exported)")
+    if size and tokens and tokens < size:
+        notes.append(f"the tokenizer's {tokens} tokens use {tokens} of the model's vocab_size {size}")
+    return "vocabulary: " + "; ".join(notes) if notes else None
+
+
 def memory_plan(params_like, specs, mesh, zero: int, opt_slots: int = 2) -> dict[str, float]:
     """Per-rank MiB of parameters, gradients and optimizer state (``opt_slots`` fp32 tensors per parameter).
 
@@ -121,6 +134,8 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     like, specs = params_like(model, cfg), step.specs
     print(f"{cfg.model_type} on {mesh!r}: {sum(x.numel() for _, x in leaves_with_path(like)):,} parameters")
     print(sharding_table(like, specs, mesh))
+    if vocab_note(cfg):
+        print(vocab_note(cfg))
     if step.pipe is not None:  # this rank's stage
         print(step.pipe.plan.describe())
         print(f"{step.pipe.plan.schedule.name} over {step.accum_steps} micro-batches: planned bubble "

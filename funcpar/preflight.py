@@ -63,8 +63,11 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
     _batch(opts, mesh, train_rows, eval_rows, tokens)
     warnings = _positions(opts, cfg)
     if opts["warmup"] >= opts["steps"] > 0 and opts["schedule"] != "constant":
-        warnings.append(f"--warmup {opts['warmup']} is not below --steps {opts['steps']}: the learning rate never "
-                        f"reaches --lr {opts['lr']}")
+        short = opts["steps"] - 1  # (options.build_optimizer shortens the warmup to fit)
+        what = (f"the warmup is cut to {short} steps, so the learning rate reaches --lr {opts['lr']} only at the "
+                f"last step and never decays" if short else f"there is no warmup: step 1 trains at --lr {opts['lr']}")
+        warnings.append(f"--warmup {opts['warmup']} is not below --steps {opts['steps']}: {what} (use a --warmup "
+                        f"below --steps, e.g. {max(opts['steps'] // 10, 0)})")
     return warnings
 
 

@@ -7,10 +7,14 @@ in ``OUT/tensorboard``.
 MFU (model FLOPs utilisation) counts ``6·N + 12·L·h·s`` FLOPs per token (N parameters, L layers, width h, sequence
 length s: the matmuls of the forward and backward passes, attention included) against the matmul throughput every
 rank measures for itself at the start, all ranks at once (so ranks sharing cores count what they really get).
+The line's tokens/s and MFU are over the steps since the previous line (one step's rate swings with the machine's
+other work), and the time left follows the pace of the last :data:`PACE_STEPS` steps, the first step of the process
+(start-up) left out.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import resource
@@ -55,6 +59,16 @@ def eta_seconds(elapsed: float, done_here: int, remaining: int) -> float:
     return elapsed / max(1, done_here) * remaining
 
 
+PACE_STEPS = 50  # the steps whose pace the time left follows
+
+
+def interval_rate(rates: list[float]) -> float:
+    """Tokens/s over steps of equal tokens whose own rates are ``rates``: their harmonic mean (all tokens over all
+    the time), not the last step's."""
+    rates = [r for r in rates if r > 0]
+    return len(rates) / sum(1.0 / r for r in rates) if rates else 0.0
+
+
 def _peak_memory(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
@@ -70,6 +84,8 @@ class Progress:
         self.rank0, self.metrics_file, self.steps, self.log_every = rank0, metrics_file, steps, log_every
         self.start_step, self.flops_token, self.peak, self.device = start_step, flops_token, peak_flops, device
         self.t_start, self.bar = time.time(), None
+        self.rates: list[float] = []  # tokens/s of the steps since the last line
+        self.paces: collections.deque = collections.deque(maxlen=PACE_STEPS + 1)  # (time, step) after each step
         self.board = _board(metrics_file.parent, start_step) if rank0 else None
         if rank0 and sys.stdout.isatty():
             from tqdm import tqdm
@@ -77,14 +93,21 @@ class Progress:
             self.bar = tqdm(total=steps, initial=start_step, desc="train", dynamic_ncols=True)
 
     def line(self, step: int, row: dict[str, Any]) -> str:
-        """The interval line for ``row`` (a metrics.jsonl row)."""
-        tok_s = row.get("tokens_per_s", 0.0)
+        """The interval line for ``row`` (a metrics.jsonl row): rates over the steps since the last line."""
+        tok_s = interval_rate(self.rates or [row.get("tokens_per_s", 0.0)])
         mfu = tok_s * self.flops_token / self.peak if self.peak > 0 else math.nan
-        eta = eta_seconds(time.time() - self.t_start, step - self.start_step, self.steps - step)
         ev = f"  eval {row['eval_loss']:.4f} (ppl {row['eval_ppl']:.2f})" if "eval_loss" in row else ""
         return (f"step {step:5d}/{self.steps}  loss {row['loss']:.4f}{ev}  grad_norm {row['grad_norm']:.3f}  "
                 f"lr {row['lr']:.2e}  {tok_s:.0f} tok/s  MFU {mfu:.0%}  mem {_peak_memory(self.device)}  "
-                f"eta {eta:.0f}s")
+                f"eta {self.eta(step):.0f}s")
+
+    def eta(self, step: int) -> float:
+        """Seconds left at ``step``: the pace of the last steps (the process's first step, start-up, left out once
+        there are later ones), else of every step taken here."""
+        if len(self.paces) >= 2:
+            (t0, s0), (t1, s1) = self.paces[0], self.paces[-1]
+            return eta_seconds(t1 - t0, s1 - s0, self.steps - step)
+        return eta_seconds(time.time() - self.t_start, step - self.start_step, self.steps - step)
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         """Append ``row`` to metrics.jsonl; print the interval line when due (above the bar on a terminal)."""
@@ -96,6 +119,8 @@ class Progress:
             for key in ("loss", "eval_loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "bubble"):
                 if key in row:
                     self.board.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", row[key], step)
+        self.rates.append(row.get("tokens_per_s", 0.0))
+        self.paces.append((time.time(), step))  # (after the first step: its end is the window's first mark)
         due = step % self.log_every == 0 or step == self.steps or "eval_loss" in row
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}")
@@ -104,6 +129,8 @@ class Progress:
                 self.bar.write(self.line(step, row))
         elif due:
             print(self.line(step, row), flush=True)
+        if due:
+            self.rates = []
 
     def close(self) -> None:
         if self.bar is not None:

@@ -52,7 +52,7 @@ from .step_gradients import Mode, Pipelined, Plain, StagedZero3, Zero3
 from .step_config import StepOptions
 from .step_options import (NonfinitePolicy, check_data_axes, check_zero3, gradient_of, pipeline_executor,
                            resolve_compile)
-from .zero3 import StageGather, Zero3Loss, stage_units, units_of
+from .zero3 import StageGather, Zero3Loss, gather_params, stage_units, units_of
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
 
@@ -306,6 +306,18 @@ class Step:
         if self.layout is None:
             raise StepError("call step.init(params) before step.gather_params")
         return self.mode.whole(state)
+
+    def gather_masters(self, state: TrainState) -> Any:
+        """Whole local leaves of the float32 masters mixed precision keeps, all-gathered from every rank's parts
+        (collective): the weights to export in float32, which the low-precision compute copies only round. Without
+        masters (float32 training) the parameters themselves, as :meth:`gather_params`."""
+        if self.layout is None:
+            raise StepError("call step.init(params) before step.gather_masters")
+        if not isinstance(state.opt_state, MixedState):
+            return self.gather_params(state)
+        lay = self.layout
+        parts = lay.slices_of(lay.treedef.flatten_up_to(state.opt_state.master))
+        return gather_params(lay, [p.to(self.mesh.device) for p in parts])
 
     def _tokens(self, batch: Any, rows: int) -> int:
         """Elements of the batch's first tensor over all data ranks (B x T for token batches)."""

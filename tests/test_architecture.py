@@ -20,7 +20,7 @@ LAYERS = [
               "funcpar.lifeline", "funcpar.hostmem", "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*", "funcpar.pipeline",
               "funcpar.stagecut", "funcpar.splitgrad", "funcpar.remat"]),
     ("communication", ["funcpar.transport", "funcpar.collectives", "funcpar.p2p"]),
-    ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_config", "funcpar.step_options", "funcpar.layers", "funcpar.headloss", "funcpar.decoder", "funcpar.atomic", "funcpar.data",
+    ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_config", "funcpar.step_options", "funcpar.layers", "funcpar.headloss", "funcpar.decoder", "funcpar.atomic", "funcpar.data", "funcpar.tokencache",
                 "funcpar._ckpt_source", "funcpar._hf_folder", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),
     ("io", ["funcpar.hf", "funcpar.checkpoint", "funcpar.lora"]),
     ("step", ["funcpar.step", "funcpar.step_gradients", "funcpar.verify"]),

@@ -188,6 +188,7 @@ def test_examples_run_as_written(tmp_path):
                   "examples/train_tiny_llama.py", "--steps", "4", "--out", out])
     assert "final loss" in stdout
     tf.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
+    assert tf.AutoTokenizer.from_pretrained(os.path.join(out, "hf")).encode("2+3") == list(b"2+3")  # pipeline() loads
     make_checkpoint("llama_bytes", str(tmp_path / "base"))
     sft = tmp_path / "sft.jsonl"
     sft.write_text("\n".join(json.dumps({"type": "instruct", "instruct": f"say {w}", "output": w}) for w in ["hi", "yo", "ok", "no"] * 4))
@@ -195,6 +196,7 @@ def test_examples_run_as_written(tmp_path):
                   "--global-batch", "4", "--seq-len", "16", "--out", str(tmp_path / "ft")])
     assert "exported" in stdout
     tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ft")
+    assert tf.AutoTokenizer.from_pretrained(tmp_path / "ft").encode("say hi") == list(b"say hi")
 
 
 @pytest.mark.subprocess

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from funcpar import options
 from funcpar.progress import eta_seconds
@@ -81,7 +82,8 @@ def test_warnings_for_warmup_and_positions_and_a_learned_position_table_is_a_lim
                        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     assert preflight.check_run(opts, cfg, mesh, 100, 5) == [
         "--seq-len 512 exceeds the model's max_position_embeddings 256: positions beyond it were never trained",
-        "--warmup 20 is not below --steps 10: the learning rate never reaches --lr 0.003"]
+        "--warmup 20 is not below --steps 10: the warmup is cut to 9 steps, so the learning rate reaches --lr 0.003 "
+        "only at the last step and never decays (use a --warmup below --steps, e.g. 1)"]
     with pytest.raises(SystemExit, match=r"^funcpar: --seq-len 512 exceeds the model's n_positions 128 \(its learned "
                                          r"position table\): use --seq-len 128 or less$"):
         preflight.check_run(opts, gpt2.Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=128), mesh,
@@ -563,8 +565,7 @@ def test_what_resume_would_misread_is_refused_and_a_cut_metrics_line_dropped(tmp
         cli._same_run(opts, {"lora": saved}, src)
     with pytest.raises(SystemExit, match=r"^funcpar: --heartbeat 0.001: .* use 0 \(off\) or at least 2"):
         options.read_options(["--heartbeat", "0.001"], "train")
-    loader = data.Loader(data.Dataset(torch.zeros(8, 4, dtype=torch.long), torch.ones(8, 4, dtype=torch.bool), 8, 0,
-                                      32), fp.Mesh(), 4)
+    loader = data.Loader(data.Dataset.from_rows(torch.zeros(8, 4, dtype=torch.long)), fp.Mesh(), 4)
     for bad in ({}, {"position": -1}):
         with pytest.raises(data.DataError, match=r"cannot resume data order: the saved loader state .* has no "
                                                  r"position"):
@@ -588,6 +589,105 @@ def test_eval_data_holds_out_its_own_file_and_epochs_set_the_steps(tmp_path):
             "seq_len": 32, "global_batch": 8, "epochs": 3}
     data, train, held = options.datasets(opts, cfg)
     assert len(train) == len(data) == 40 * 61 // 32 and len(held) == 5 * 61 // 32
-    assert bool((held.ids == ord("b")).any()) and not bool((train.ids == ord("b")).any())
+    rows = {k: d.take_range(0, len(d))["input_ids"] for k, d in (("held", held), ("train", train))}
+    assert bool((rows["held"] == ord("b")).any()) and not bool((rows["train"] == ord("b")).any())
     assert options.with_epochs(opts, len(train))["steps"] == 3 * (len(train) // 8)
     assert options.with_epochs({**opts, "epochs": 0}, len(train))["steps"] == options.DEFAULTS["steps"]
+
+
+def test_export_dtype_fp32_writes_a_bf16_runs_float32_masters(tmp_path, monkeypatch, capsys):
+    """`--precision bf16` exports bf16 by default (the training dtype); `--export-dtype fp32` exports the float32
+    masters, of which the bf16 export is the rounding."""
+    from safetensors.torch import load_file
+
+    from funcpar import cli
+
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "--model", "llama-micro", "--mesh", "1", "--steps", "3", "--precision", "bf16", "--lr", "1e-2",
+           "--eval-every", "0", "--save-every", "0", "--global-batch", "8"]
+    cli.main([*run, "--out", "auto"])
+    assert "vocabulary: the tokenizer's 259 tokens use 259 of the model's vocab_size 264" in capsys.readouterr().out
+    cli.main([*run, "--out", "fp32", "--export-dtype", "fp32"])
+    low, full = (load_file(tmp_path / o / "hf" / "model.safetensors") for o in ("auto", "fp32"))
+    assert {x.dtype for x in low.values()} == {torch.bfloat16} and {x.dtype for x in full.values()} == {torch.float32}
+    assert low.keys() == full.keys() and all(torch.equal(full[k].to(torch.bfloat16), low[k]) for k in low)
+    assert any(not torch.equal(full[k], low[k].float()) for k in low)  # finer than bf16: the masters
+    assert json.loads((tmp_path / "fp32" / "hf" / "config.json").read_text())["dtype"] == "float32"
+    with pytest.raises(SystemExit, match=r"^funcpar: --export-dtype 'f32': expected one of auto, fp32, bf16, fp16"):
+        options.read_options(["--export-dtype", "f32"], "train")
+
+
+def test_offload_compile_and_final_lr_switches_reach_the_step(tmp_path, monkeypatch):
+    """`--offload`, `--compile on|off|auto` and `--final-lr` set what `compile_step` and the schedule already had;
+    an offloaded run trains, and its last step's rate is --final-lr of the peak."""
+    import funcpar as fp
+    from funcpar import cli
+
+    llama = fp.get_model("llama")
+    cfg = llama.config(options.BUILTIN_MODELS["llama-micro"], fp.Mesh())
+    opts = options.read_options(["--mesh", "1", "--offload", "--compile", "off", "--final-lr", "0.25"], "train")
+    step = options.build_step(opts, llama, cfg, fp.Mesh(), llama.specs(cfg))
+    assert (step.options.parallel.offload, step.options.compile) == ("cpu", False)
+    on = options.build_step({**opts, "offload": False, "compile": "on"}, llama, cfg, fp.Mesh(), llama.specs(cfg))
+    assert (on.options.parallel.offload, on.options.compile) == (None, True)
+    monkeypatch.chdir(tmp_path)
+    cli.main(["train", "--model", "llama-micro", "--mesh", "1", "--steps", "4", "--warmup", "1", "--offload",
+              "--compile", "off", "--final-lr", "0.25", "--lr", "1e-3", "--eval-every", "0", "--save-every", "0",
+              "--global-batch", "8", "--log-every", "1"])
+    lrs = [r["lr"] for r in _rows(tmp_path / "out")]
+    sched = fp.optim.warmup_cosine(1e-3, 1, 4, end=0.25e-3)
+    assert lrs == pytest.approx([sched(k) for k in range(4)], rel=1e-6) and lrs[-1] > 0.25e-3
+    with pytest.raises(SystemExit, match=r"^funcpar: --final-lr sets where warmup_cosine ends; --schedule constant "
+                                         r"keeps --lr throughout"):
+        options.build_optimizer({**opts, "schedule": "constant"})
+
+
+def test_convert_of_a_lora_checkpoint_says_it_holds_adapters_and_where_the_model_is(tmp_path, monkeypatch, capsys):
+    from funcpar import cli
+
+    monkeypatch.chdir(tmp_path)
+    cli.main(["train", "--model", "llama-micro", "--mesh", "1", "--steps", "1", "--lora", "r=4,alpha=8,targets=q,v",
+              "--eval-every", "0", "--global-batch", "8"])
+    # q: 64 -> 64, v: 64 -> 32 (2 kv heads of 16), 2 layers: r x (in + out) each
+    assert (f"LoRA r=4,alpha=8,targets=q,v: {2 * 4 * (128 + 96):,} trainable parameters"
+            in capsys.readouterr().out)
+    with pytest.raises(SystemExit, match=r"^funcpar: out/checkpoints holds LoRA adapters \(r=4, alpha=8.0, targets "
+                                         r"q,v\), not a model: funcpar convert exports whole models\. Its run wrote "
+                                         r"the model with the adapters merged to out/hf and the adapters alone \(a "
+                                         r"PEFT folder\) to out/adapter"):
+        cli.main(["convert", "out", "exported"])
+    assert not (tmp_path / "exported").exists()
+
+
+def test_the_interval_line_averages_its_steps_and_the_time_left_follows_the_recent_pace(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A first step of 100 s (start-up) then 1 s steps: at step 20 of 100 the time left is 80 s, not 19 minutes;
+    steps at 100 and 900 tokens/s read 180 tokens/s (all tokens over all the time) and MFU 18%, not 90%."""
+    import torch
+
+    from funcpar import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "time", lambda: clock[0])
+    p = progress.Progress(True, tmp_path / "metrics.jsonl", 100, 10, 0, 1.0, 1000.0, torch.device("cpu"))
+    p.board = None
+    for step in range(1, 21):
+        clock[0] += 100.0 if step == 1 else 1.0
+        p.log(step, {"step": step, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3,
+                     "tokens_per_s": 100.0 if step % 2 else 900.0})
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("step    20/100") and last.endswith("tok/s  MFU 18%  mem " + last.split("mem ")[1])
+    assert " 180 tok/s " in last and last.endswith("eta 80s")
+    assert progress.interval_rate([100.0, 900.0]) == 180.0
+
+
+def test_a_vocabulary_padded_for_tp_is_said_under_the_table():
+    import funcpar as fp
+    from funcpar.planning import vocab_note
+
+    llama = fp.get_model("llama")
+    raw = {**options.BUILTIN_MODELS["llama-micro"], "vocab_size": 259}
+    cfg = llama.config(raw, fp.Mesh.abstract(tp=2))
+    assert vocab_note(cfg) == ("vocabulary: vocab_size 259 padded to 384 rows, a multiple of 128 and of tp (the 125 "
+                               "extra rows are never predicted and are not exported)")
+    assert vocab_note(llama.config({**raw, "vocab_size": 264}, fp.Mesh.abstract(tp=2))) is None

@@ -115,6 +115,9 @@ def test_a_stopped_rank_is_reported_within_the_heartbeat_interval(tmp_path):
                              "3 s: Mesh(heartbeat=...), $FUNCPAR_HEARTBEAT or --heartbeat; 0 turns it off)")
         os.kill(stopped, signal.SIGKILL)  # torchrun would only after its 30 s grace period
         assert job.proc.wait(timeout=60) == 1
+        with pytest.raises(AssertionError):
+            job.wait_for("(the end of the output)", timeout=5)
+        assert sum("has made no progress" in x for x in job.seen) == 1, job.seen  # said once, not again at the end
     finally:
         job.kill_all()
 

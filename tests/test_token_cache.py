@@ -1,0 +1,178 @@
+"""Data that does not fit in memory: the keyed permutation that orders rows without an index, mixtures of sources
+drawn by weight, and the token cache every later run memory-maps instead of tokenizing again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import funcpar as fp
+from funcpar import options, tokencache
+from funcpar.data import ByteTokenizer, DataError, Dataset, Loader, Mixture, iter_samples, permute, tokenize
+
+TOK = ByteTokenizer()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 100, 257, 1000, 4097])
+def test_permute_is_a_bijection_of_range_n_and_the_key_chooses_it(n):
+    orders = [permute(torch.arange(n), n, key) for key in (0, 1, 12345)]
+    for o in orders:
+        assert sorted(o.tolist()) == list(range(n))
+    if n >= 8:
+        assert not torch.equal(orders[0], orders[1]) and not torch.equal(orders[1], orders[2])
+        assert not torch.equal(orders[0], torch.arange(n))
+    # any positions, in any order, map alike: what a batch asks for is all that is computed
+    pick = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(permute(pick, n, 1), orders[1][pick])
+
+
+def test_permute_spreads_positions_evenly():
+    """Over many keys, position 0 lands in each tenth of range(n) about equally often (a usable shuffle)."""
+    n = 1000
+    firsts = torch.stack([permute(torch.tensor([0]), n, k) for k in range(2000)]).reshape(-1)
+    counts = torch.bincount(firsts // 100, minlength=10)
+    assert counts.min() > 140 and counts.max() < 260, counts.tolist()
+
+
+def _numbered(n_rows: int, base: int, seq: int = 4) -> Dataset:
+    """Rows whose first token is ``base + row``: which row of which source a batch holds."""
+    ids = torch.zeros(n_rows, seq, dtype=torch.long)
+    ids[:, 0] = base + torch.arange(n_rows)
+    return Dataset.from_rows(ids)
+
+
+def test_a_mixture_draws_each_sources_share_exactly_and_every_row_once_an_epoch():
+    a, b = _numbered(30, 0), _numbered(50, 1000)
+    loader = Loader(Mixture([a, b], [0.75, 0.25]), fp.Mesh(), global_batch=8, seed=2)
+    firsts = [next(loader)["input_ids"][:, 0] for _ in range(40)]
+    drawn = torch.cat(firsts)
+    from_a, from_b = drawn[drawn < 1000], drawn[drawn >= 1000]
+    assert len(from_a) == 240 and len(from_b) == 80  # 75 % and 25 % of 320 rows, exactly
+    # source a (30 rows) served 8 whole epochs: each row 8 times; b (50 rows): 80 draws, rows 0..49 once, then 30
+    assert Counter(from_a.tolist()) == {r: 8 for r in range(30)}
+    assert sorted(Counter(from_b[:50].tolist())) == list(range(1000, 1050))
+    assert all(0 < int((f < 1000).sum()) < 8 for f in firsts)  # every batch mixes them, interleaved
+    assert {int((f < 1000).sum()) for f in firsts} == {6}
+
+
+def test_a_mixture_too_wide_for_the_batch_and_other_weights_on_resume_are_refused():
+    parts = [_numbered(40, 100 * k) for k in range(3)]
+    with pytest.raises(DataError, match=r"--global-batch 1 is too small to mix 3 sources .*: use 2 or more"):
+        Loader(Mixture(parts, [1, 1, 1]), fp.Mesh(), global_batch=1)
+    loader = Loader(Mixture(parts, [2, 1, 1]), fp.Mesh(), global_batch=8)
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["weights"] == [0.5, 0.25, 0.25]
+    with pytest.raises(DataError, match=r"saved with data weights \[0.5, 0.25, 0.25\], now \[0.25, 0.5, 0.25\]"):
+        Loader(Mixture(parts, [1, 2, 1]), fp.Mesh(), global_batch=8).load_state_dict(state)
+    again = Loader(Mixture(parts, [2, 1, 1]), fp.Mesh(), global_batch=8)
+    again.load_state_dict(state)
+    assert torch.equal(next(again)["input_ids"], next(loader)["input_ids"])
+
+
+def test_data_weights_parse_and_a_bad_one_is_one_line():
+    assert options.data_sources("builtin:arithmetic") == [("builtin:arithmetic", 1.0)]
+    assert options.data_sources("a.jsonl:3,/x/b.txt:0.5,c") == [("a.jsonl", 3.0), ("/x/b.txt", 0.5), ("c", 1.0)]
+    with pytest.raises(SystemExit, match=r"^funcpar: bad --data 'a.jsonl:0,b': expected FILE or FILE:WEIGHT"):
+        options.data_sources("a.jsonl:0,b")
+
+
+def _corpus(path, docs: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "eta\ttheta"]
+    with open(path, "w", encoding="utf-8") as fh:
+        for d in range(docs):
+            fh.write(" ".join(rng.choice(words, size=int(rng.integers(3, 40)))) + ("\n\n" if d % 3 else "\n\n\n"))
+
+
+def test_the_token_cache_holds_what_tokenizing_in_memory_gives_and_is_built_once(tmp_path, capfd):
+    src = tmp_path / "corpus.txt"
+    _corpus(src, 500)
+    cache = tmp_path / "cache"
+    mem = tokencache.stream(src, TOK, "off")
+    disk = tokencache.stream(src, TOK, str(cache))
+    assert "tokenizing" in capfd.readouterr().err
+    assert isinstance(disk.ids, np.memmap) and disk.ids.dtype == np.uint16 and disk.mask is None
+    assert np.array_equal(np.asarray(disk.ids), mem.ids) and np.array_equal(np.asarray(disk.starts), mem.starts)
+    assert (disk.max_id, disk.samples) == (mem.max_id, 500)
+    again = tokencache.stream(src, TOK, str(cache))  # the same key: read, not built
+    assert "tokenizing" not in capfd.readouterr().err and np.array_equal(np.asarray(again.ids), mem.ids)
+    for pack in (True, False):
+        a = Loader(Dataset(mem, 32, pack, TOK.pad_id).split(0.1, seed=4)[0], fp.Mesh(), 16, seed=5)
+        b = Loader(Dataset(disk, 32, pack, TOK.pad_id).split(0.1, seed=4)[0], fp.Mesh(), 16, seed=5)
+        for _ in range(5):
+            x, y = next(a), next(b)
+            assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
+    os.utime(src, ns=(1, 1))  # an edited source is another entry
+    tokencache.stream(src, TOK, str(cache))
+    assert "tokenizing" in capfd.readouterr().err
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
+
+
+def test_a_damaged_cache_entry_is_refused_naming_the_folder_to_delete(tmp_path):
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"type": "instruct", "instruct": "q", "output": "a" * k}) + "\n"
+                           for k in range(1, 30)))
+    entry_stream = tokencache.stream(src, TOK, str(tmp_path / "cache"))
+    assert entry_stream.mask is not None and int(np.asarray(entry_stream.mask).sum()) == sum(k + 1 for k in range(1, 30))
+    entry = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    with open(entry / "ids.bin", "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(DataError, match=rf"the token cache {entry} is damaged .*ids.bin holds 10 bytes.*delete that "
+                                        rf"folder"):
+        tokencache.stream(src, TOK, str(tmp_path / "cache"))
+
+
+def test_ranks_that_start_together_build_one_entry(tmp_path):
+    """Two processes asking for the same uncached source at once: one tokenizes, the other waits and reads it."""
+    src = tmp_path / "corpus.txt"
+    _corpus(src, 3000)
+    code = ("import sys; from funcpar import tokencache; from funcpar.data import ByteTokenizer; "
+            f"s = tokencache.stream({str(src)!r}, ByteTokenizer(), {str(tmp_path / 'cache')!r}); print(s.tokens)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0]
+    assert sum("tokenizing" in err for _, err in outs) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] != [] and not list(
+        (tmp_path / "cache").glob("*.tmp-*"))
+
+
+def test_text_files_stream_by_line_with_their_line_numbers(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_bytes(b"one\r\ntwo\r\n\r\nthree\n\n\n\nfour\n")
+    got = [(s["text"], where.rsplit(":", 1)[1]) for s, where in iter_samples(f)]
+    assert got == [("one\r\ntwo\r", "1"), ("three", "4"), ("four", "8")]
+    stream = tokenize(iter_samples(f), TOK)
+    assert stream.samples == 3 and stream.mask is None
+
+
+def test_train_mixes_two_files_by_weight_from_the_cache(tmp_path):
+    """`--data a:3,b:1 --token-cache DIR`: the run says the mixture, tokenizes each file into the cache once, and a
+    second run reads the cache."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.jsonl"
+    _corpus(a, 200)
+    b.write_text("".join(json.dumps({"text": f"line {k} " * 5}) + "\n" for k in range(300)))
+    args = ["train", "--model", "llama-micro", "--mesh", "1", "--data", f"{a}:3,{b}:1", "--token-cache",
+            str(tmp_path / "cache"), "--steps", "2", "--global-batch", "8", "--seq-len", "32", "--eval-every", "0",
+            "--save-every", "0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.run([sys.executable, "-m", "funcpar", *args, "--out", str(tmp_path / "r1")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"mixing {a} 75%" in first.stdout and f"{b} 25%" in first.stdout
+    assert first.stderr.count("tokenizing") == 2
+    second = subprocess.run([sys.executable, "-m", "funcpar", *args, "--out", str(tmp_path / "r2")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0 and "tokenizing" not in second.stderr
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+              for r in ("r1", "r2")]
+    assert losses[0] == losses[1]
