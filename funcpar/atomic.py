@@ -18,6 +18,7 @@ is unavailable, ``NAME`` is first renamed to ``.NAME.old``; a crash between the 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -171,6 +172,27 @@ def agree(error: BaseException | None, mesh: "Mesh") -> str | None:
     return bytes(rows[first][rows[first] > 0].tolist()).decode(errors="replace")
 
 
+def no_space(error: BaseException | None, message: str | None = None) -> bool:
+    """Whether a write failed for a full disk (on this rank: ``error``; on any: the agreed ``message``)."""
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in (
+        message or str(error or ""))
+
+
+_AFTER_NO_SPACE = {"checkpoint": "the checkpoints before it are intact: free space, then --resume continues from "
+                                 "the latest",
+                   "hf": "the run's checkpoints are intact: free space, then funcpar convert RUN-FOLDER HF-FOLDER "
+                         "exports the latest"}
+
+
+def _no_space_message(path: Path, kind: str | None) -> str:
+    """One line for a folder a full disk stopped: where, how much is free, and that nothing was lost."""
+    where = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(where).free / 2**30
+    after = _AFTER_NO_SPACE.get(kind or "", "free space and run it again")
+    return (f"no space left on the device writing {path} ({free:.1f} GiB free there): nothing was written and what "
+            f"was there is unchanged; {after}")
+
+
 def _attempt(fn: Callable[[], None], error: BaseException | None) -> BaseException | None:
     if error is not None:
         return error
@@ -225,6 +247,8 @@ def write_folder(
         return
     if made:
         shutil.rmtree(tmp, ignore_errors=True)
+    if no_space(err, message):  # (safetensors says it in its own exception type, not an OSError)
+        raise error(_no_space_message(path, kind)) from None
     if err is not None:
         raise err
     raise error(f"writing {path} failed on another rank ({message}); nothing was written and what was there is "

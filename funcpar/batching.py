@@ -51,7 +51,8 @@ def check_consistency(mesh, specs, params: Any | None, batch: Any, batch_axes: t
         if mesh.axis_size(axis) == 1 or not sel:
             continue
         v = torch.stack([_checksums(x) for _, x in sel])
-        bad = (C.all_reduce(v, mesh, axis, "max") != C.all_reduce(v, mesh, axis, "min")).any(-1).nonzero()
+        hi, neg_lo = C.all_reduce(torch.stack([v, -v]), mesh, axis, "max")  # (max and min in one all-reduce)
+        bad = (hi != -neg_lo).any(-1).nonzero()
         if len(bad):
             name = sel[int(bad[0])][0]
             what = "Data inconsistency within the TP group" if axis == "tp" else f"Replicas disagree over {axis}"

@@ -82,7 +82,7 @@ class Step:
         check_data_axes(mesh, par.data_axes)
         self.specs, self.zero, self.offload, self.data_axes = specs, par.zero, par.offload, par.data_axes
         self.accum_steps, self.clip_norm, self.has_aux, self.donate = o.accum_steps, o.clip_norm, o.has_aux, o.donate
-        self.check = o.guards.check
+        self.check, self.check_every = o.guards.check, o.guards.check_every
         self.weight_fn = o.weight_fn if o.weight_fn is not None else loss.batch_weight
         self.check_batch = loss.check_batch  # a model's range checks, on every batch
         self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in self.data_axes)
@@ -235,11 +235,14 @@ class Step:
                 f"the global batch of {rows * dp} rows ({rows} on this {d} rank x {d}={dp}) is not divisible by "
                 f"{d} x accum_steps = {dp * A}: make it a multiple of {dp * A}"
             )
-        if self.check and not self._checked and not self.mesh.simulated:  # (a plan's meta batch holds no values)
+        if self.check and not self.mesh.simulated:  # (a plan's meta batch holds no values)
             pp = ("pp",) if self.pipe is not None else ()
-            check_consistency(self.mesh, self.specs, self.mode.replicated(state), batch, self.model_axes + pp,
-                              self.model_axes + self.data_axes)
-            self._checked = True
+            if not self._checked:  # the first step: the batch and the replicated leaves
+                check_consistency(self.mesh, self.specs, self.mode.replicated(state), batch, self.model_axes + pp,
+                                  self.model_axes + self.data_axes)
+                self._checked = True
+            elif self.check_every and state.step % self.check_every == 0:  # then the batch (every rank alike)
+                check_consistency(self.mesh, self.specs, None, batch, self.model_axes + pp, ())
         return rows
 
     def _accumulate(self, params: Any, batch: Any, scale: torch.Tensor):

@@ -121,6 +121,9 @@ class Guards:
     Args:
         check: default True: verify on the first step that the batch and the replicated leaves agree across ranks;
             a model's ``check_batch`` runs on every batch regardless.
+        check_every: with ``check``, verify the batch again every this many steps (default 1: every step; 0: the
+            first step only). Two sums of each batch tensor, one small all-reduce per model axis: a tp or pp group
+            fed different batches stops at that step instead of training on them.
         nonfinite: a step whose loss or gradient norm is not finite raises (``"error"``, the default; nothing
             updated, the state kept as the error's ``.state``) or is skipped (``"skip"``).
         max_skips: bounds the steps skipped in a row (an int >= 0, default 20), by the ``nonfinite`` policy or by
@@ -128,10 +131,13 @@ class Guards:
     """
 
     check: bool = True
+    check_every: int = 1
     nonfinite: str = "error"
     max_skips: int = 20
 
     def __post_init__(self):
+        if not isinstance(self.check_every, int) or isinstance(self.check_every, bool) or self.check_every < 0:
+            raise StepError(f"check_every must be an int >= 0, got {self.check_every!r}")
         if self.nonfinite not in ("error", "skip") or not isinstance(self.max_skips, int) or self.max_skips < 0:
             raise StepError(f"nonfinite must be 'error' or 'skip' and max_skips an int >= 0, got "
                             f"{self.nonfinite!r}, {self.max_skips!r}")

@@ -7,6 +7,16 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip, showing one line per package it fetches and its last line (a first install takes minutes: not in silence);
+# its whole output goes to $ROOT/.pip.log, named when it fails
+pip_shown() {
+    if ! "$PY" -m pip install --progress-bar off "$@" 2>&1 | tee "$ROOT/.pip.log" \
+            | { grep --line-buffered -E "^(Collecting|Successfully|ERROR)" || true; } | sed -u 's/^/[funcpar]   /' >&2
+    then
+        echo "[funcpar] pip failed: its whole output is in $ROOT/.pip.log" >&2
+        return 1
+    fi
+}
 if [ -n "${FUNCPAR_PYTHON:-}" ]; then
     PY=$FUNCPAR_PYTHON
     stamp_dir=$("$PY" -c 'import sys; print(sys.prefix)')
@@ -18,17 +28,18 @@ else
     PY=$ROOT/.venv/bin/python
     stamp_dir=$ROOT/.venv
     if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-        echo "[funcpar] installing torch==2.13.0 (CPU build)" >&2
-        "$PY" -m pip install -q torch==2.13.0
+        echo "[funcpar] installing torch==2.13.0 (CPU build; about a minute)" >&2
+        pip_shown torch==2.13.0
     fi
 fi
 # (re)install the project when pyproject.toml changed since the last install into this environment
 want=$(sha1sum "$ROOT/pyproject.toml" | cut -d' ' -f1)
 stamp="$stamp_dir/.funcpar-installed"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ] || ! "$PY" -c "import funcpar, funcpar.models" >/dev/null 2>&1; then
-    echo "[funcpar] installing funcpar and its test extras" >&2
+    echo "[funcpar] installing funcpar and its test extras (transformers, peft, tensorboard, ...; a first install" \
+        "takes 2-3 minutes)" >&2
     if [ -z "${FUNCPAR_PYTHON:-}" ]; then
-        "$PY" -m pip install -q -e "$ROOT[test]"
+        pip_shown -e "$ROOT[test]"
         echo "$want" > "$stamp"
     # your own environment: build with its setuptools (no package index needed for that); where pip still cannot
     # install (no index for a missing extra), a funcpar already importable from this checkout is used as it is

@@ -92,17 +92,7 @@ def test_two_torchrun_agents_train_as_one_node_and_resume_on_one_node(bare_run, 
     assert losses(out2) == losses(out)[:3]  # the same global ranks, the same numbers, bit for bit
     stdout = run(["-m", "funcpar", "train", *TINY, "--steps", "6", "--out", out2, "--resume"])  # one node now
     assert "resumed from" in stdout and "at step 3" in stdout
-    assert losses(out2) == losses(out)
-
-
-@pytest.mark.subprocess
-def test_resume_continues_exactly(bare_run, tmp_path):
-    out, _ = bare_run
-    out2 = str(tmp_path / "resumed")
-    run(["-m", "funcpar", "train", *TINY, "--steps", "3", "--out", out2])
-    stdout = run(["-m", "funcpar", "train", *TINY, "--steps", "6", "--out", out2, "--resume"])
-    assert "resumed from" in stdout and "at step 3" in stdout
-    assert losses(out2) == losses(out)  # the same batches, the same state: the same losses, bit for bit
+    assert losses(out2) == losses(out)  # resumed: the same batches, the same state, the same losses bit for bit
 
 
 def test_plan_prints_table_and_memory(capsys):

@@ -4,7 +4,6 @@ skips an overflowing step on every rank at once, and checkpoints that carry all 
 import functools
 
 import optree
-import pytest
 import torch
 
 import funcpar as fp
@@ -105,32 +104,31 @@ def test_mixed_state_resumes_bit_exact(tmp_path):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fp.tree.leaves_with_path(state2.params), fp.tree.leaves_with_path(full.params), strict=True))
 
 
-def _masters(sizes, zero):
-    """bf16 at ``zero``: the gathered masters before a step (the float32 initial weights, exactly) and after two
-    (the compute copies are their bf16 roundings, and they hold more than bf16 does)."""
+def _masters(sizes):
+    """bf16 at each ZeRO stage: the gathered masters before a step (the float32 initial weights, exactly) and after
+    one (the compute copies are their bf16 roundings, and they hold more than bf16 does)."""
     mesh = harness.mesh(**sizes)
     cfg = config()
     specs = llama.specs(cfg, mesh)
-    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh,
-                           optimizer=fp.optim.adamw(LR), zero=zero, param_dtype=torch.bfloat16)
     params = fp.shard(llama.init(cfg, seed=0), specs, mesh)
-    state = step.init(params)
-    first = step.gather_masters(state)
     dp, c = mesh.axis_size("dp"), mesh.coord("dp")
-    for b in batches()[:2]:
-        state, _ = step(state, {k: v.chunk(dp)[c] for k, v in b.items()})
-    masters, compute = step.gather_masters(state), step.gather_params(state)
-    init_exact = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(first), optree.tree_leaves(params),
-                                                      strict=True))
-    rounded = all(m.dtype == torch.float32 and torch.equal(m.to(torch.bfloat16), p) for m, p in
-                  zip(optree.tree_leaves(masters), optree.tree_leaves(compute), strict=True))
-    finer = any(not torch.equal(m, p.float()) for m, p in zip(optree.tree_leaves(masters),
-                                                               optree.tree_leaves(compute), strict=True))
-    return init_exact, rounded, finer
+    out = {}
+    for zero in (0, 1, 2, 3):
+        step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), specs, mesh=mesh,
+                               optimizer=fp.optim.adamw(LR), zero=zero, param_dtype=torch.bfloat16)
+        state = step.init(params)
+        first = step.gather_masters(state)
+        state, _ = step(state, {k: v.chunk(dp)[c] for k, v in batches()[0].items()})
+        masters, compute = optree.tree_leaves(step.gather_masters(state)), optree.tree_leaves(step.gather_params(state))
+        out[zero] = (all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(first), optree.tree_leaves(params),
+                                                           strict=True)),
+                     all(m.dtype == torch.float32 and torch.equal(m.to(torch.bfloat16), p)
+                         for m, p in zip(masters, compute, strict=True)),
+                     any(not torch.equal(m, p.float()) for m, p in zip(masters, compute, strict=True)))
+    return out
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_the_float32_masters_gather_whole_at_every_zero_stage(zero):
+def test_the_float32_masters_gather_whole_at_every_zero_stage():
     """`step.gather_masters` (what `--export-dtype fp32` writes from a bf16 run): every rank's parts of the float32
-    masters, assembled into whole local leaves on tp=2 x dp=2."""
-    assert harness.run(4, _masters, {"tp": 2, "dp": 2}, zero) == [(True, True, True)] * 4
+    masters, assembled into whole local leaves on tp=2 x dp=2, at ZeRO 0 to 3."""
+    assert harness.run(4, _masters, {"tp": 2, "dp": 2}) == [{z: (True, True, True) for z in range(4)}] * 4

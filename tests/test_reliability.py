@@ -209,6 +209,30 @@ def _tp_mismatch():
     return str(e.value)
 
 
+def _tp_drift(check_every, start):
+    """tp ranks fed the same batches until step ``start``, then different ones: the step that stops (or None)."""
+    mesh = harness.mesh(tp=2)
+    step, state = _tiny_step(mesh, check_every=check_every)
+    for k in range(6):
+        try:
+            state, _ = step(state, _ids(k if k < start else 10 * k + mesh.coord("tp")))
+        except fp.StepError as e:
+            return k, str(e)
+    return None, ""
+
+
+def test_tp_ranks_that_drift_apart_later_are_caught_at_that_step():
+    """The batch check runs every step by default (a checksum of the batch, one small all-reduce per model axis):
+    ranks whose data diverges at the third step stop there; `check_every=2` catches a divergence at the fourth step
+    on the fifth (the next even one), and `check_every=0` (the first step only) lets it train."""
+    every = harness.run(2, _tp_drift, 1, 2)
+    assert [k for k, _ in every] == [2, 2]
+    assert all("Data inconsistency within the TP group: batch['input_ids'] differs across mesh axis 'tp'" in m
+               for _, m in every)
+    assert [k for k, _ in harness.run(2, _tp_drift, 2, 3)] == [4, 4]
+    assert [k for k, _ in harness.run(2, _tp_drift, 0, 2)] == [None, None]
+
+
 # --------------------------------------------------------------------------- class 6: errors a user can act on
 
 
@@ -525,3 +549,41 @@ def test_convert_reads_only_verified_checkpoint_metadata(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 1 and p.stderr.startswith("funcpar: ckpt/meta.json has been modified since it was written")
     assert _snapshot(tmp_path) == before
+
+
+def _disk_fills(tmp: str, rank_full: int):
+    """Rank ``rank_full``'s checkpoint file meets a full disk (safetensors reports it in its own exception type)."""
+    import safetensors.torch
+
+    mesh = harness.mesh(dp=2)
+    step, state = _tiny_step(mesh)
+    step.save(f"{tmp}/ck/step-0", state, keep=3)
+    real = safetensors.torch.save_file
+
+    def full(*a, **k):
+        if mesh.rank == rank_full:
+            raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                               'left on device" })')
+        return real(*a, **k)
+
+    safetensors.torch.save_file = full
+    try:
+        step.save(f"{tmp}/ck/step-1", state, keep=3)
+    except fp.checkpoint.CheckpointError as e:
+        return str(e)
+    finally:
+        safetensors.torch.save_file = real
+    return "saved"
+
+
+def test_a_full_disk_during_a_save_is_one_line_on_every_rank_and_loses_nothing(tmp_path):
+    """The rank whose write fails and the one whose write succeeded say the same line: where, how much is free,
+    and that the checkpoints before it are intact (the previous one still loads)."""
+    msgs = harness.run(2, _disk_fills, str(tmp_path), 1)
+    assert msgs[0] == msgs[1] and "\n" not in msgs[0]
+    assert msgs[0].startswith(f"no space left on the device writing {tmp_path}/ck/step-1 (") and msgs[0].endswith(
+        " GiB free there): nothing was written and what was there is unchanged; the checkpoints before it are intact: "
+        "free space, then --resume continues from the latest")
+    assert not (tmp_path / "ck" / "step-1").exists() and not list((tmp_path / "ck").glob(".step-1*"))
+    step, state = _tiny_step(fp.Mesh())
+    step.load(tmp_path / "ck" / "step-0", state)
