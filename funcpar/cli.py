@@ -27,7 +27,7 @@ from funcpar.launch import (INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, 
                             run_and_exit)
 from funcpar.atomic import agree, open_own, refuse_links
 from funcpar.mesh import resolve_device
-from funcpar.generate import show_arithmetic
+from funcpar.generate import read_prompts, sample_on_mesh, show_arithmetic
 from funcpar.preflight import RUN_FILES, check_run, claim_out, lock_out, run_files
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (DEFAULTS, build_lora, build_params, build_step, datasets, lora_parts, model_config,
@@ -35,6 +35,7 @@ from funcpar.options import (DEFAULTS, build_lora, build_params, build_step, dat
 from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
                               rank_meshes, sharding_table, vocab_note)
 from funcpar.plot import plot_metrics
+from funcpar.trackers import open_trackers
 
 
 
@@ -59,7 +60,7 @@ class _Run:
     warnings: list
     lora: Any = None  # --lora: the adapters' Lora, and the frozen base parameters (this rank's shards)
     base: Any = None
-    lock: int | None = None  # rank 0: the run folder's lock (preflight.lock_out), held while the process lives
+    lock: int | None = None  # rank 0: the run folder's lock (preflight.lock_out), held until the run ends
 
     def __post_init__(self):
         self.rank0, self.out = self.mesh.rank == 0, Path(self.opts["out"])
@@ -176,7 +177,8 @@ def _resume(run: _Run) -> None:
 
 
 def _announce(run: _Run) -> None:
-    """Rank 0: trim metrics.jsonl to the steps done so far, print the run and its sharding table."""
+    """Rank 0: trim metrics.jsonl (and samples.jsonl) to the steps done so far, print the run and its sharding
+    table."""
     opts, step, mesh = run.opts, run.state.step, run.mesh
 
     def prepare():
@@ -184,10 +186,14 @@ def _announce(run: _Run) -> None:
         claim_out(run.out, opts["resume"], opts["overwrite"])
         run.out.mkdir(parents=True, exist_ok=True)
         run.lock = lock_out(run.out)  # (kept open: the lock lasts as long as this process)
-        old = run.metrics_file.read_text().splitlines() if run.metrics_file.exists() and step else []
-        kept = [line for line in old if _parsed_row(line, run.metrics_file).get("step", 0) <= step]
-        with open_own(run.metrics_file) as fh:
-            fh.write("".join(line + "\n" for line in kept))
+        for log in (run.metrics_file, run.out / "samples.jsonl"):  # (a resumed run repeats the steps after `step`)
+            old = log.read_text().splitlines() if log.exists() and step else []
+            kept = [line for line in old if _parsed_row(line, log).get("step", 0) <= step]
+            if kept or log == run.metrics_file:
+                with open_own(log) as fh:
+                    fh.write("".join(line + "\n" for line in kept))
+            elif log.exists():
+                log.unlink()
         with open_own(run.out / "config.json") as fh:  # a --config
             fh.write(json.dumps(saved_options(opts), indent=2) + "\n")
 
@@ -258,7 +264,23 @@ def _metrics_row(run: _Run, m: dict) -> dict:
     if opts["eval_every"] and (run.state.step % opts["eval_every"] == 0 or run.state.step == opts["steps"]):
         ev = _evaluate(run, run.eval_data, opts["global_batch"])
         row |= {"eval_loss": ev, "eval_ppl": math.exp(min(ev, 50))}
+        if opts["sample_prompts"]:
+            _samples(run)
     return row
+
+
+def _samples(run: _Run) -> None:
+    """``--sample-prompts``: greedy continuations by the model as it is now (every rank decodes; rank 0 shows them
+    and appends them to samples.jsonl)."""
+    prompts = read_prompts(run.opts["sample_prompts"])
+    texts = sample_on_mesh(run.model, _params(run), run.cfg, run.mesh, tokenizer(run.opts), prompts,
+                           run.opts["sample_tokens"])
+    if not run.rank0:
+        return
+    with open_own(run.out / "samples.jsonl", "a") as fh:
+        for p, t in zip(prompts, texts, strict=True):
+            fh.write(json.dumps({"step": run.state.step, "prompt": p, "completion": t}) + "\n")
+            print(f"sample at step {run.state.step}: {p!r} -> {t!r}", flush=True)
 
 
 def _progress(run: _Run) -> Progress:
@@ -269,7 +291,7 @@ def _progress(run: _Run) -> Progress:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
     return Progress(run.rank0, run.metrics_file, run.opts["steps"], run.opts["log_every"], run.state.step,
                     flops_per_token(n, layers, hidden, run.opts["seq_len"]), measure_peak_flops(run.mesh),
-                    run.mesh.device)
+                    run.mesh.device, open_trackers(run.opts, run.out) if run.rank0 else None)
 
 
 def _loop(run: _Run) -> bool:
@@ -384,11 +406,15 @@ def train(argv: list[str]) -> None:
             print(f"funcpar: a rank failed; restart {restarted()} of --max-restarts {opts['max_restarts']}: "
                   f"resuming", flush=True)
     run = _setup_run(opts, sizes)
-    _resume(run)
-    _announce(run)
-    if not _loop(run):
-        _interrupted(run, argv)
-    _finish(run)
+    try:
+        _resume(run)
+        _announce(run)
+        if not _loop(run):
+            _interrupted(run, argv)
+        _finish(run)
+    finally:  # (the kernel releases it when the process ends; a program that calls main() goes on)
+        if run.lock is not None:
+            os.close(run.lock)
 
 
 # --------------------------------------------------------------------------------------------- plan, convert

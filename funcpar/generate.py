@@ -1,7 +1,9 @@
-"""Text generation with a trained model: greedy decoding, and the answer check ``funcpar train`` runs at the end.
+"""Text generation with a trained model: greedy decoding, samples of a run in training, and the answer check
+``funcpar train`` runs at the end.
 
-:func:`greedy` decodes with any ``logits_fn(ids) -> logits``; :func:`show_arithmetic` loads an exported
-transformers folder, greedy-decodes the built-in arithmetic task with funcpar's own forward, and, where
+:func:`greedy` decodes with any ``logits_fn(ids) -> logits``; :func:`sample_on_mesh` decodes with the sharded
+model where it trains (every rank in step, the vocabulary's argmax taken over tp); :func:`show_arithmetic` loads
+an exported transformers folder, greedy-decodes the built-in arithmetic task with funcpar's own forward, and, where
 transformers is installed, checks that transformers loads the folder and generates from it too.
 """
 
@@ -12,14 +14,15 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["greedy", "show_arithmetic"]
+__all__ = ["greedy", "sample_on_mesh", "read_prompts", "show_arithmetic"]
 
 
 def greedy(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompts: list[list[int]], eos: int,
-           max_new: int) -> list[list[int]]:
+           max_new: int, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
     """Greedy decoding of each prompt (grouped by length; no KV cache: the models here are small).
 
-    Returns the new tokens of each prompt, without the ``eos`` that ended it.
+    ``argmax(last_logits) -> ids``: how the next token is picked (default ``argmax(-1)``; over tp, the sharded
+    vocabulary's). Returns the new tokens of each prompt, without the ``eos`` that ended it.
     """
     out: list[list[int]] = [[] for _ in prompts]
     by_len: dict[int, list[int]] = {}
@@ -27,16 +30,18 @@ def greedy(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompts: list[list
         by_len.setdefault(len(p), []).append(i)
     with torch.no_grad():
         for idx in by_len.values():
-            _greedy_group(logits_fn, [prompts[i] for i in idx], [out[i] for i in idx], eos, max_new)
+            _greedy_group(logits_fn, [prompts[i] for i in idx], [out[i] for i in idx], eos, max_new,
+                          argmax or (lambda x: x.argmax(-1)))
     return out
 
 
-def _greedy_group(logits_fn, prompts: list[list[int]], outs: list[list[int]], eos: int, max_new: int) -> None:
+def _greedy_group(logits_fn, prompts: list[list[int]], outs: list[list[int]], eos: int, max_new: int,
+                  argmax) -> None:
     """Decode prompts of one length together, appending each one's new tokens to its list in ``outs``."""
     ids = torch.tensor(prompts)
     done = torch.zeros(len(prompts), dtype=torch.bool)
     for _ in range(max_new):
-        nxt = logits_fn(ids)[:, -1].argmax(-1)
+        nxt = argmax(logits_fn(ids)[:, -1]).cpu()
         for k, out in enumerate(outs):
             if not done[k]:
                 if int(nxt[k]) == eos:
@@ -46,6 +51,52 @@ def _greedy_group(logits_fn, prompts: list[list[int]], outs: list[list[int]], eo
         ids = torch.cat([ids, nxt[:, None]], 1)
         if done.all():
             break
+
+
+def vocab_argmax(logits: torch.Tensor, mesh, axis: str = "tp") -> torch.Tensor:
+    """The index of each row's largest logit over the whole vocabulary, from this rank's block of it (``axis``'s
+    ranks hold consecutive blocks, maybe of unequal widths): every rank gets the same answer, the lowest index among
+    equal maxima, as ``argmax`` over the whole row gives."""
+    from . import collectives as C
+
+    if mesh.axis_size(axis) == 1:
+        return logits.argmax(-1)
+    width = torch.tensor([float(logits.shape[-1])], dtype=torch.float64, device=logits.device)
+    widths = C.all_gather_nograd(width, mesh, axis, 0)
+    offset = widths[: mesh.coord(axis)].sum()
+    vals, idx = logits.double().max(-1)
+    both = C.all_gather_nograd(torch.stack([vals, idx.double() + offset])[None], mesh, axis, 0)  # (tp, 2, B)
+    best = both[:, 0].argmax(0)  # (the first rank with the maximum: the lowest global index)
+    return both[:, 1].gather(0, best[None])[0].long()
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of ``--sample-prompts``: a ``.txt`` file's lines, or a ``.jsonl`` file's ``prompt`` fields (the
+    text as given: a chat model's template is the user's to write in)."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--sample-prompts {path}: no such file")
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if path.suffix != ".jsonl":
+        return [ln.replace("\\n", "\n") for ln in lines]
+    out = []
+    for n, ln in enumerate(lines, 1):
+        row = json.loads(ln) if ln.lstrip().startswith("{") else None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path}:{n}: expected {{\"prompt\": text}}")
+        out.append(row["prompt"])
+    return out
+
+
+def sample_on_mesh(model, params, cfg, mesh, tok, prompts: list[str], max_new: int) -> list[str]:
+    """Greedy continuations of ``prompts`` by the model as it trains: every rank decodes with its shards (collective
+    over tp; not for pp or cp meshes) and gets the same text."""
+    ids = [tok.encode(p) for p in prompts]
+    new = greedy(lambda x: model.forward(params, x.to(mesh.device), cfg, mesh), ids, tok.eos_id, max_new,
+                 argmax=lambda logits: vocab_argmax(logits, mesh))
+    return [tok.decode(n) for n in new]
 
 
 def show_arithmetic(folder: str | Path, model: Any) -> None:

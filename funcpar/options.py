@@ -28,6 +28,7 @@ DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "epochs": 0, "eval_every": 100, "eval_fraction": 0.05, "eval_data": "", "save_every": 100, "keep": 2,
     "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
     "heartbeat": 60.0, "chat_template": "auto", "max_restarts": 0, "export_dtype": "auto",
+    "sample_prompts": "", "sample_tokens": 32, "track": "", "project": "funcpar",
 }
 
 HELP = {
@@ -76,6 +77,13 @@ HELP = {
     "heartbeat": "seconds without progress after which a stuck rank is reported and the job ends (0: off)",
     "chat_template": "conversations through the HF tokenizer's chat_template when it has one (auto), or "
                      "funcpar's User:/Assistant: template (builtin)",
+    "sample_prompts": "a .txt file of prompts (one a line; \\n for a newline) or .jsonl of {\"prompt\": ...}: at each "
+                      "evaluation their greedy continuations by the model in training are printed and written to "
+                      "samples.jsonl (not with pp or cp)",
+    "sample_tokens": "tokens generated per prompt for --sample-prompts",
+    "track": "experiment trackers besides TensorBoard, when installed: wandb, mlflow or wandb,mlflow (the run's "
+             "options and every metrics row; a resumed run continues the same tracked run)",
+    "project": "the wandb project or MLflow experiment of --track",
     "export_dtype": "the dtype of hf/'s weights: auto (the training dtype: --precision bf16 exports bf16), fp32 (with "
                     "bf16/fp16 the float32 master weights, not their roundings), bf16 or fp16",
     "max_restarts": "when a rank dies, restart every rank up to this many times (torchrun's restarts); restarted "
@@ -239,7 +247,8 @@ def _unknown_flag(arg: str, prog: str, flags: list[str]) -> str:
 
 _AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,
              "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
-             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0, "epochs": 0, "final_lr": 0}
+             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0, "epochs": 0, "final_lr": 0,
+             "sample_tokens": 1}
 _AT_MOST = {"zero": 3, "eval_fraction": 0.5, "final_lr": 1}
 MIN_HEARTBEAT = 2.0  # seconds: below it a slow collective or a checkpoint write reads as a stuck rank
 _CHOICES = {"device": DEVICES, "export_dtype": ("auto", "fp32", "bf16", "fp16"), "compile": ("auto", "on", "off")}

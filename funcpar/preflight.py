@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from . import trackers
+
 __all__ = ["check_run", "claim_out", "run_files", "lock_out", "RUN_FILES"]
 
 
@@ -68,11 +70,35 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
                 f"last step and never decays" if short else f"there is no warmup: step 1 trains at --lr {opts['lr']}")
         warnings.append(f"--warmup {opts['warmup']} is not below --steps {opts['steps']}: {what} (use a --warmup "
                         f"below --steps, e.g. {max(opts['steps'] // 10, 0)})")
+    if opts["sample_prompts"]:
+        _samples(opts, mesh)
+    try:
+        trackers.check(opts["track"])
+    except ValueError as e:
+        raise SystemExit(f"funcpar: {e}") from None
     return warnings
 
 
+def _samples(opts, mesh) -> None:
+    """``--sample-prompts``: a file of prompts, evaluations to show them at, a mesh the model decodes on whole."""
+    from .generate import read_prompts
+
+    try:
+        read_prompts(opts["sample_prompts"])
+    except ValueError as e:
+        raise SystemExit(f"funcpar: {e}") from None
+    if not opts["eval_every"]:
+        raise SystemExit("funcpar: --sample-prompts shows the samples at each evaluation, and --eval-every 0 has "
+                         "none: give --eval-every N")
+    split = [a for a in ("pp", "cp") if a in mesh.axis_names and mesh.axis_size(a) > 1]
+    if split:
+        raise SystemExit(f"funcpar: --sample-prompts decodes with the model where it trains, which a {split[0]} "
+                         f"axis splits: train without it, or generate from the run's hf/ afterwards")
+
+
 # what a run writes in --out
-RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter")
+RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter", "samples.jsonl",
+             "trackers.json", "wandb")
 
 
 def _run_config(path: Path) -> bool:

@@ -80,13 +80,14 @@ class Progress:
     """Rank 0's account of the run (the other ranks' calls do nothing)."""
 
     def __init__(self, rank0: bool, metrics_file: Path, steps: int, log_every: int, start_step: int,
-                 flops_token: float, peak_flops: float, device: torch.device):
+                 flops_token: float, peak_flops: float, device: torch.device, trackers: Any = None):
         self.rank0, self.metrics_file, self.steps, self.log_every = rank0, metrics_file, steps, log_every
         self.start_step, self.flops_token, self.peak, self.device = start_step, flops_token, peak_flops, device
         self.t_start, self.bar = time.time(), None
         self.rates: list[float] = []  # tokens/s of the steps since the last line
         self.paces: collections.deque = collections.deque(maxlen=PACE_STEPS + 1)  # (time, step) after each step
         self.board = _board(metrics_file.parent, start_step) if rank0 else None
+        self.trackers = trackers  # (funcpar.trackers.Trackers: wandb, MLflow)
         if rank0 and sys.stdout.isatty():
             from tqdm import tqdm
 
@@ -119,6 +120,8 @@ class Progress:
             for key in ("loss", "eval_loss", "grad_norm", "lr", "tokens_per_s", "loss_scale", "bubble"):
                 if key in row:
                     self.board.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", row[key], step)
+        if self.trackers is not None:
+            self.trackers.log(step, row)
         self.rates.append(row.get("tokens_per_s", 0.0))
         self.paces.append((time.time(), step))  # (after the first step: its end is the window's first mark)
         due = step % self.log_every == 0 or step == self.steps or "eval_loss" in row
@@ -137,6 +140,8 @@ class Progress:
             self.bar.close()
         if self.board is not None:
             self.board.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def _board(out: Path, start_step: int):

@@ -26,7 +26,7 @@ LAYERS = [
     ("step", ["funcpar.step", "funcpar.step_gradients", "funcpar.verify"]),
     ("api", ["funcpar"]),
     ("apps", ["funcpar.options", "funcpar.cli", "funcpar.launch", "funcpar.preflight", "funcpar.progress", "funcpar.__main__", "funcpar.generate", "funcpar.plot", "funcpar.planning",
-              "funcpar.assets"]),
+              "funcpar.assets", "funcpar.trackers"]),
     ("models", ["funcpar.models", "funcpar.models.*"]),
 ]
 

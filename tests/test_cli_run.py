@@ -691,3 +691,109 @@ def test_a_vocabulary_padded_for_tp_is_said_under_the_table():
     assert vocab_note(cfg) == ("vocabulary: vocab_size 259 padded to 384 rows, a multiple of 128 and of tp (the 125 "
                                "extra rows are never predicted and are not exported)")
     assert vocab_note(llama.config({**raw, "vocab_size": 264}, fp.Mesh.abstract(tp=2))) is None
+
+
+def _sample_tp(prompts):
+    import harness
+
+    import funcpar as fp
+    from funcpar.data import ByteTokenizer
+    from funcpar.generate import sample_on_mesh
+
+    mesh = harness.mesh(tp=2)
+    llama = fp.get_model("llama")
+    cfg = llama.config({**options.BUILTIN_MODELS["llama-micro"], "vocab_size": 259}, mesh)  # blocks of 192 and 67
+    params = fp.shard(llama.init(cfg, seed=3), llama.specs(cfg, mesh), mesh)
+    return sample_on_mesh(llama, params, cfg, mesh, ByteTokenizer(), prompts, 12)
+
+
+def test_samples_on_a_tp_mesh_are_the_single_process_greedy_continuations():
+    """The argmax over a vocabulary split unevenly over tp=2 (192 and 67 columns) picks what one process picks."""
+    import harness
+
+    import funcpar as fp
+    from funcpar.data import ByteTokenizer
+    from funcpar.generate import greedy
+
+    prompts = ["7+5=\n", "hello", "a"]
+    llama = fp.get_model("llama")
+    cfg = llama.config({**options.BUILTIN_MODELS["llama-micro"], "vocab_size": 259}, fp.Mesh())
+    params, tok = llama.init(cfg, seed=3), ByteTokenizer()
+    want = [tok.decode(n) for n in greedy(lambda x: llama.forward(params, x, cfg, fp.Mesh()),
+                                          [tok.encode(p) for p in prompts], tok.eos_id, 12)]
+    got = harness.run(2, _sample_tp, prompts)
+    assert got == [want, want] and any(want)
+
+
+def test_sample_prompts_are_shown_at_each_evaluation_and_kept_per_step(tmp_path, monkeypatch, capsys):
+    from funcpar import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("7+5=\\n\n2+2=\\n\n")
+    run = ["train", "--model", "llama-micro", "--mesh", "1", "--global-batch", "8", "--eval-every", "2",
+           "--sample-prompts", "prompts.txt", "--sample-tokens", "3", "--save-every", "2"]
+    cli.main([*run, "--steps", "4"])
+    out = capsys.readouterr().out
+    assert "sample at step 2: '7+5=\\n' -> '" in out and "sample at step 4: '2+2=\\n' -> '" in out
+    rows = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (2, 4) for p in ("7+5=\n", "2+2=\n")]
+    assert all(len(r["completion"].encode()) <= 3 for r in rows)
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step-2\n")  # resume from step 2: step 4 again
+    cli.main([*run, "--steps", "4", "--resume"])
+    again = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert again == rows  # the same samples, step 4's written once
+    with pytest.raises(SystemExit, match=r"^funcpar: --sample-prompts decodes with the model where it trains, which "
+                                         r"a pp axis splits"):
+        cli.main(["train", "--mesh", "pp=2", "--sample-prompts", "prompts.txt", "--out", "x"])
+
+
+class _FakeTracker:
+    """What a tracker package was asked: the calls of ``wandb`` or ``mlflow`` as funcpar makes them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        import types
+
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name == "start_run":
+                return types.SimpleNamespace(info=types.SimpleNamespace(run_id=kwargs.get("run_id") or "mlf-1"))
+            return None
+        return call
+
+
+def test_track_sends_each_row_to_wandb_and_mlflow_and_a_resumed_run_continues_the_same_runs(tmp_path, monkeypatch):
+    import sys as _sys
+
+    from funcpar import cli
+
+    wandb, mlflow = _FakeTracker(), _FakeTracker()
+    monkeypatch.setitem(_sys.modules, "wandb", wandb)
+    monkeypatch.setitem(_sys.modules, "mlflow", mlflow)
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "--model", "llama-micro", "--mesh", "1", "--global-batch", "8", "--eval-every", "2",
+           "--save-every", "2", "--track", "wandb,mlflow", "--project", "arith"]
+    cli.main([*run, "--steps", "2"])
+    init = next(kw for name, _, kw in wandb.calls if name == "init")
+    assert (init["project"], init["resume"], init["config"]["lr"]) == ("arith", "allow", 3e-3)
+    logged = [(kw["step"], a[0]) for name, a, kw in wandb.calls if name == "log"]
+    assert [s for s, _ in logged] == [1, 2] and "eval_loss" in logged[1][1] and "loss" in logged[0][1]
+    assert [n for n, _, _ in wandb.calls][-1] == "finish"
+    assert [kw["step"] for name, _, kw in mlflow.calls if name == "log_metrics"] == [1, 2]
+    assert ("set_experiment", ("arith",), {}) in mlflow.calls
+    assert sum(name == "log_params" for name, _, _ in mlflow.calls) == 1
+    ids = json.loads((tmp_path / "out" / "trackers.json").read_text())
+    assert init["id"] == ids["run_id"] and ids["mlflow_run_id"] == "mlf-1"
+    wandb.calls.clear()
+    mlflow.calls.clear()
+    cli.main([*run, "--steps", "4", "--resume"])  # the same tracked runs, continued; parameters not logged again
+    assert next(kw for name, _, kw in wandb.calls if name == "init")["id"] == ids["run_id"]
+    assert next(kw for name, _, kw in mlflow.calls if name == "start_run")["run_id"] == "mlf-1"
+    assert not any(name == "log_params" for name, _, _ in mlflow.calls)
+    assert [kw["step"] for name, _, kw in mlflow.calls if name == "log_metrics"] == [3, 4]
+    monkeypatch.setitem(_sys.modules, "mlflow", None)  # not installed
+    with pytest.raises(SystemExit, match=r"^funcpar: --track mlflow needs the mlflow package, which is not "
+                                         r"installed: pip install mlflow"):
+        cli.main([*run, "--steps", "2", "--out", "other"])
