@@ -1,0 +1,76 @@
+"""What the every-step batch check costs: the same train step with ``check_every=1`` (the default: the batch's two
+sums per tensor and one small all-reduce per model axis, every step) and ``check_every=0`` (the first step only),
+steps interleaved so both see the same machine, on a tp x dp mesh of local CPU processes.
+
+    python bench/batch_check.py                     # llama-tiny, tp=2 x dp=2, 40 steps each
+    python bench/batch_check.py --mesh tp=2 --steps 60
+
+Prints the median step time of each and the difference. A benchmark, not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(mesh_text: str, steps: int) -> None:
+    import torch
+
+    import funcpar as fp
+    from funcpar.options import BUILTIN_MODELS, parse_mesh
+
+    mesh = fp.Mesh(**parse_mesh(mesh_text))
+    model = fp.get_model("llama")
+    cfg = model.config(BUILTIN_MODELS["llama-tiny"], mesh)
+    specs = model.specs(cfg, mesh)
+    params = model.init(cfg, seed=0)
+    runs = {}
+    for every in (1, 0):
+        step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, optimizer=fp.optim.adamw(1e-4),
+                               check_every=every)
+        runs[every] = [step, step.init(fp.shard(params, specs, mesh)), []]
+    g = torch.Generator().manual_seed(0)
+    dp, c = mesh.axis_size("dp"), mesh.coord("dp")
+    for k in range(steps + 2):
+        ids = torch.randint(0, 259, (8, 64), generator=g)
+        for every in ((1, 0) if k % 2 else (0, 1)):
+            step, state, times = runs[every]
+            t0 = time.perf_counter()
+            state, _ = step(state, {"input_ids": ids.chunk(dp)[c]})
+            if k >= 2:  # (the first steps: warm-up, and the first one checks the leaves too)
+                times.append(time.perf_counter() - t0)
+            runs[every][1] = state
+    if mesh.rank == 0:
+        on, off = statistics.median(runs[1][2]), statistics.median(runs[0][2])
+        print(f"| {mesh_text} | {steps} | {off * 1e3:.2f} | {on * 1e3:.2f} | {(on - off) * 1e3:+.2f} ms "
+              f"({(on - off) / off:+.1%}) |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mesh", default="tp=2,dp=2")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.mesh, a.steps)
+        return
+    n = 1
+    for part in a.mesh.split(","):
+        n *= int(part.split("=")[1])
+    print("| mesh | steps | check_every=0: ms/step | check_every=1: ms/step | cost |")
+    print("|---|---|---|---|---|", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                    __file__, "--worker", "--mesh", a.mesh, "--steps", str(a.steps)], check=True, env=env)
+
+
+if __name__ == "__main__":
+    main()
