@@ -322,10 +322,10 @@ def load_samples(path: str | os.PathLike) -> list[tuple[dict, str]]:
 
 @dataclass
 class Stream:
-    """A data source tokenized: every sample's ids end to end (``ids``, a 1-D numpy array, in memory or
-    memory-mapped from a token cache), their loss mask (``mask``, uint8; None when every token is trained on), and
-    where each sample starts (``starts``: samples + 1 offsets). Rows are cut from it on demand, so a stream on disk
-    is never read whole."""
+    """A data source tokenized: every sample's ids end to end (``ids``, a 1-D numpy array in memory, or a token
+    cache's file read on demand: :class:`funcpar.tokencache.FileArray`), their loss mask (``mask``, uint8; None when
+    every token is trained on), and where each sample starts (``starts``: samples + 1 offsets). Rows are cut from it
+    on demand, so a stream on disk is never read whole."""
 
     ids: Any
     mask: Any
@@ -375,9 +375,16 @@ class StreamWriter:
 
     def _flush(self) -> None:
         for name, parts in self.parts.items():
-            if parts:
-                chunk = self.np.concatenate(parts)
-                self.sink(name, chunk) if self.sink else self.done[name].append(chunk)
+            if not parts:
+                continue
+            chunk = self.np.concatenate(parts)
+            if self.sink:
+                self.sink(name, chunk)
+            elif name == "ids" or not self.all_trained:  # (in memory: no mask while every token is trained on)
+                if name == "mask" and not self.done["mask"]:
+                    held = sum(len(c) for c in self.done["ids"]) - (len(chunk) if self.parts["ids"] else 0)
+                    self.done["mask"].append(self.np.ones(held, dtype=self.np.uint8))
+                self.done[name].append(chunk)
         self.parts, self.buffered = {"ids": [], "mask": []}, 0
 
     def finish(self) -> Stream | dict:
@@ -498,7 +505,7 @@ class Dataset:
         if self.pack:
             return 0
         s, n = self.stream.starts, 0
-        for a in range(0, len(s) - 1, 1 << 20):  # (in chunks: the starts may be memory-mapped and long)
+        for a in range(0, len(s) - 1, 1 << 20):  # (in chunks: the starts may be a long file)
             block = np.asarray(s[a : a + (1 << 20) + 1])
             n += int((np.diff(block) > self.seq_len).sum())
         return n
@@ -511,10 +518,10 @@ class Dataset:
         if self.part:
             index = permute(index + self.part[0], self.rows, self.part[2])
         rows, t, st = index.numpy(), self.seq_len, self.stream
-        if self.pack:
-            spans = rows[:, None] * t + np.arange(t)
-            ids = st.ids[spans.reshape(-1)].reshape(len(rows), t) if len(rows) else np.zeros((0, t), st.ids.dtype)
-            mask = np.ones(ids.shape, np.bool_) if st.mask is None else st.mask[spans.reshape(-1)].reshape(ids.shape)
+        if self.pack:  # (a row a read: from a token cache's file, only those bytes)
+            ids = np.stack([st.ids[r * t : (r + 1) * t] for r in rows]) if len(rows) else np.zeros((0, t), np.int64)
+            mask = (np.ones(ids.shape, np.bool_) if st.mask is None else
+                    np.stack([st.mask[r * t : (r + 1) * t] for r in rows]).reshape(ids.shape))
         else:
             ids = np.full((len(rows), t), self.pad_id, dtype=np.int64)
             mask = np.zeros((len(rows), t), dtype=np.bool_)

@@ -38,7 +38,7 @@ HELP = {
               "or auto: cuda when every rank of the node has a GPU, else cpu with a warning",
     "data": "a .jsonl/.txt file or a folder of them, or builtin:arithmetic (README: the formats and their text); "
             "several mixed by weight: a.jsonl:0.7,b.txt:0.3 (each batch draws those shares of its rows)",
-    "token_cache": "where sources are tokenized once and memory-mapped by every later run and rank: auto (sources "
+    "token_cache": "where sources are tokenized once and read by every later run and rank: auto (sources "
                    "of 256 MiB or more, under $FUNCPAR_TOKEN_CACHE or ~/.cache/funcpar/tokens), a folder (every "
                    "source), or off (tokenize in memory each run)",
     "tokenizer": "byte, or a folder with an HF tokenizer", "seq_len": "tokens per row",
@@ -104,20 +104,44 @@ def parse_mesh(text: str) -> dict[str, int]:
     """``"tp=2,dp=2"`` -> ``{"tp": 2, "dp": 2}``; ``""`` or ``"1"`` -> ``{}`` (one process).
 
     Any identifier names an axis (``"tp=2,dp=2,ep=2"``); ``pp``, ``dp`` and ``tp`` are the ones funcpar itself uses.
+    ``dp=auto`` (under torchrun) is the ranks torchrun started over the other axes: an elastic job
+    (``torchrun --nnodes MIN:MAX``) that restarts on fewer nodes resumes on a smaller data-parallel mesh.
     """
     out: dict[str, int] = {}
     if text.strip() in ("", "1"):
         return out
+    auto = False
     for part in text.split(","):
         key, _, val = part.partition("=")
-        key = key.strip()
-        if not key.isidentifier() or not val.strip().isdigit():
+        key, val = key.strip(), val.strip()
+        if key == "dp" and val == "auto":
+            auto = True
+            val = "1"
+        if not key.isidentifier() or not val.isdigit():
             raise SystemExit(f"funcpar: bad --mesh '{text}': expected e.g. 'tp=2,dp=2' or 'dp=2,ep=2,tp=2' "
-                             f"(axis=size pairs; axes pp, dp, tp or any other name)")
+                             f"(axis=size pairs; axes pp, dp, tp or any other name; dp=auto under torchrun)")
         if key in out:
             raise SystemExit(f"funcpar: bad --mesh '{text}': axis '{key}' is given twice")
         out[key] = int(val)
+    if auto:
+        out["dp"] = _elastic_dp(text, out)
     return out
+
+
+def _elastic_dp(text: str, sizes: dict[str, int]) -> int:
+    """``dp=auto``: torchrun's world size over the product of the other axes."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise SystemExit(f"funcpar: --mesh {text}: dp=auto takes dp from the ranks torchrun starts (its world size "
+                         f"over the other axes, for an elastic --nnodes MIN:MAX job); when funcpar starts the ranks, "
+                         f"give dp=N")
+    rest = 1
+    for axis, size in sizes.items():
+        rest *= size if axis != "dp" else 1
+    if int(world) % rest:
+        raise SystemExit(f"funcpar: --mesh {text}: torchrun started {world} ranks, not a multiple of the other "
+                         f"axes' {rest}")
+    return int(world) // rest
 
 
 def _toml():

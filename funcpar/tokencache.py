@@ -1,13 +1,14 @@
 """The token cache: a data source tokenized once into files (ids, loss mask, sample starts) that every later run,
-and every rank of a run, memory-maps instead of tokenizing again, so a corpus larger than memory trains with the
-memory of a batch.
+and every rank of a run, reads instead of tokenizing again, so a corpus larger than memory trains with the memory
+of a batch.
 
 A cache entry is a folder named by a key: a hash of the source files (path, size, modification time), the
 tokenizer's fingerprint and the format's version, so an edited file or another tokenizer is another entry. It is
 built aside (``<key>.tmp-<pid>``) and renamed into place whole, ``meta.json`` written last; concurrent builders
 (the ranks of a job under torchrun) wait on a lock and the first one's entry serves the rest. ``--token-cache
 auto`` caches sources of at least :data:`AUTO_BYTES` (smaller ones tokenize in memory in seconds), a folder always
-caches there, ``off`` never.
+caches there, ``off`` never. A run reads an entry's files row by row with ``pread`` (:class:`FileArray`), so its
+memory holds the batches it takes and nothing of the corpus.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .data import DataError, Stream, data_files, iter_samples, tokenize
 
-__all__ = ["stream", "cache_root", "AUTO_BYTES", "CACHE_ENV", "VERSION"]
+__all__ = ["stream", "cache_root", "FileArray", "AUTO_BYTES", "CACHE_ENV", "VERSION"]
 
 AUTO_BYTES = 256 << 20  # a source this large is cached under --token-cache auto (tokenizing it takes a minute)
 CACHE_ENV = "FUNCPAR_TOKEN_CACHE"  # the cache folder of --token-cache auto (default ~/.cache/funcpar/tokens)
@@ -105,8 +106,60 @@ def _build(source, files: list[Path], size: int, tok, folder: Path) -> None:
               file=sys.stderr, flush=True)
 
 
+class FileArray:
+    """A 1-D array in a file, read on demand with ``pread``: a slice or an element, or all of it (``np.asarray``).
+    Not a memory map: the page cache's folios a mapped read faults in (megabytes around each row) would count in
+    the rank's resident set, and over an epoch that is the whole file."""
+
+    _MAX_READ = 1 << 30  # bytes per pread (Linux returns at most about 2 GiB)
+
+    def __init__(self, path: Path, dtype, n: int):
+        import numpy as np
+
+        self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), (int(n),)
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _read(self, start: int, stop: int):
+        import numpy as np
+
+        size, at = self.dtype.itemsize, max(stop - start, 0) * self.dtype.itemsize
+        out = bytearray(at)
+        view, done = memoryview(out), 0
+        while done < at:
+            got = os.preadv(self.fd, [view[done : done + self._MAX_READ]], start * size + done)
+            if got <= 0:
+                raise DataError(f"{self.path}: ends before element {stop} of {len(self)}")
+            done += got
+        return np.frombuffer(out, dtype=self.dtype)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise TypeError(f"{self.path}: only contiguous slices are read")
+            return self._read(start, stop)
+        k = int(key)
+        k = k + len(self) if k < 0 else k
+        if not 0 <= k < len(self):
+            raise IndexError(f"index {key} out of range for {len(self)} elements")
+        return self._read(k, k + 1)[0]
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self._read(0, len(self))
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass
+
+
 def _open(folder: Path) -> Stream:
-    """The stream of a cache entry, memory-mapped (read-only: nothing is read until a row is taken)."""
+    """The stream of a cache entry, its arrays read on demand (nothing is read until a row is taken)."""
     import numpy as np
 
     try:
@@ -122,11 +175,9 @@ def _open(folder: Path) -> Stream:
         if meta.get("version") != VERSION:
             raise DataError(f"{folder}: a token cache of format {meta.get('version')}, not {VERSION}")
 
-        def mapped(name, dt, count):  # (np.memmap refuses an empty file)
-            return np.memmap(folder / name, dtype=dt, mode="r", shape=(count,)) if count else np.zeros(0, dt)
-
-        return Stream(mapped("ids.bin", dtype, n), None if meta["all_trained"] else mapped("mask.bin", np.uint8, n),
-                      mapped("starts.bin", np.int64, samples + 1), int(meta["max_id"]))
+        return Stream(FileArray(folder / "ids.bin", dtype, n),
+                      None if meta["all_trained"] else FileArray(folder / "mask.bin", np.uint8, n),
+                      FileArray(folder / "starts.bin", np.int64, samples + 1), int(meta["max_id"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"the token cache {folder} is damaged ({e}): delete that folder and it is built again") \
             from None

@@ -81,3 +81,36 @@ def test_a_run_that_loses_a_rank_twice_restarts_resumes_and_ends_bit_equal_by_it
     assert unequal == [], f"{where} {events}: {unequal}"
     print(where, *events, "seconds from each kill to the first step after it: "
           + ", ".join(f"{s:.1f}" for s in recoveries), sep="\n")
+
+
+def test_an_elastic_restart_on_fewer_ranks_resumes_on_a_smaller_dp_mesh(tmp_path):
+    """`--mesh tp=2,dp=auto` under torchrun: dp is the world size over tp. A job of 4 ranks (dp=2) saved at step 4
+    and went on; its group restarts with 2 ranks (an elastic `--nnodes 1:2` job that lost a node: the workers see
+    WORLD_SIZE=2 and TORCHELASTIC_RESTART_COUNT=1, as torchrun gives them), which resume from step 4 by themselves
+    on dp=1 and finish with the losses of the 4-rank run (the same global batches; the sums only reordered)."""
+    import json
+    import shutil
+    import socket
+
+    ref = _train(tmp_path / "ref", "--steps", "6", "--save-every", "2", "--keep", "3")
+    assert ref.returncode == 0, ref.stderr
+    shutil.copytree(tmp_path / "ref", tmp_path / "out")
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step-4\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TORCHELASTIC_RESTART_COUNT": "1"}
+    cmd = [sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", *ARGS, "--steps", "6", "--save-every",
+           "2", "--keep", "3", "--mesh", "tp=2,dp=auto", "--out", str(tmp_path / "out")]
+    ranks = [subprocess.Popen(cmd, cwd=tmp_path, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs[0][1][-2000:]
+    assert "a rank failed; restart 1" in outs[0][0] and "resumed from" in outs[0][0] and "at step 4" in outs[0][0]
+    assert "Mesh(pp=1, dp=1, tp=2) (2 process(es)" in outs[0][0]
+    rows = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().split())}
+    want = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "ref" / "metrics.jsonl").read_text().split())}
+    assert sorted(rows) == list(range(1, 7))
+    assert all(abs(rows[s] - want[s]) <= 1e-5 * want[s] for s in (5, 6)), (rows, want)

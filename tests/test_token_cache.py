@@ -1,5 +1,5 @@
 """Data that does not fit in memory: the keyed permutation that orders rows without an index, mixtures of sources
-drawn by weight, and the token cache every later run memory-maps instead of tokenizing again."""
+drawn by weight, and the token cache every later run reads instead of tokenizing again."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_the_token_cache_holds_what_tokenizing_in_memory_gives_and_is_built_once
     mem = tokencache.stream(src, TOK, "off")
     disk = tokencache.stream(src, TOK, str(cache))
     assert "tokenizing" in capfd.readouterr().err
-    assert isinstance(disk.ids, np.memmap) and disk.ids.dtype == np.uint16 and disk.mask is None
+    assert isinstance(disk.ids, tokencache.FileArray) and disk.ids.dtype == np.uint16 and disk.mask is None
     assert np.array_equal(np.asarray(disk.ids), mem.ids) and np.array_equal(np.asarray(disk.starts), mem.starts)
     assert (disk.max_id, disk.samples) == (mem.max_id, 500)
     again = tokencache.stream(src, TOK, str(cache))  # the same key: read, not built
@@ -176,3 +176,19 @@ def test_train_mixes_two_files_by_weight_from_the_cache(tmp_path, monkeypatch, c
     rows = [[json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in ("r1", "r2")]
     assert rows[0][-1]["eval_loss"] == rows[1][-1]["eval_loss"] and [r["loss"] for r in rows[0]] == [
         r["loss"] for r in rows[1]]
+
+
+def test_a_mask_that_starts_late_is_the_same_in_memory_and_in_the_cache(tmp_path, monkeypatch):
+    """In memory the writer keeps no mask while every token is trained on; an instruct sample after some chunks of
+    plain text brings it in, all ones before: the same stream the cache's files hold."""
+    from funcpar.data import StreamWriter
+
+    monkeypatch.setattr(StreamWriter, "CHUNK", 16)
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps({"text": "plain text " * k}) + "\n" for k in range(1, 12))
+                   + "".join(json.dumps({"type": "instruct", "instruct": "q" * k, "output": "a"}) + "\n"
+                             for k in range(1, 5)))
+    mem, disk = tokencache.stream(src, TOK, "off"), tokencache.stream(src, TOK, str(tmp_path / "c"))
+    assert mem.mask is not None and np.array_equal(mem.mask, np.asarray(disk.mask))
+    assert np.array_equal(mem.ids, np.asarray(disk.ids)) and int(mem.mask.sum()) < mem.tokens
+    assert int(mem.mask[: mem.starts[11]].min()) == 1
