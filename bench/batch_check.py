@@ -1,5 +1,6 @@
 """What the every-step batch check costs: the same train step with ``check_every=1`` (the default: the batch's two
-sums per tensor and one small all-reduce per model axis, every step) and ``check_every=0`` (the first step only),
+sums per tensor folded into the step's own statistics all-reduce, every step) and ``check_every=0`` (the first step
+only),
 steps interleaved so both see the same machine, on a tp x dp mesh of local CPU processes.
 
     python bench/batch_check.py                     # llama-tiny, tp=2 x dp=2, 40 steps each

@@ -36,7 +36,7 @@ import torch
 from . import checkpoint
 from . import hostmem
 from . import collectives as C
-from .batching import batch_items, check_consistency, rows as _rows, split as _split
+from .batching import batch_drift, batch_items, check_consistency, drifted, rows as _rows, split as _split
 from .buffers import StateBuffers
 from .layout import ZeroLayout
 from .mesh import Mesh
@@ -103,6 +103,7 @@ class Step:
         check_zero3(loss, par.zero)
         self.pipe = pipeline_executor(loss, mesh, par.zero, o.accum_steps, o.has_aux, compile, pipe)
         self._checked = False
+        self._drift = self._last_batch = None  # the batch check riding on the statistics' all-reduce (_check_batch)
         self.run_id: str | None = None  # the run its checkpoints belong to (see funcpar.checkpoint.save)
         # on the CPU, the memory a step frees is kept for the next one (funcpar.hostmem): process-wide, so only once
         # every option has been accepted
@@ -181,6 +182,7 @@ class Step:
         if self.layout is None:
             raise StepError("call step.init(params) before the first step")
         rows = self._check_batch(state, batch)
+        self._last_batch = batch if self._drift is not None else None
         inner = self.buffers.take(state, self.donate)
         scale = loss_scale(inner)
         parts, loss_sum, auxes = self._accumulate(self.mode.params(self.buffers), batch, scale)
@@ -241,8 +243,8 @@ class Step:
                 check_consistency(self.mesh, self.specs, self.mode.replicated(state), batch, self.model_axes + pp,
                                   self.model_axes + self.data_axes)
                 self._checked = True
-            elif self.check_every and state.step % self.check_every == 0:  # then the batch (every rank alike)
-                check_consistency(self.mesh, self.specs, None, batch, self.model_axes + pp, ())
+            elif self.check_every and state.step % self.check_every == 0:  # then the batch, in the statistics'
+                self._drift = batch_drift(self.mesh, batch, self.model_axes + pp)  # all-reduce (no collective more)
         return rows
 
     def _accumulate(self, params: Any, batch: Any, scale: torch.Tensor):
@@ -278,8 +280,13 @@ class Step:
         bubble = torch.tensor(self.pipe.metrics["bubble"] if self.pipe else 0.0, dtype=torch.float64)
         stats = torch.stack([sq.double().cpu(), loss_sum if loss_owner else torch.zeros((), dtype=torch.float64),
                              overflow, bubble])
-        stats = C.all_reduce(stats.to(mesh.device), mesh, self.data_axes + self.model_axes + ("pp",))
+        drift, self._drift = self._drift, None
+        stats = torch.cat([stats] + ([drift] if drift is not None else []))
+        stats = C.all_reduce(stats.to(mesh.device), mesh, self.data_axes + self.model_axes + ("pp",)).cpu()
         self._bubble = stats[3].item() / mesh.size  # the pipeline's measured bubble, the mean over ranks
+        if drift is not None and drifted(stats[4:]):  # a group's batches differ: name it (every rank is here)
+            check_consistency(mesh, self.specs, None, self._last_batch, self.model_axes + (("pp",) if self.pipe
+                                                                                           else ()), ())
         return stats[0].sqrt().float(), stats[1].item(), not stats[2].item() > 0
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:

@@ -122,8 +122,9 @@ class Guards:
         check: default True: verify on the first step that the batch and the replicated leaves agree across ranks;
             a model's ``check_batch`` runs on every batch regardless.
         check_every: with ``check``, verify the batch again every this many steps (default 1: every step; 0: the
-            first step only). Two sums of each batch tensor, one small all-reduce per model axis: a tp or pp group
-            fed different batches stops at that step instead of training on them.
+            first step only): two sums of each batch tensor, folded into the all-reduce the step makes for its
+            gradient norm (:func:`funcpar.batching.batch_drift`), so a tp or pp group fed different batches stops
+            at that step, before its update, instead of training on them.
         nonfinite: a step whose loss or gradient norm is not finite raises (``"error"``, the default; nothing
             updated, the state kept as the error's ``.state``) or is skipped (``"skip"``).
         max_skips: bounds the steps skipped in a row (an int >= 0, default 20), by the ``nonfinite`` policy or by

@@ -222,7 +222,8 @@ def _tp_drift(check_every, start):
 
 
 def test_tp_ranks_that_drift_apart_later_are_caught_at_that_step():
-    """The batch check runs every step by default (a checksum of the batch, one small all-reduce per model axis):
+    """The batch check runs every step by default (the batch's checksums folded into the all-reduce of the step's
+    statistics, no collective of its own):
     ranks whose data diverges at the third step stop there; `check_every=2` catches a divergence at the fourth step
     on the fifth (the next even one), and `check_every=0` (the first step only) lets it train."""
     every = harness.run(2, _tp_drift, 1, 2)

@@ -110,7 +110,7 @@ def test_an_elastic_restart_on_fewer_ranks_resumes_on_a_smaller_dp_mesh(tmp_path
     assert [p.returncode for p in ranks] == [0, 0], outs[0][1][-2000:]
     assert "a rank failed; restart 1" in outs[0][0] and "resumed from" in outs[0][0] and "at step 4" in outs[0][0]
     assert "Mesh(pp=1, dp=1, tp=2) (2 process(es)" in outs[0][0]
-    rows = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().split())}
-    want = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "ref" / "metrics.jsonl").read_text().split())}
+    rows, want = ({r["step"]: r["loss"] for r in map(json.loads, (tmp_path / o / "metrics.jsonl").read_text()
+                                                     .splitlines())} for o in ("out", "ref"))
     assert sorted(rows) == list(range(1, 7))
     assert all(abs(rows[s] - want[s]) <= 1e-5 * want[s] for s in (5, 6)), (rows, want)
