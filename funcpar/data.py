@@ -259,10 +259,19 @@ def encode(sample: dict, tok, where: str = "sample") -> tuple[list[int], list[in
     return ids, mask
 
 
+def is_hf_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder the ``datasets`` package saved (``save_to_disk``: Arrow files beside
+    ``dataset_info.json`` and ``state.json``, or a ``DatasetDict``'s ``dataset_dict.json`` and one folder a split)."""
+    return path.is_dir() and ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+                              or (path / "dataset_dict.json").is_file())
+
+
 def data_files(path: str | os.PathLike) -> list[Path]:
-    """The files a data path names: the file itself, or a folder's ``.jsonl``/``.json``/``.txt`` files (sorted,
-    recursively)."""
+    """The files a data path names: the file itself, a folder's ``.jsonl``/``.json``/``.txt`` files (sorted,
+    recursively), or every file of a ``datasets`` folder."""
     path = Path(path)
+    if is_hf_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".txt") and p.is_file())
         if not files:
@@ -288,7 +297,11 @@ def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
 def iter_samples(path: str | os.PathLike) -> Iterator[tuple[dict, str]]:
     """``(sample, "file:line")`` of a ``.jsonl``/``.json`` file (a JSON object per line), a ``.txt`` file
     (documents separated by blank lines, each a ``pretrain`` sample) or a folder of them, read a line at a time so
-    that a corpus larger than memory streams through."""
+    that a corpus larger than memory streams through; or the rows of a ``datasets`` folder (``"folder[row]"``), read
+    with that package (where it is installed) as it streams them from its Arrow files."""
+    if is_hf_dataset(Path(path)):
+        yield from _hf_dataset_rows(Path(path))
+        return
     for f in data_files(path):
         if f.suffix == ".txt":
             doc: list[str] = []
@@ -310,6 +323,23 @@ def iter_samples(path: str | os.PathLike) -> Iterator[tuple[dict, str]]:
                 yield json.loads(line), f"{f}:{n}"
             except json.JSONDecodeError as e:
                 raise DataError(f"{f}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _hf_dataset_rows(path: Path) -> Iterator[tuple[dict, str]]:
+    """The rows of a ``datasets`` folder as samples: a ``Dataset``'s, or a ``DatasetDict``'s ``train`` split."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path} is a folder the datasets package saved: reading it needs that package (pip install "
+                        f"datasets), or export it to JSONL (ds.to_json('data.jsonl'))") from None
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, dict):  # a DatasetDict (a dict of split -> Dataset)
+        if "train" not in ds:
+            raise DataError(f"{path} holds the splits {', '.join(sorted(ds))} and no 'train': give the folder of the "
+                            f"split to train on ({path}/<split>)")
+        ds, path = ds["train"], path / "train"
+    for k, row in enumerate(ds):
+        yield row, f"{path}[{k}]"
 
 
 def load_samples(path: str | os.PathLike) -> list[tuple[dict, str]]:

@@ -64,7 +64,8 @@ HELP = {
     "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
             "model to hf/ and a PEFT adapter folder to adapter/",
     "eval_every": "held-out loss every N steps and at the end (0: never)",
-    "eval_fraction": "share of the rows held out for evaluation (without --eval-data)",
+    "eval_fraction": "share of each source's rows held out for evaluation, at most 2000 rows each (without "
+                     "--eval-data)",
     "eval_data": "held-out data (a file or folder, --data's formats): the held-out loss is computed on it, and every "
                  "row of --data trains",
     "epochs": "passes over the training rows: sets --steps to epochs x (rows // --global-batch) (0: --steps decides)",

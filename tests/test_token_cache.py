@@ -192,3 +192,31 @@ def test_a_mask_that_starts_late_is_the_same_in_memory_and_in_the_cache(tmp_path
     assert mem.mask is not None and np.array_equal(mem.mask, np.asarray(disk.mask))
     assert np.array_equal(mem.ids, np.asarray(disk.ids)) and int(mem.mask.sum()) < mem.tokens
     assert int(mem.mask[: mem.starts[11]].min()) == 1
+
+
+def test_a_datasets_folder_is_read_with_that_package_row_by_row(tmp_path, monkeypatch):
+    """A folder `datasets` saved (`save_to_disk`) is read through `datasets.load_from_disk` (here a stand-in for
+    the package, which funcpar does not depend on): its rows are samples, a DatasetDict's `train` split; without
+    the package, one line saying what to do."""
+    import sys as _sys
+    import types
+
+    saved = tmp_path / "ds"
+    saved.mkdir()
+    for name in ("state.json", "dataset_info.json", "data-00000-of-00001.arrow"):
+        (saved / name).write_text("{}")
+    rows = [{"text": "first"}, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+
+    class Split(list):
+        features = {"text": None}
+
+    fake = types.ModuleType("datasets")
+    fake.load_from_disk = lambda p: {"train": Split(rows), "test": Split([])} if p == str(saved) else None
+    monkeypatch.setitem(_sys.modules, "datasets", fake)
+    got = list(iter_samples(saved))
+    assert [s for s, _ in got] == rows and [w for _, w in got] == [f"{saved}/train[0]", f"{saved}/train[1]"]
+    stream = tokencache.stream(saved, TOK, str(tmp_path / "cache"))  # cached like any source, keyed by its files
+    assert stream.samples == 2 and stream.mask is not None
+    monkeypatch.setitem(_sys.modules, "datasets", None)
+    with pytest.raises(DataError, match=r"is a folder the datasets package saved: reading it needs that package"):
+        list(iter_samples(saved))
