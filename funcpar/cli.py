@@ -23,6 +23,7 @@ import optree
 import torch
 
 import funcpar as fp
+from funcpar.lifeline import LAUNCHER_ENV
 from funcpar.launch import (INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, restarted,
                             run_and_exit)
 from funcpar.atomic import agree, open_own, refuse_links
@@ -403,8 +404,9 @@ def train(argv: list[str]) -> None:
     if restarted():  # torchrun restarted this rank's group after a failure: continue the run it was, from its last
         opts = {**opts, "resume": True}  # checkpoint (or from step 0 when it had saved none yet)
         if os.environ.get("RANK") == "0":
-            print(f"funcpar: a rank failed; restart {restarted()} of --max-restarts {opts['max_restarts']}: "
-                  f"resuming", flush=True)
+            of = f" of --max-restarts {opts['max_restarts']}" if os.environ.get(LAUNCHER_ENV) == "1" else ""
+            print(f"funcpar: a rank failed; torchrun restarted the ranks (restart {restarted()}{of}): resuming",
+                  flush=True)  # (under a user's torchrun, its own --max-restarts counts them)
     run = _setup_run(opts, sizes)
     try:
         _resume(run)

@@ -108,8 +108,10 @@ def test_an_elastic_restart_on_fewer_ranks_resumes_on_a_smaller_dp_mesh(tmp_path
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300) for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outs[0][1][-2000:]
-    assert "a rank failed; restart 1" in outs[0][0] and "resumed from" in outs[0][0] and "at step 4" in outs[0][0]
-    assert "Mesh(pp=1, dp=1, tp=2) (2 process(es)" in outs[0][0]
+    said = outs[0][0]
+    assert "a rank failed; torchrun restarted the ranks (restart 1): resuming" in said
+    assert "resumed from" in said and "at step 4" in said
+    assert "Mesh(pp=1, dp=1, tp=2) (2 process(es)" in said
     rows, want = ({r["step"]: r["loss"] for r in map(json.loads, (tmp_path / o / "metrics.jsonl").read_text()
                                                      .splitlines())} for o in ("out", "ref"))
     assert sorted(rows) == list(range(1, 7))
