@@ -669,34 +669,51 @@ class Loader:
         self.data, self.mesh, self.global_batch, self.seed, self.shuffle = data, mesh, global_batch, seed, shuffle
         self.position = 0
 
-    def _rows(self, s: int, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``first..stop`` drawn from source ``s``."""
-        part = self.data.parts[s]
-        n, i = len(part), torch.arange(first, stop)
+    def _drawn(self, s: int, first: int, stop: int) -> torch.Tensor:
+        """The rows (of source ``s``) of its draws ``first..stop``."""
+        n, i = len(self.data.parts[s]), torch.arange(first, stop)
         if self.shuffle and stop > first:
             for epoch in range(first // n, (stop - 1) // n + 1):
                 sel = i // n == epoch
                 i[sel] = permute(i[sel] % n, n, _mix(self.seed, s, epoch))
-        return part.take(i % n)
+        return i % n
+
+    def batch_index(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(source, row)`` of each row of global batch ``position``, in the batch's order: computed, nothing read."""
+        gb, mix = self.global_batch, self.data
+        picks = [(s, self._drawn(s, mix.taken(s, gb * position), mix.taken(s, gb * (position + 1))))
+                 for s in range(len(mix.parts))]
+        src = torch.cat([torch.full((len(r),), s, dtype=torch.int64) for s, r in picks])
+        row = torch.cat([r for _, r in picks])
+        if len(picks) > 1 and self.shuffle:  # the sources interleaved, so dp ranks each see the mixture
+            order = permute(torch.arange(gb), gb, _mix(self.seed, position, 0xB1E))
+            src, row = src[order], row[order]
+        return src, row
+
+    def _read(self, src: torch.Tensor, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows ``(src, row)`` as a batch."""
+        ids = torch.empty(len(row), self.data.parts[0].seq_len, dtype=torch.int64)
+        mask = torch.empty(ids.shape, dtype=torch.bool)
+        for s in torch.unique(src).tolist():
+            sel = src == s
+            ids[sel], mask[sel] = self.data.parts[s].take(row[sel])
+        return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
 
     def global_batch_at(self, position: int) -> dict[str, torch.Tensor]:
-        gb, mix = self.global_batch, self.data
-        parts = [self._rows(s, mix.taken(s, gb * position), mix.taken(s, gb * (position + 1)))
-                 for s in range(len(mix.parts))]
-        ids, mask = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        if len(parts) > 1 and self.shuffle:  # the sources interleaved, so dp ranks each see the mixture
-            order = permute(torch.arange(gb), gb, _mix(self.seed, position, 0xB1E))
-            ids, mask = ids[order], mask[order]
-        return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+        """Global batch ``position``, every rank's block of it."""
+        return self._read(*self.batch_index(position))
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        b = self.global_batch_at(self.position)
+        """This rank's dp block of the next global batch: only its rows are read."""
+        src, row = self.batch_index(self.position)
         self.position += 1
         dp, c = self.mesh.axis_size("dp"), self.mesh.coord("dp")
-        return {k: v.chunk(dp)[c].to(self.mesh.device) for k, v in b.items()}
+        block = len(row) // dp
+        b = self._read(src[c * block : (c + 1) * block], row[c * block : (c + 1) * block])
+        return {k: v.to(self.mesh.device) for k, v in b.items()}
 
     def state_dict(self) -> dict[str, Any]:
         out = {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
