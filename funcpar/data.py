@@ -59,11 +59,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_array(self, text: str):
-        """``encode`` as a numpy array, without a list of ints (tokenizing a large corpus in bulk)."""
+    def encode_many(self, texts: list[str]) -> list:
+        """``encode`` of each text, as numpy arrays (no list of ints: tokenizing a large corpus in bulk)."""
         import numpy as np
 
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     @property
     def fingerprint(self) -> str:
@@ -140,6 +140,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text in one call (a fast tokenizer encodes a batch in its own threads)."""
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids))
@@ -439,19 +443,37 @@ def id_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 1 << 16 else np.int32
 
 
+BULK = 1024  # plain-text samples encoded in one call of a tokenizer's encode_many
+
+
 def tokenize(samples, tok, sink=None) -> Stream | dict:
     """``samples`` (``(sample, where)`` pairs; an iterator streams) as a :class:`Stream` (``sink``: see
-    :class:`StreamWriter`). A tokenizer with ``encode_array`` (the byte tokenizer) encodes plain text in bulk."""
+    :class:`StreamWriter`). Plain-text samples go to a tokenizer's ``encode_many`` :data:`BULK` at a time where it
+    has one (the byte tokenizer without a list of ints, an HF fast tokenizer in its own threads); the rest one by
+    one, in order."""
     import numpy as np
 
     w = StreamWriter(id_dtype(tok.vocab_size), sink)
-    bulk = getattr(tok, "encode_array", None)
-    for sample, where in samples:
-        if bulk is not None and isinstance(sample, dict) and _kind(sample) == "pretrain":
-            ids = np.append(bulk(_need(sample, "text", where)), tok.eos_id)
+    many = getattr(tok, "encode_many", None)
+    texts: list[str] = []
+
+    def flush():
+        for ids in many(texts):
+            ids = np.append(np.asarray(ids, dtype=np.int64), tok.eos_id)
             w.add(ids, np.ones(len(ids), dtype=np.uint8))
-        else:
-            w.add(*encode(sample, tok, where))
+        texts.clear()
+
+    for sample, where in samples:
+        if many is not None and isinstance(sample, dict) and _kind(sample) == "pretrain":
+            texts.append(_need(sample, "text", where))
+            if len(texts) >= BULK:
+                flush()
+            continue
+        if texts:
+            flush()
+        w.add(*encode(sample, tok, where))
+    if texts:
+        flush()
     return w.finish()
 
 

@@ -220,3 +220,27 @@ def test_a_datasets_folder_is_read_with_that_package_row_by_row(tmp_path, monkey
     monkeypatch.setitem(_sys.modules, "datasets", None)
     with pytest.raises(DataError, match=r"is a folder the datasets package saved: reading it needs that package"):
         list(iter_samples(saved))
+
+
+def test_plain_text_is_encoded_in_bulk_to_the_ids_one_at_a_time_gives(tmp_path):
+    """An HF fast tokenizer encodes plain-text samples BULK at a time: the stream equals encoding each sample
+    alone, in order, with instruct samples between them (which go one by one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from funcpar.data import HFTokenizer, encode
+
+    src = tmp_path / "corpus.txt"
+    _corpus(src, 300)
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train([str(src)], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "</s>", "[PAD]"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>", pad_token="[PAD]").save_pretrained(tmp_path / "t")
+    hf = HFTokenizer(tmp_path / "t")
+    samples = list(iter_samples(src))
+    samples.insert(150, ({"type": "instruct", "instruct": "alpha", "output": "beta"}, "x"))
+    stream = tokenize(iter(samples), hf)
+    want = [encode(s, hf, w) for s, w in samples]
+    assert stream.ids.tolist() == [i for ids, _ in want for i in ids]
+    assert stream.mask.tolist() == [m for _, mask in want for m in mask]
+    assert stream.starts.tolist()[-1] == stream.tokens and stream.samples == 301
