@@ -173,9 +173,10 @@ def agree(error: BaseException | None, mesh: "Mesh") -> str | None:
 
 
 def no_space(error: BaseException | None, message: str | None = None) -> bool:
-    """Whether a write failed for a full disk (on this rank: ``error``; on any: the agreed ``message``)."""
-    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in (
-        message or str(error or ""))
+    """Whether a write failed for a full disk or quota (on this rank: ``error``; on any: the agreed ``message``)."""
+    text = message or str(error or "")
+    return (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        s in text for s in ("No space left on device", "Disk quota exceeded"))
 
 
 _AFTER_NO_SPACE = {"checkpoint": "the checkpoints before it are intact: free space, then --resume continues from "
@@ -189,8 +190,8 @@ def _no_space_message(path: Path, kind: str | None) -> str:
     where = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(where).free / 2**30
     after = _AFTER_NO_SPACE.get(kind or "", "free space and run it again")
-    return (f"no space left on the device writing {path} ({free:.1f} GiB free there): nothing was written and what "
-            f"was there is unchanged; {after}")
+    return (f"no space left on the device (or the disk quota is used up) writing {path} ({free:.1f} GiB free "
+            f"there): nothing was written and what was there is unchanged; {after}")
 
 
 def _attempt(fn: Callable[[], None], error: BaseException | None) -> BaseException | None:

@@ -64,11 +64,14 @@ def check_consistency(mesh, specs, params: Any | None, batch: Any, batch_axes: t
 
 
 def batch_drift(mesh, batch: Any, axes: tuple[str, ...]) -> torch.Tensor:
-    """This rank's share of a sum that is zero over the whole mesh exactly when every group along each of ``axes``
-    holds the same ``batch``, for the step to add to an all-reduce it makes anyway: per axis of size n > 1, the
-    batch's checksums times n - 1 on the group's first rank and times -1 on the others, weighted by the group's
-    index (so that groups do not cancel), and each term's size beside it (:func:`drifted` compares the two)."""
-    c = torch.cat([_checksums(x).cpu() for _, x in batch_items(batch)])
+    """This rank's share of a sum that is zero over the whole mesh when every group along each of ``axes`` holds
+    the same ``batch``, for the step to add to an all-reduce it makes anyway: per axis of size n > 1, the batch's
+    checksums times n - 1 on the group's first rank and times -1 on the others, weighted by the group's index (so
+    that groups do not cancel). Beside each term its size and whether it is an integer (checksums of integer
+    tensors are: their sum is then exact, and :func:`drifted` asks for exactly zero)."""
+    items = batch_items(batch)
+    c = torch.cat([_checksums(x).cpu() for _, x in items])
+    whole = torch.cat([torch.full((2,), float(not x.is_floating_point()), dtype=torch.float64) for _, x in items])
     coords, out = mesh.coords, []
     for a in axes:
         n = mesh.axis_size(a)
@@ -78,15 +81,16 @@ def batch_drift(mesh, batch: Any, axes: tuple[str, ...]) -> torch.Tensor:
         for b in (b for b in mesh.axis_names if b != a):  # (1 + the group's index along the other axes)
             group, stride = group + coords[b] * stride, stride * mesh.axis_size(b)
         term = c * ((n - 1) if coords[a] == 0 else -1) * group
-        out.append(torch.stack([term, term.abs()], 1).reshape(-1))
+        out.append(torch.stack([term, term.abs(), whole], 1).reshape(-1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
 def drifted(summed: torch.Tensor) -> bool:
-    """Whether :func:`batch_drift`'s terms, summed over the mesh, say a group's batches differ (a sum away from zero
-    by more than float64 round-off of the terms' sizes)."""
-    pairs = summed.reshape(-1, 2)
-    return bool((pairs[:, 0].abs() > 1e-9 * pairs[:, 1]).any())
+    """Whether :func:`batch_drift`'s terms, summed over the mesh, say a group's batches differ: an integer sum
+    (exact below 2**53) that is not zero, or a float one away from zero by more than round-off of its terms."""
+    t = summed.reshape(-1, 3)
+    exact = (t[:, 2] > 0) & (t[:, 1] < 2.0**53)
+    return bool(((exact & (t[:, 0] != 0)) | (~exact & (t[:, 0].abs() > 1e-9 * t[:, 1]))).any())
 
 
 def _checksums(x: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -122,13 +123,14 @@ def resume_point(ckpts: Path) -> Path | None:
 
 
 def _parsed_row(line: str, where: Path) -> dict:
-    """A metrics.jsonl row; a line cut short (a kill or a full disk mid-append) is dropped, with a warning."""
+    """A row of metrics.jsonl (or samples.jsonl); a line cut short (a kill or a full disk mid-append) is dropped,
+    with a warning."""
     try:
         row = json.loads(line)
     except ValueError:
         row = None
     if not isinstance(row, dict):
-        print(f"funcpar: warning: {where}: dropped a line that is not a whole metrics row (a write cut short): "
+        print(f"funcpar: warning: {where}: dropped a line that is not a whole row (a write cut short): "
               f"{line[:60]!r}", flush=True)
         return {"step": float("inf")}
     return row
@@ -238,11 +240,11 @@ def _evaluate(run: _Run, data, global_batch) -> float:
     params = _params(run)
     dp, c = mesh.axis_size("dp"), mesh.coord("dp")
     gb = min(global_batch, len(data)) // dp * dp
-    if gb:  # whole batches of the held-out rows in order, each dp rank its block
-        local = [{k: v.chunk(dp)[c] for k, v in data.take_range(lo, lo + gb).items()}
-                 for lo in range(0, len(data) // gb * gb, gb)]
+    if gb:  # whole batches of the held-out rows in order, each dp rank its block (read one batch at a time)
+        block = gb // dp
+        local = (data.take_range(lo + c * block, lo + (c + 1) * block) for lo in range(0, len(data) // gb * gb, gb))
     else:  # fewer held-out rows than dp ranks: every rank evaluates them all
-        local = [data.take_range(0, len(data))]
+        local = iter([data.take_range(0, len(data))])
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for b in local:
@@ -270,11 +272,21 @@ def _metrics_row(run: _Run, m: dict) -> dict:
     return row
 
 
+@functools.lru_cache(maxsize=2)
+def _cached_tokenizer(name: str, chat: str):
+    return tokenizer({**DEFAULTS, "tokenizer": name, "chat_template": chat})
+
+
+def _tokenizer(opts):
+    """The run's tokenizer, loaded once (an HF tokenizer takes a while; samples want it at every evaluation)."""
+    return _cached_tokenizer(opts["tokenizer"], opts["chat_template"])
+
+
 def _samples(run: _Run) -> None:
     """``--sample-prompts``: greedy continuations by the model as it is now (every rank decodes; rank 0 shows them
     and appends them to samples.jsonl)."""
     prompts = read_prompts(run.opts["sample_prompts"])
-    texts = sample_on_mesh(run.model, _params(run), run.cfg, run.mesh, tokenizer(run.opts), prompts,
+    texts = sample_on_mesh(run.model, _params(run), run.cfg, run.mesh, _tokenizer(run.opts), prompts,
                            run.opts["sample_tokens"])
     if not run.rank0:
         return
@@ -325,11 +337,13 @@ def _finish(run: _Run) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
     choice = run.opts["export_dtype"]
-    masters = run.step.gather_masters(run.state) if choice == "fp32" and not run.lora else None
+    kept = run.state.opt_state if choice == "fp32" and not run.lora else None  # (the masters, for fp32)
+    kept = fp.MixedState(kept.master, None) if isinstance(kept, fp.MixedState) else None
     # the checkpoint holds the optimizer state now: its memory goes to the export's whole leaves (at ZeRO-3 each
     # rank gathers them from its parts; a model sized to fill the ranks has no room for both)
     run.state = run.state._replace(opt_state=None)
     run.step.buffers.live = None
+    masters = run.step.gather_masters(run.state._replace(opt_state=kept)) if kept is not None else None
     params = masters if masters is not None else _params(run)
     if choice != "auto":
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]

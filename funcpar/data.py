@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,13 @@ class ByteTokenizer:
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model")  # (or *.model)
 
 
+def _tokenizer_file(name: str) -> bool:
+    """Whether a file of a folder is part of a tokenizer (its vocabulary, merges, special tokens, config, chat
+    template), not of a model's weights or config."""
+    return (name in _TOKENIZER_FILES or name.startswith(("tokenizer", "special_tokens", "added_tokens", "vocab",
+                                                         "chat_template")) or name.endswith((".model", ".tiktoken")))
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer folder (``tokenizer.json`` etc.), loaded with ``transformers``.
 
@@ -127,15 +135,19 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
         self.path = Path(path)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """A hash of the folder's files and of the chat-template choice: what a token cache's key needs (a file
-        edited, or another template, is another encoding)."""
+        """A hash of the folder's tokenizer files (not its weights: a model folder can be the tokenizer folder) and
+        of the chat-template choice: what a token cache's key needs (a file edited, or another template, is
+        another encoding)."""
         import hashlib
 
         h = hashlib.sha256(f"hf-v1 chat={self.chat}".encode())
-        for f in sorted(p for p in self.path.iterdir() if p.is_file()):
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        for f in sorted(p for p in self.path.iterdir() if p.is_file() and _tokenizer_file(p.name)):
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
         return h.hexdigest()[:32]
 
     def encode(self, text: str) -> list[int]:
@@ -572,8 +584,8 @@ class Dataset:
         rows, t, st = index.numpy(), self.seq_len, self.stream
         if self.pack:  # (a row a read: from a token cache's file, only those bytes)
             ids = np.stack([st.ids[r * t : (r + 1) * t] for r in rows]) if len(rows) else np.zeros((0, t), np.int64)
-            mask = (np.ones(ids.shape, np.bool_) if st.mask is None else
-                    np.stack([st.mask[r * t : (r + 1) * t] for r in rows]).reshape(ids.shape))
+            mask = (np.ones(ids.shape, np.bool_) if st.mask is None or not len(rows) else
+                    np.stack([st.mask[r * t : (r + 1) * t] for r in rows]))
         else:
             ids = np.full((len(rows), t), self.pad_id, dtype=np.int64)
             mask = np.zeros((len(rows), t), dtype=np.bool_)
@@ -599,7 +611,7 @@ class Dataset:
         :data:`HELD_OUT_MAX`) held out, chosen by ``seed``."""
         if self.part:
             raise DataError("a split of a split: split the whole dataset once")
-        n_eval = min(max(1, int(self.rows * eval_fraction)), HELD_OUT_MAX) if eval_fraction > 0 else 0
+        n_eval = min(max(1, int(self.rows * eval_fraction)), HELD_OUT_MAX, self.rows - 1) if eval_fraction > 0 else 0
         key = _mix(seed, 0x5EED)
         return (Dataset(self.stream, self.seq_len, self.pack, self.pad_id, (n_eval, self.rows, key)),
                 Dataset(self.stream, self.seq_len, self.pack, self.pad_id, (0, n_eval, key)))
@@ -613,10 +625,16 @@ class Mixture:
     def __init__(self, parts: list[Dataset], weights: list[float] | None = None, names: list[str] | None = None):
         from fractions import Fraction
 
+        if any(not (isinstance(w, (int, float)) and 0 < w < math.inf) for w in (weights or [])):
+            raise DataError(f"data weights {weights}: one positive, finite weight per source")
         raw = [Fraction(str(w)) for w in (weights or [1.0] * len(parts))]
-        if len(raw) != len(parts) or any(w <= 0 for w in raw):
+        if len(raw) != len(parts):
             raise DataError(f"data weights {weights}: one positive weight per source")
         self.parts, self.names = parts, names or [f"source {k}" for k in range(len(parts))]
+        empty = [n for n, p in zip(self.names, parts, strict=True) if not len(p)]
+        if empty:
+            raise DataError(f"data source {empty[0]} leaves no rows to train on (too little data for one row of "
+                            f"--seq-len beside its held-out rows): give it more data, or a shorter --seq-len")
         self.shares = [w / sum(raw) for w in raw]
         self.weights = [float(w) for w in self.shares]
         self.main = max(range(len(parts)), key=lambda s: self.shares[s], default=0)  # takes what rounding leaves

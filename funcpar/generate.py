@@ -9,6 +9,7 @@ transformers is installed, checks that transformers loads the folder and generat
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,7 +65,11 @@ def vocab_argmax(logits: torch.Tensor, mesh, axis: str = "tp") -> torch.Tensor:
     width = torch.tensor([float(logits.shape[-1])], dtype=torch.float64, device=logits.device)
     widths = C.all_gather_nograd(width, mesh, axis, 0)
     offset = widths[: mesh.coord(axis)].sum()
-    vals, idx = logits.double().max(-1)
+    if logits.shape[-1]:
+        vals, idx = logits.double().max(-1)
+    else:  # (a rank whose block is all padding: nothing to offer)
+        vals = torch.full(logits.shape[:-1], -math.inf, dtype=torch.float64, device=logits.device)
+        idx = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
     both = C.all_gather_nograd(torch.stack([vals, idx.double() + offset])[None], mesh, axis, 0)  # (tp, 2, B)
     best = both[:, 0].argmax(0)  # (the first rank with the maximum: the lowest global index)
     return both[:, 1].gather(0, best[None])[0].long()
@@ -83,7 +88,10 @@ def read_prompts(path: str | Path) -> list[str]:
         return [ln.replace("\\n", "\n") for ln in lines]
     out = []
     for n, ln in enumerate(lines, 1):
-        row = json.loads(ln) if ln.lstrip().startswith("{") else None
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            row = None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{n}: expected {{\"prompt\": text}}")
         out.append(row["prompt"])

@@ -355,7 +355,7 @@ def data_sources(text: str) -> list[tuple[str, float]]:
             weight = None
         if weight is None:
             path, weight = part, 1.0
-        if not path or not weight > 0:
+        if not path or not 0 < weight < float("inf"):
             raise SystemExit(f"funcpar: bad --data '{text}': expected FILE or FILE:WEIGHT,FILE:WEIGHT,... (weights "
                              f"positive numbers)")
         out.append((path, weight))

@@ -38,6 +38,7 @@ from . import hostmem
 from . import collectives as C
 from .batching import batch_drift, batch_items, check_consistency, drifted, rows as _rows, split as _split
 from .buffers import StateBuffers
+from .atomic import agree
 from .layout import ZeroLayout
 from .mesh import Mesh
 from .model import Loss
@@ -181,6 +182,7 @@ class Step:
         t0 = time.perf_counter()
         if self.layout is None:
             raise StepError("call step.init(params) before the first step")
+        self._drift = None
         rows = self._check_batch(state, batch)
         self._last_batch = batch if self._drift is not None else None
         inner = self.buffers.take(state, self.donate)
@@ -284,10 +286,21 @@ class Step:
         stats = torch.cat([stats] + ([drift] if drift is not None else []))
         stats = C.all_reduce(stats.to(mesh.device), mesh, self.data_axes + self.model_axes + ("pp",)).cpu()
         self._bubble = stats[3].item() / mesh.size  # the pipeline's measured bubble, the mean over ranks
-        if drift is not None and drifted(stats[4:]):  # a group's batches differ: name it (every rank is here)
-            check_consistency(mesh, self.specs, None, self._last_batch, self.model_axes + (("pp",) if self.pipe
-                                                                                           else ()), ())
+        if drift is not None and drifted(stats[4:]):  # a group's batches differ (every rank is here): name it,
+            self._drift_error()  # and every rank stops, before any update
         return stats[0].sqrt().float(), stats[1].item(), not stats[2].item() > 0
+
+    def _drift_error(self) -> None:
+        """Raise on every rank the first failing rank's message of the precise batch check (collective)."""
+        error = None
+        try:
+            check_consistency(self.mesh, self.specs, None, self._last_batch,
+                              self.model_axes + (("pp",) if self.pipe else ()), ())
+        except StepError as e:
+            error = e
+        said = agree(error, self.mesh)
+        raise StepError(said or "the batch's checksums differ across a model axis of the mesh though no group's "
+                                "batches did when compared: feed every rank of a tp or pp group the same batch")
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
         """Update: this rank's parts += updates, in place in the step's buffers (``None``: a fused optimizer did)."""

@@ -75,8 +75,9 @@ def _build(source, files: list[Path], size: int, tok, folder: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (another rank building the same entry: wait for it)
         if (folder / "meta.json").is_file():
             return
+        for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # (a builder killed mid-way: the lock is ours now)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         print(f"funcpar: tokenizing {source} ({size / 2**20:.0f} MiB) once into the token cache {folder}",
               file=sys.stderr, flush=True)

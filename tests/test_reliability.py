@@ -232,6 +232,22 @@ def test_tp_ranks_that_drift_apart_later_are_caught_at_that_step():
                for _, m in every)
     assert [k for k, _ in harness.run(2, _tp_drift, 2, 3)] == [4, 4]
     assert [k for k, _ in harness.run(2, _tp_drift, 0, 2)] == [None, None]
+    # tp=2 x dp=2, only dp group 0's tp ranks drift apart: all four ranks stop at that step, with the same line
+    both = harness.run(4, _one_group_drifts)
+    assert [k for k, _ in both] == [2] * 4 and len({m for _, m in both}) == 1
+    assert "differs across mesh axis 'tp' (group ranks [0, 1])" in both[0][1]
+
+
+def _one_group_drifts():
+    mesh = harness.mesh(dp=2, tp=2)
+    step, state = _tiny_step(mesh)
+    for k in range(4):
+        drift = k >= 2 and mesh.coord("dp") == 0
+        try:
+            state, _ = step(state, _ids(10 * k + (mesh.coord("tp") if drift else 0) + 100 * mesh.coord("dp")))
+        except fp.StepError as e:
+            return k, str(e)
+    return None, ""
 
 
 # --------------------------------------------------------------------------- class 6: errors a user can act on
@@ -582,7 +598,8 @@ def test_a_full_disk_during_a_save_is_one_line_on_every_rank_and_loses_nothing(t
     and that the checkpoints before it are intact (the previous one still loads)."""
     msgs = harness.run(2, _disk_fills, str(tmp_path), 1)
     assert msgs[0] == msgs[1] and "\n" not in msgs[0]
-    assert msgs[0].startswith(f"no space left on the device writing {tmp_path}/ck/step-1 (") and msgs[0].endswith(
+    assert msgs[0].startswith(f"no space left on the device (or the disk quota is used up) writing {tmp_path}/ck/"
+                              f"step-1 (") and msgs[0].endswith(
         " GiB free there): nothing was written and what was there is unchanged; the checkpoints before it are intact: "
         "free space, then --resume continues from the latest")
     assert not (tmp_path / "ck" / "step-1").exists() and not list((tmp_path / "ck").glob(".step-1*"))

@@ -244,3 +244,24 @@ def test_plain_text_is_encoded_in_bulk_to_the_ids_one_at_a_time_gives(tmp_path):
     assert stream.ids.tolist() == [i for ids, _ in want for i in ids]
     assert stream.mask.tolist() == [m for _, mask in want for m in mask]
     assert stream.starts.tolist()[-1] == stream.tokens and stream.samples == 301
+
+
+def test_edge_cases_the_review_found(tmp_path):
+    """A one-row source keeps its row to train on; taking no rows of a masked stream is an empty batch; a weight
+    that is not finite is refused in one line; a builder killed mid-way leaves nothing the next build keeps."""
+    one = Dataset.from_rows(torch.zeros(1, 4, dtype=torch.long))
+    train, held = one.split(0.5)
+    assert (len(train), len(held)) == (1, 0)
+    masked = Dataset(tokenize(iter([({"type": "instruct", "instruct": "q", "output": "a" * 9}, "x")]), TOK), 4)
+    ids, mask = masked.take(torch.zeros(0, dtype=torch.long))
+    assert ids.shape == mask.shape == (0, 4)
+    with pytest.raises(SystemExit, match=r"^funcpar: bad --data 'a.txt:inf'"):
+        options.data_sources("a.txt:inf")
+    src = tmp_path / "c.txt"
+    _corpus(src, 20)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    key = tokencache._key([src], TOK)
+    (cache / f"{key}.tmp-999999").mkdir()  # what a SIGKILLed builder leaves
+    tokencache.stream(src, TOK, str(cache))
+    assert sorted(p.name for p in cache.iterdir()) == [key, f"{key}.lock"]
