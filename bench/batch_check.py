@@ -5,8 +5,11 @@ steps interleaved so both see the same machine, on a tp x dp mesh of local CPU p
 
     python bench/batch_check.py                     # llama-tiny, tp=2 x dp=2, 40 steps each
     python bench/batch_check.py --mesh tp=2 --steps 60
+    python bench/batch_check.py --direct            # the check's own work per step, timed alone
 
-Prints the median step time of each and the difference. A benchmark, not a test: nothing is asserted.
+Prints the median step time of each and the difference (on a shared machine the medians of identical runs move by
+several percent: ``--direct`` times what the check adds, ``batch_drift`` and ``drifted``, by itself; the all-reduce
+it rides on carries six float64 more). A benchmark, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -54,12 +57,40 @@ def worker(mesh_text: str, steps: int) -> None:
               f"({(on - off) / off:+.1%}) |", flush=True)
 
 
+def direct() -> None:
+    """The check's own work on a rank of tp=2 x dp=2, for two batch shapes, timed over 2,000 steps."""
+    import torch
+
+    from funcpar.batching import batch_drift, drifted
+
+    class Rank:  # (a rank's coordinates: all batch_drift reads of the mesh)
+        axis_names, coords = ("pp", "dp", "tp"), {"pp": 0, "dp": 1, "tp": 1}
+
+        def axis_size(self, a):
+            return {"pp": 1, "dp": 2, "tp": 2}[a]
+
+    print("| batch (rows x tokens) | check's own work per step |")
+    print("|---|---|")
+    for shape in ((4, 64), (8, 4096)):
+        batch = {"input_ids": torch.randint(0, 50000, shape)}
+        for _ in range(20):
+            drifted(batch_drift(Rank(), batch, ("tp",)))
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            drifted(batch_drift(Rank(), batch, ("tp",)))
+        print(f"| {shape[0]} x {shape[1]} | {(time.perf_counter() - t0) / 2000 * 1e6:.0f} us |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mesh", default="tp=2,dp=2")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--direct", action="store_true", help="time the check's own work alone")
     a = ap.parse_args()
+    if a.direct:
+        direct()
+        return
     if a.worker:
         worker(a.mesh, a.steps)
         return
