@@ -234,10 +234,20 @@ def _announce(run: _Run) -> None:
         print(run.step.pipe.plan.describe(), flush=True)
 
 
-def _evaluate(run: _Run, data, global_batch) -> float:
-    """Mean held-out token loss over the whole eval set, split over dp (through the pipeline's stages on pp)."""
-    model, cfg, mesh = run.model, run.cfg, run.mesh
+def _evaluate(run: _Run, data, global_batch) -> tuple[float, dict[str, float]]:
+    """Mean held-out token loss over the whole eval set, split over dp (through the pipeline's stages on pp), and
+    with several sources each one's (``{source file name: loss}``)."""
     params = _params(run)
+    parts = [(name, fp.data.Mixture([p])) for name, p in zip(data.names, data.parts, strict=True)]
+    sums = {name: _held_out_sums(run, params, part, global_batch) for name, part in parts}
+    total = sum(sums.values(), torch.zeros(2, dtype=torch.float64))
+    each = {Path(name).name: (t[0] / t[1].clamp(min=1)).item() for name, t in sums.items()} if len(sums) > 1 else {}
+    return (total[0] / total[1].clamp(min=1)).item(), each
+
+
+def _held_out_sums(run: _Run, params, data, global_batch) -> torch.Tensor:
+    """``[summed token loss, tokens]`` of one source's held-out rows, over every dp rank."""
+    model, cfg, mesh = run.model, run.cfg, run.mesh
     dp, c = mesh.axis_size("dp"), mesh.coord("dp")
     gb = min(global_batch, len(data)) // dp * dp
     if gb:  # whole batches of the held-out rows in order, each dp rank its block (read one batch at a time)
@@ -253,8 +263,7 @@ def _evaluate(run: _Run, data, global_batch) -> float:
             loss = (run.step.loss(run.state, b).item() * n if run.step.pipe is not None else
                     model.loss(params, b, cfg=cfg, mesh=mesh, reduction="sum").item())
             total += torch.tensor([loss, n], dtype=torch.float64)
-    total = fp.collectives.all_reduce(total, mesh, "dp") if gb else total
-    return (total[0] / total[1].clamp(min=1)).item()
+    return fp.collectives.all_reduce(total, mesh, "dp") if gb else total
 
 
 def _metrics_row(run: _Run, m: dict) -> dict:
@@ -265,8 +274,8 @@ def _metrics_row(run: _Run, m: dict) -> dict:
     row["truncated"] = run.data.truncated
     row["time"] = round(time.time(), 3)  # (when the step ended: seconds since the epoch, for trackers and plots)
     if opts["eval_every"] and (run.state.step % opts["eval_every"] == 0 or run.state.step == opts["steps"]):
-        ev = _evaluate(run, run.eval_data, opts["global_batch"])
-        row |= {"eval_loss": ev, "eval_ppl": math.exp(min(ev, 50))}
+        ev, each = _evaluate(run, run.eval_data, opts["global_batch"])
+        row |= {"eval_loss": ev, "eval_ppl": math.exp(min(ev, 50))} | {f"eval_loss/{k}": v for k, v in each.items()}
         if opts["sample_prompts"]:
             _samples(run)
     return row

@@ -379,15 +379,16 @@ def datasets(opts, cfg):
              for path, _ in sources]
     names, weights = [p for p, _ in sources], [w for _, w in sources]
     if opts["eval_data"]:
-        held = [fp.data.Dataset(_source_stream(path, tok, opts["token_cache"]), seq, pack, tok.pad_id)
-                for path, _ in data_sources(opts["eval_data"])]
+        evals = [p for p, _ in data_sources(opts["eval_data"])]
+        held = [(p, fp.data.Dataset(_source_stream(p, tok, opts["token_cache"]), seq, pack, tok.pad_id))
+                for p in evals]
         train = whole
     else:
-        train, held = zip(*(d.split(opts["eval_fraction"], seed=opts["seed"]) for d in whole), strict=True)
-        held = [h for h in held if len(h)]
+        train, parts = zip(*(d.split(opts["eval_fraction"], seed=opts["seed"]) for d in whole), strict=True)
+        held = [(n, h) for n, h in zip(names, parts, strict=True) if len(h)]
     data = fp.data.Mixture(whole, weights, names)
     train_data = fp.data.Mixture(list(train), weights, names)
-    eval_data = fp.data.Mixture(held)
+    eval_data = fp.data.Mixture([h for _, h in held], names=[n for n, _ in held])
     top = max(data.max_id, eval_data.max_id)
     if top >= cfg.vocab_size:
         raise SystemExit(f"funcpar: the tokenizer produced id {top}, beyond the model's vocab_size {cfg.vocab_size}")

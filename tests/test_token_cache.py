@@ -176,6 +176,9 @@ def test_train_mixes_two_files_by_weight_from_the_cache(tmp_path, monkeypatch, c
     rows = [[json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in ("r1", "r2")]
     assert rows[0][-1]["eval_loss"] == rows[1][-1]["eval_loss"] and [r["loss"] for r in rows[0]] == [
         r["loss"] for r in rows[1]]
+    last = rows[0][-1]  # each source's held-out loss beside the pooled one, which lies between them
+    each = [last["eval_loss/a.txt"], last["eval_loss/b.jsonl"]]
+    assert min(each) <= last["eval_loss"] <= max(each) and each[0] != each[1]
 
 
 def test_a_mask_that_starts_late_is_the_same_in_memory_and_in_the_cache(tmp_path, monkeypatch):
