@@ -71,7 +71,7 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
         warnings.append(f"--warmup {opts['warmup']} is not below --steps {opts['steps']}: {what} (use a --warmup "
                         f"below --steps, e.g. {max(opts['steps'] // 10, 0)})")
     if opts["sample_prompts"]:
-        _samples(opts, mesh)
+        _samples(opts, mesh, cfg)
     try:
         trackers.check(opts["track"])
     except ValueError as e:
@@ -79,14 +79,26 @@ def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, 
     return warnings
 
 
-def _samples(opts, mesh) -> None:
-    """``--sample-prompts``: a file of prompts, evaluations to show them at, a mesh the model decodes on whole."""
+def _samples(opts, mesh, cfg) -> None:
+    """``--sample-prompts``: a file of prompts, evaluations to show them at, a mesh the model decodes on whole, and
+    room in a learned position table for each prompt and its continuation."""
     from .generate import read_prompts
+    from .options import tokenizer
 
     try:
-        read_prompts(opts["sample_prompts"])
+        prompts = read_prompts(opts["sample_prompts"])
     except ValueError as e:
         raise SystemExit(f"funcpar: {e}") from None
+    learned = getattr(cfg, "n_positions", None)
+    if learned is not None and prompts:
+        tok = tokenizer(opts)
+        longest = max(prompts, key=lambda p: len(tok.encode(p)))
+        need = len(tok.encode(longest)) + opts["sample_tokens"]
+        if need > learned:
+            raise SystemExit(f"funcpar: --sample-prompts {opts['sample_prompts']}: the prompt {longest[:40]!r} and "
+                             f"--sample-tokens {opts['sample_tokens']} need {need} positions, beyond the model's "
+                             f"n_positions {learned} (its learned position table): shorten it or lower "
+                             f"--sample-tokens")
     if not opts["eval_every"]:
         raise SystemExit("funcpar: --sample-prompts shows the samples at each evaluation, and --eval-every 0 has "
                          "none: give --eval-every N")

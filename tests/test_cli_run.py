@@ -728,7 +728,11 @@ def test_samples_on_a_tp_mesh_are_the_single_process_greedy_continuations(tp):
 
 
 def test_sample_prompts_are_shown_at_each_evaluation_and_kept_per_step(tmp_path, monkeypatch, capsys):
+    import funcpar as fp
     from funcpar import cli
+
+    def fp_mesh():
+        return fp.Mesh()
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.txt").write_text("7+5=\\n\n2+2=\\n\n")
@@ -747,6 +751,14 @@ def test_sample_prompts_are_shown_at_each_evaluation_and_kept_per_step(tmp_path,
     with pytest.raises(SystemExit, match=r"^funcpar: --sample-prompts decodes with the model where it trains, which "
                                          r"a pp axis splits"):
         cli.main(["train", "--mesh", "pp=2", "--sample-prompts", "prompts.txt", "--out", "x"])
+    from funcpar import preflight
+    from funcpar.models import gpt2
+
+    cfg = gpt2.Config(vocab_size=264, n_embd=32, n_layer=2, n_head=2, n_positions=8)
+    opts = {**options.DEFAULTS, "sample_prompts": "prompts.txt", "sample_tokens": 4, "seq_len": 8}
+    with pytest.raises(SystemExit, match=r"^funcpar: --sample-prompts prompts.txt: the prompt '7\+5=\\n' and "
+                                         r"--sample-tokens 4 need 9 positions, beyond the model's n_positions 8"):
+        preflight.check_run(opts, cfg, fp_mesh(), 100, 5)
 
 
 class _FakeTracker:
