@@ -173,10 +173,9 @@ def _resume(run: _Run) -> None:
     run.loader.load_state_dict(extra["data"])
     if run.rank0:
         print(f"resumed from {fp.checkpoint.resolve(src)} at step {run.state.step}", flush=True)
-        said = (f" (its 'latest' was missing: {src.name} is the newest complete checkpoint)"
-                if src != run.ckpts else "")
-        if said:
-            print(f"funcpar: --resume{said}", flush=True)
+        if src != run.ckpts:
+            print(f"funcpar: --resume (its 'latest' was missing: {src.name} is the newest complete checkpoint)",
+                  flush=True)
 
 
 def _announce(run: _Run) -> None:
@@ -227,7 +226,7 @@ def _announce(run: _Run) -> None:
         print("funcpar train: mixing " + ", ".join(f"{name} {w:.0%} ({len(p)} rows)" for name, w, p in
                                                    zip(mix.names, mix.weights, mix.parts, strict=True)), flush=True)
     print(sharding_table(params_like(run.model, run.cfg), run.specs, mesh), flush=True)
-    note = vocab_note(run.cfg, tokenizer(opts).vocab_size)
+    note = vocab_note(run.cfg, _tokenizer(opts).vocab_size)
     if note:
         print(note, flush=True)
     if run.step.pipe is not None:
@@ -287,7 +286,8 @@ def _cached_tokenizer(name: str, chat: str):
 
 
 def _tokenizer(opts):
-    """The run's tokenizer, loaded once (an HF tokenizer takes a while; samples want it at every evaluation)."""
+    """The run's tokenizer, loaded once in this process (an HF tokenizer takes a while): the summary's vocabulary
+    line, every evaluation's samples and the export share it."""
     return _cached_tokenizer(opts["tokenizer"], opts["chat_template"])
 
 
@@ -345,20 +345,19 @@ def _interrupted(run: _Run, argv: list[str]) -> None:
 def _finish(run: _Run) -> None:
     """The last checkpoint, the transformers export, and on rank 0 the loss plot, a summary and the answer check."""
     run.save()
-    choice = run.opts["export_dtype"]
-    kept = run.state.opt_state if choice == "fp32" and not run.lora else None  # (the masters, for fp32)
-    kept = fp.MixedState(kept.master, None) if isinstance(kept, fp.MixedState) else None
+    choice, opt_state = run.opts["export_dtype"], run.state.opt_state
+    masters = (fp.MixedState(opt_state.master, None)  # (--export-dtype fp32: the masters, not the moments)
+               if choice == "fp32" and not run.lora and isinstance(opt_state, fp.MixedState) else None)
     # the checkpoint holds the optimizer state now: its memory goes to the export's whole leaves (at ZeRO-3 each
     # rank gathers them from its parts; a model sized to fill the ranks has no room for both)
     run.state = run.state._replace(opt_state=None)
     run.step.buffers.live = None
-    masters = run.step.gather_masters(run.state._replace(opt_state=kept)) if kept is not None else None
-    params = masters if masters is not None else _params(run)
+    params = run.step.gather_masters(run.state._replace(opt_state=masters)) if masters else _params(run)
     if choice != "auto":
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
         params = optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, params)
     fp.hf.save(run.out / "hf", params, run.model, run.cfg, run.mesh, specs=run.specs,
-               overwrite=run.opts["overwrite"], tokenizer=tokenizer(run.opts))
+               overwrite=run.opts["overwrite"], tokenizer=_tokenizer(run.opts))
     peft = None
     if run.lora:
         try:

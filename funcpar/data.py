@@ -21,6 +21,7 @@ position is a small dict that goes into the checkpoint, so a resumed run sees ex
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -322,15 +323,13 @@ def iter_samples(path: str | os.PathLike) -> Iterator[tuple[dict, str]]:
         if f.suffix == ".txt":
             doc: list[str] = []
             first = 0
-            for n, line in _text_lines(f):
+            for n, line in itertools.chain(_text_lines(f), [(0, "")]):  # (a blank line after the last document)
                 if line.strip("\r\n"):
                     first = first or n
                     doc.append(line)
                 elif doc:
                     yield {"type": "pretrain", "text": "".join(doc).strip("\n")}, f"{f}:{first}"
                     doc, first = [], 0
-            if doc:
-                yield {"type": "pretrain", "text": "".join(doc).strip("\n")}, f"{f}:{first}"
             continue
         for n, line in _text_lines(f):
             if not line.strip():
@@ -617,6 +616,11 @@ class Dataset:
                 Dataset(self.stream, self.seq_len, self.pack, self.pad_id, (0, n_eval, key)))
 
 
+def as_batch(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows and their loss mask as a batch: ``labels`` are the ids, ``-100`` where not trained on."""
+    return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+
+
 class Mixture:
     """Data sources trained on together: each global batch draws from source ``s`` its share ``weights[s]`` of the
     rows (exactly, over the batches so far), each source in its own per-epoch order. One source is the plain case;
@@ -625,11 +629,10 @@ class Mixture:
     def __init__(self, parts: list[Dataset], weights: list[float] | None = None, names: list[str] | None = None):
         from fractions import Fraction
 
-        if any(not (isinstance(w, (int, float)) and 0 < w < math.inf) for w in (weights or [])):
+        weights = [1.0] * len(parts) if weights is None else weights
+        if len(weights) != len(parts) or any(not (isinstance(w, (int, float)) and 0 < w < math.inf) for w in weights):
             raise DataError(f"data weights {weights}: one positive, finite weight per source")
-        raw = [Fraction(str(w)) for w in (weights or [1.0] * len(parts))]
-        if len(raw) != len(parts):
-            raise DataError(f"data weights {weights}: one positive weight per source")
+        raw = [Fraction(str(w)) for w in weights]
         self.parts, self.names = parts, names or [f"source {k}" for k in range(len(parts))]
         empty = [n for n, p in zip(self.names, parts, strict=True) if not len(p)]
         if empty:
@@ -666,8 +669,7 @@ class Mixture:
             if a < b:
                 got.append(p.take(torch.arange(a, b)))
             start += len(p)
-        ids, mask = torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
-        return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+        return as_batch(torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got]))
 
     def taken(self, s: int, rows: int) -> int:
         """How many of the first ``rows`` rows drawn come from source ``s`` (floor of its share; the main source
@@ -737,7 +739,7 @@ class Loader:
         for s in torch.unique(src).tolist():
             sel = src == s
             ids[sel], mask[sel] = self.data.parts[s].take(row[sel])
-        return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+        return as_batch(ids, mask)
 
     def global_batch_at(self, position: int) -> dict[str, torch.Tensor]:
         """Global batch ``position``, every rank's block of it."""

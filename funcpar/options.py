@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,7 @@ def _elastic_dp(text: str, sizes: dict[str, int]) -> int:
         raise SystemExit(f"funcpar: --mesh {text}: dp=auto takes dp from the ranks torchrun starts (its world size "
                          f"over the other axes, for an elastic --nnodes MIN:MAX job); when funcpar starts the ranks, "
                          f"give dp=N")
-    rest = 1
-    for axis, size in sizes.items():
-        rest *= size if axis != "dp" else 1
+    rest = math.prod(size for axis, size in sizes.items() if axis != "dp")
     if int(world) % rest:
         raise SystemExit(f"funcpar: --mesh {text}: torchrun started {world} ranks, not a multiple of the other "
                          f"axes' {rest}")

@@ -92,8 +92,8 @@ def _samples(opts, mesh, cfg) -> None:
     learned = getattr(cfg, "n_positions", None)
     if learned is not None and prompts:
         tok = tokenizer(opts)
-        longest = max(prompts, key=lambda p: len(tok.encode(p)))
-        need = len(tok.encode(longest)) + opts["sample_tokens"]
+        most, longest = max((len(tok.encode(p)), p) for p in prompts)
+        need = most + opts["sample_tokens"]
         if need > learned:
             raise SystemExit(f"funcpar: --sample-prompts {opts['sample_prompts']}: the prompt {longest[:40]!r} and "
                              f"--sample-tokens {opts['sample_tokens']} need {need} positions, beyond the model's "
