@@ -70,8 +70,9 @@ def batch_drift(mesh, batch: Any, axes: tuple[str, ...]) -> torch.Tensor:
     that groups do not cancel). Beside each term its size and whether it is an integer (checksums of integer
     tensors are: their sum is then exact, and :func:`drifted` asks for exactly zero)."""
     items = batch_items(batch)
-    c = torch.cat([_checksums(x).cpu() for _, x in items])
-    whole = torch.cat([torch.full((2,), float(not x.is_floating_point()), dtype=torch.float64) for _, x in items])
+    c = torch.cat([_checksums(x) for _, x in items])  # (on the batch's device: no sync before the step)
+    whole = torch.cat([torch.full((2,), float(not x.is_floating_point()), dtype=torch.float64, device=c.device)
+                       for _, x in items])
     coords, out = mesh.coords, []
     for a in axes:
         n = mesh.axis_size(a)
@@ -82,7 +83,7 @@ def batch_drift(mesh, batch: Any, axes: tuple[str, ...]) -> torch.Tensor:
             group, stride = group + coords[b] * stride, stride * mesh.axis_size(b)
         term = c * ((n - 1) if coords[a] == 0 else -1) * group
         out.append(torch.stack([term, term.abs(), whole], 1).reshape(-1))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device=c.device)
 
 
 def drifted(summed: torch.Tensor) -> bool:

@@ -283,8 +283,8 @@ class Step:
         stats = torch.stack([sq.double().cpu(), loss_sum if loss_owner else torch.zeros((), dtype=torch.float64),
                              overflow, bubble])
         drift, self._drift = self._drift, None
-        stats = torch.cat([stats] + ([drift] if drift is not None else []))
-        stats = C.all_reduce(stats.to(mesh.device), mesh, self.data_axes + self.model_axes + ("pp",)).cpu()
+        stats = torch.cat([stats.to(mesh.device)] + ([drift.to(mesh.device)] if drift is not None else []))
+        stats = C.all_reduce(stats, mesh, self.data_axes + self.model_axes + ("pp",)).cpu()
         self._bubble = stats[3].item() / mesh.size  # the pipeline's measured bubble, the mean over ranks
         if drift is not None and drifted(stats[4:]):  # a group's batches differ (every rank is here): name it,
             self._drift_error()  # and every rank stops, before any update
