@@ -79,12 +79,17 @@ class _Run:
 CHOSEN_DEVICE = "FUNCPAR_CHOSEN_DEVICE"  # funcpar's launcher tells the ranks it starts the device it chose for them
 
 
-def _setup_run(opts, sizes) -> _Run:
-    """Build the mesh, model, data, train step, its initial state and the data loader."""
+def _run_mesh(opts, sizes) -> tuple[Any, str | None]:
+    """This rank's mesh of ``--mesh`` on the device chosen for it, and why it is not a GPU (None: it is, or cpu
+    was asked for)."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     choice = os.environ.get(CHOSEN_DEVICE, opts["device"])  # (funcpar's launcher chose already)
     device, why_not_gpu = resolve_device(choice, local_world=None if sizes else 1)
-    mesh = fp.Mesh(**sizes, heartbeat=opts["heartbeat"], device=device)
+    return fp.Mesh(**sizes, heartbeat=opts["heartbeat"], device=device), why_not_gpu
+
+
+def _setup_run(opts, mesh, why_not_gpu: str | None = None) -> _Run:
+    """Build the model, data, train step, its initial state and the data loader on ``mesh``."""
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
@@ -236,33 +241,31 @@ def _announce(run: _Run) -> None:
 def _evaluate(run: _Run, data, global_batch) -> tuple[float, dict[str, float]]:
     """Mean held-out token loss over the whole eval set, split over dp (through the pipeline's stages on pp), and
     with several sources each one's (``{source file name: loss}``)."""
-    params = _params(run)
     parts = [(name, fp.data.Mixture([p])) for name, p in zip(data.names, data.parts, strict=True)]
-    sums = {name: _held_out_sums(run, params, part, global_batch) for name, part in parts}
+    sums = {name: _held_out_sums(run, part, global_batch) for name, part in parts}
     total = sum(sums.values(), torch.zeros(2, dtype=torch.float64))
     each = {Path(name).name: (t[0] / t[1].clamp(min=1)).item() for name, t in sums.items()} if len(sums) > 1 else {}
     return (total[0] / total[1].clamp(min=1)).item(), each
 
 
-def _held_out_sums(run: _Run, params, data, global_batch) -> torch.Tensor:
-    """``[summed token loss, tokens]`` of one source's held-out rows, over every dp rank."""
-    model, cfg, mesh = run.model, run.cfg, run.mesh
+def _held_out_sums(run: _Run, data, global_batch) -> torch.Tensor:
+    """``[summed token loss, tokens]`` of one source's held-out rows over the whole mesh (:meth:`funcpar.Step.
+    held_out` on each rank's rows, summed over the step's data axes: dp splits the rows, cp each row)."""
+    mesh = run.mesh
     dp, c = mesh.axis_size("dp"), mesh.coord("dp")
     gb = min(global_batch, len(data)) // dp * dp
     if gb:  # whole batches of the held-out rows in order, each dp rank its block (read one batch at a time)
         block = gb // dp
         local = (data.take_range(lo + c * block, lo + (c + 1) * block) for lo in range(0, len(data) // gb * gb, gb))
-    else:  # fewer held-out rows than dp ranks: every rank evaluates them all
+    else:  # fewer held-out rows than dp ranks: every rank evaluates them all, dp rank 0's sums count
         local = iter([data.take_range(0, len(data))])
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for b in local:
-            b = {k: v.to(mesh.device) for k, v in b.items()}
-            n = fp.layers.count_targets(b)
-            loss = (run.step.loss(run.state, b).item() * n if run.step.pipe is not None else
-                    model.loss(params, b, cfg=cfg, mesh=mesh, reduction="sum").item())
-            total += torch.tensor([loss, n], dtype=torch.float64)
-    return fp.collectives.all_reduce(total, mesh, "dp") if gb else total
+            total += run.step.held_out(run.state, {k: v.to(mesh.device) for k, v in b.items()})
+    if not gb and c:
+        total.zero_()
+    return fp.collectives.all_reduce(total, mesh, run.step.data_axes)
 
 
 def _metrics_row(run: _Run, m: dict) -> dict:
@@ -429,7 +432,7 @@ def train(argv: list[str]) -> None:
             of = f" of --max-restarts {opts['max_restarts']}" if os.environ.get(LAUNCHER_ENV) == "1" else ""
             print(f"funcpar: a rank failed; torchrun restarted the ranks (restart {restarted()}{of}): resuming",
                   flush=True)  # (under a user's torchrun, its own --max-restarts counts them)
-    run = _setup_run(opts, sizes)
+    run = _setup_run(opts, *_run_mesh(opts, sizes))
     try:
         _resume(run)
         _announce(run)

@@ -422,10 +422,12 @@ class ShardedBase:
 
 
 class _LoraLoss:
-    """The loss of the adapters, the base frozen."""
+    """The loss of the adapters, the base frozen; dropout only where gradients are formed (an evaluation under
+    ``torch.no_grad``, :meth:`funcpar.Step.held_out`, sees the model without it and draws no masks)."""
 
     def __init__(self, lora: Lora, fn: Callable, base: Any, merged: bool):
         self.lora, self.fn, self.base, self.merged = lora, fn, base, merged
 
     def __call__(self, adapters, batch):
-        return self.fn(self.lora.apply(self.base, adapters, merged=self.merged), batch)
+        training = torch.is_grad_enabled()
+        return self.fn(self.lora.apply(self.base, adapters, training=training, merged=self.merged), batch)

@@ -317,6 +317,16 @@ class Step:
             raise StepError("call step.init(params) before step.loss")
         return self.mode.evaluate(state, batch, requires_grad)
 
+    def held_out(self, state: TrainState, batch: Any) -> torch.Tensor:
+        """``[weighted loss, weight]`` (float64, on the host) of this rank's ``batch`` on ``state``'s parameters, for
+        a held-out mean: :meth:`loss` times the batch's weight (``batch_weight``: this rank's targets, on a cp mesh
+        those of its pieces of each sequence; else rows). Summed over :attr:`data_axes` (every rank of a data axis
+        fed its own rows; every cp rank the same rows, its pieces), the two give the global mean exactly as one
+        process computes it, on every mesh, mode and pipeline."""
+        weight = float(self.weight_fn(batch)) if self.weight_fn else float(_rows(batch))
+        loss = self.loss(state, batch).double().cpu()  # (on every rank: tp, cp and pp ranks run it together)
+        return torch.tensor([loss.item() * weight if weight else 0.0, weight], dtype=torch.float64)
+
     def holds(self, path: str) -> bool:
         """Whether this rank holds the parameter at ``path`` (a pipeline stage holds its layers' only; for
         ``fp.hf.load(..., keep=step.holds)``)."""
@@ -343,9 +353,11 @@ class Step:
         return gather_params(lay, [p.to(self.mesh.device) for p in parts])
 
     def _tokens(self, batch: Any, rows: int) -> int:
-        """Elements of the batch's first tensor over all data ranks (B x T for token batches)."""
+        """Elements of the global batch's first tensor (B x T for token batches): this rank's over the data axes
+        that split the rows (every ``cp`` rank is fed the same rows, its pieces of each)."""
         first = batch_items(batch)[0][1]
-        return rows * self._data_size() * (first.numel() // max(1, first.shape[0]) if first.ndim > 1 else 1)
+        splitting = math.prod(self.mesh.axis_size(a) for a in self.data_axes if a != "cp")
+        return rows * splitting * (first.numel() // max(1, first.shape[0]) if first.ndim > 1 else 1)
 
 
 def compile_step(loss_fn: Callable, specs: Any, options: StepOptions | None = None, **flat: Any) -> Step:
