@@ -1,7 +1,7 @@
 """Supervised fine-tuning of a Hugging Face checkpoint on the JSON formats, then an export transformers loads.
 
-    torchrun --nproc-per-node 2 examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl --tokenizer path/to/its-tokenizer
-    python examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl      # one process, byte tokenizer
+    torchrun --nproc-per-node 2 examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl   # its tokenizer
+    python examples/finetune_hf.py --model path/to/hf-llama --data sft.jsonl --tokenizer byte     # one process, bytes
 
 ``sft.jsonl`` holds lines such as {"type": "instruct", "instruct": ..., "output": ...} or
 {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}; the loss counts answer
@@ -16,7 +16,7 @@ import funcpar as fp
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", required=True, help="a transformers folder (config.json + safetensors)")
 ap.add_argument("--data", required=True, help="a .jsonl file or folder of the supervised formats")
-ap.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer folder")
+ap.add_argument("--tokenizer", help="'byte' or a tokenizer folder (default: the model folder's own)")
 ap.add_argument("--out", default="out/finetuned")
 ap.add_argument("--steps", type=int, default=100)
 ap.add_argument("--seq-len", type=int, default=128)
@@ -28,7 +28,7 @@ mesh = fp.Mesh(tp=world) if world > 1 else fp.Mesh()
 params, cfg = fp.hf.load(args.model, mesh=mesh)                    # each rank reads only its slices
 model = fp.get_model(cfg.model_type)                               # the registered model of that model_type
 specs = model.specs(cfg, mesh)
-tok = fp.data.ByteTokenizer() if args.tokenizer == "byte" else fp.data.HFTokenizer(args.tokenizer)
+tok = fp.data.ByteTokenizer() if args.tokenizer == "byte" else fp.data.HFTokenizer(args.tokenizer or args.model)
 data = fp.data.Dataset.from_samples(fp.data.load_samples(args.data), tok, args.seq_len, pack=False)
 if data.max_id >= cfg.vocab_size:
     raise SystemExit(f"the tokenizer produced id {data.max_id}, beyond the model's vocab_size {cfg.vocab_size}")

@@ -33,7 +33,8 @@ from funcpar.generate import read_prompts, sample_on_mesh, show_arithmetic
 from funcpar.preflight import RUN_FILES, check_run, claim_out, lock_out, run_files
 from funcpar.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.options import (DEFAULTS, build_lora, build_params, build_step, datasets, lora_parts, model_config,
-                             parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs)
+                             parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs,
+                             with_tokenizer)
 from funcpar.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan, print_ranking,
                               rank_meshes, sharding_table, vocab_note)
 from funcpar.plot import plot_metrics
@@ -91,6 +92,7 @@ def _run_mesh(opts, sizes) -> tuple[Any, str | None]:
 def _setup_run(opts, mesh, why_not_gpu: str | None = None) -> _Run:
     """Build the model, data, train step, its initial state and the data loader on ``mesh``."""
     model, cfg = model_config(opts["model"], mesh)
+    opts = with_tokenizer(opts)  # (auto: the model folder's own; what the checkpoints and config.json then record)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
     opts = with_epochs(opts, len(train_data))
@@ -231,7 +233,11 @@ def _announce(run: _Run) -> None:
         print("funcpar train: mixing " + ", ".join(f"{name} {w:.0%} ({len(p)} rows)" for name, w, p in
                                                    zip(mix.names, mix.weights, mix.parts, strict=True)), flush=True)
     print(sharding_table(params_like(run.model, run.cfg), run.specs, mesh), flush=True)
-    note = vocab_note(run.cfg, _tokenizer(opts).vocab_size)
+    tok = _tokenizer(opts)
+    if opts["tokenizer"] == opts["model"]:
+        print(f"funcpar train: the tokenizer of --model {opts['model']} ({tok.vocab_size} ids"
+              + (", its chat template" if getattr(tok, "chat", False) else "") + ")", flush=True)
+    note = vocab_note(run.cfg, tok.vocab_size)
     if note:
         print(note, flush=True)
     if run.step.pipe is not None:

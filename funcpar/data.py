@@ -34,7 +34,8 @@ import torch
 from .mesh import Mesh
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "load_samples", "iter_samples", "data_files", "encode", "tokenize",
-           "Stream", "Dataset", "Mixture", "Loader", "batches", "permute", "DataError", "render"]
+           "Stream", "Dataset", "Mixture", "Loader", "batches", "permute", "DataError", "render",
+           "has_tokenizer"]
 
 
 class DataError(ValueError):
@@ -102,6 +103,15 @@ def _tokenizer_file(name: str) -> bool:
     template), not of a model's weights or config."""
     return (name in _TOKENIZER_FILES or name.startswith(("tokenizer", "special_tokens", "added_tokens", "vocab",
                                                          "chat_template")) or name.endswith((".model", ".tiktoken")))
+
+
+def has_tokenizer(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a tokenizer's vocabulary (``tokenizer.json``, vocab/merges files, a SentencePiece or
+    tiktoken model): a model folder saved with its tokenizer, which its fine-tuning should then use."""
+    path = Path(folder)
+    return path.is_dir() and any(p.is_file() and (p.name in _TOKENIZER_FILES or p.name.endswith((".tiktoken",
+                                                                                                 ".model")))
+                                 for p in path.iterdir())
 
 
 class HFTokenizer:

@@ -19,7 +19,7 @@ from funcpar.assets import ARITHMETIC
 from funcpar.mesh import CONTEXT_LAYOUTS, DEVICES
 
 DEFAULTS: dict[str, Any] = {  # in the order --help lists them
-    "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "byte",
+    "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "auto",
     "token_cache": "auto",
     "seq_len": 64, "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
@@ -42,7 +42,8 @@ HELP = {
     "token_cache": "where sources are tokenized once and read by every later run and rank: auto (sources "
                    "of 256 MiB or more, under $FUNCPAR_TOKEN_CACHE or ~/.cache/funcpar/tokens), a folder (every "
                    "source), or off (tokenize in memory each run)",
-    "tokenizer": "byte, or a folder with an HF tokenizer", "seq_len": "tokens per row",
+    "tokenizer": "auto (the --model folder's own tokenizer; byte for a built-in model), byte, or a folder with an "
+                 "HF tokenizer", "seq_len": "tokens per row",
     "pack": "pack samples into rows (--no-pack: one sample per row, padded)",
     "global_batch": "rows per optimizer step, over all dp ranks and micro-batches",
     "micro_batches": "micro-batches accumulated per step (the pipeline's micro-batches with pp)",
@@ -333,13 +334,37 @@ def build_params(opts, model, cfg, specs, mesh, keep=None):
     return fp.shard(model.init(cfg, seed=opts["seed"]), specs, mesh)
 
 
+def tokenizer_choice(opts) -> str:
+    """``--tokenizer`` resolved: ``auto`` is the ``--model`` folder itself when it holds a tokenizer (what HF
+    Trainer, TRL and torchtune train with: the model's ids, special tokens and chat template), ``byte`` for a
+    built-in model; a folder without one is refused, naming both choices, rather than trained on bytes its
+    vocabulary was not made for."""
+    choice, model = opts["tokenizer"], opts["model"]
+    if choice != "auto":
+        return choice
+    if model in BUILTIN_MODELS:
+        return "byte"
+    if fp.data.has_tokenizer(model):
+        return str(model)
+    raise SystemExit(f"funcpar: --model {model} holds no tokenizer (no tokenizer.json, tokenizer.model or vocab "
+                     f"files): give --tokenizer FOLDER (the one the model was trained with), or --tokenizer byte "
+                     f"(funcpar's 259 byte ids, for a model trained on them)")
+
+
+def with_tokenizer(opts) -> dict[str, Any]:
+    """``opts`` with ``--tokenizer auto`` resolved (:func:`tokenizer_choice`): what checkpoints and config.json
+    record, so a resumed or converted run names the tokenizer it used."""
+    return {**opts, "tokenizer": tokenizer_choice(opts)}
+
+
 def tokenizer(opts):
-    """The run's tokenizer: bytes, or an HF tokenizer folder."""
+    """The run's tokenizer: bytes, or an HF tokenizer folder (``auto``: :func:`tokenizer_choice`)."""
     if opts["chat_template"] not in ("auto", "builtin"):
         raise SystemExit(f"funcpar: --chat-template {opts['chat_template']!r}: expected auto or builtin")
-    if opts["tokenizer"] == "byte":
+    choice = tokenizer_choice(opts)
+    if choice == "byte":
         return fp.data.ByteTokenizer()
-    return fp.data.HFTokenizer(opts["tokenizer"], chat_template=opts["chat_template"] == "auto")
+    return fp.data.HFTokenizer(choice, chat_template=opts["chat_template"] == "auto")
 
 
 def data_sources(text: str) -> list[tuple[str, float]]:

@@ -89,3 +89,24 @@ def config_dict(name: str) -> dict:
 
         return published_config()
     return CONFIGS[name]().to_dict()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_tokenizer(folder, texts, vocab_size: int = 320):
+    """A byte-level BPE trained on ``texts`` (offline, with ``tokenizers``) with Qwen's ChatML special tokens and
+    chat template, saved to ``folder`` as transformers saves a Hub tokenizer; returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                     chat_template=CHATML)
+    tok.save_pretrained(folder)
+    return tok

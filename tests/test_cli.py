@@ -183,7 +183,7 @@ def test_examples_run_as_written(tmp_path):
     sft = tmp_path / "sft.jsonl"
     sft.write_text("\n".join(json.dumps({"type": "instruct", "instruct": f"say {w}", "output": w}) for w in ["hi", "yo", "ok", "no"] * 4))
     stdout = run(["examples/finetune_hf.py", "--model", str(tmp_path / "base"), "--data", str(sft), "--steps", "3",
-                  "--global-batch", "4", "--seq-len", "16", "--out", str(tmp_path / "ft")])
+                  "--global-batch", "4", "--seq-len", "16", "--out", str(tmp_path / "ft"), "--tokenizer", "byte"])
     assert "exported" in stdout
     tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ft")
     assert tf.AutoTokenizer.from_pretrained(tmp_path / "ft").encode("say hi") == list(b"say hi")
