@@ -303,7 +303,7 @@ def _tokenizer(opts):
 def _samples(run: _Run) -> None:
     """``--sample-prompts``: greedy continuations by the model as it is now (every rank decodes; rank 0 shows them
     and appends them to samples.jsonl)."""
-    prompts = read_prompts(run.opts["sample_prompts"])
+    prompts = read_prompts(run.opts["sample_prompts"], _tokenizer(run.opts))
     texts = sample_on_mesh(run.model, _params(run), run.cfg, run.mesh, _tokenizer(run.opts), prompts,
                            run.opts["sample_tokens"])
     if not run.rank0:

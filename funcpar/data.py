@@ -10,7 +10,11 @@ by blank lines):
   ``{"type": "conversation", "rounds": [["ask"|"user", ...], ["ans"|"assistant", ...], ...]}``: loss on the
   assistant turns only, through the tokenizer's chat template when it has one (``System:``/``User:``/``Assistant:``
   lines otherwise);
-- ``{"type": "ref_qa", "reference": ..., "rounds": [...]}``: a reference text, then a conversation.
+- ``{"type": "ref_qa", "reference": ..., "rounds": [...]}``: a reference text, then a conversation;
+- ``{"prompt": ..., "completion": ...}`` (TRL's prompt-completion): loss on the completion only; text, or lists of
+  messages (the conversational form, through the chat template as above).
+
+A file's malformed lines are reported together, in one error.
 
 A sample becomes token ids and a loss mask; ids end with EOS. Batches are ``{"input_ids", "labels"}`` with
 ``labels = -100`` where the mask is 0. Every rank computes the same global batch from the same seed and takes its
@@ -174,19 +178,22 @@ class HFTokenizer:
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         self.tok.save_pretrained(str(folder))
 
-    def chat_segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
-        """``messages`` through the chat template as ``(text, trained_on)`` segments: each assistant reply (with
-        the template's end-of-turn text) trained on, everything before it not."""
+    def chat_segments(self, messages: list[dict], where: str, first: int = 0,
+                      answer: bool = False) -> list[tuple[str, bool]]:
+        """``messages`` through the chat template as ``(text, trained_on)`` segments: each assistant reply from
+        message ``first`` on (with the template's end-of-turn text) trained on, everything before it not.
+        ``answer``: end with the template's generation prompt (where the next reply would start)."""
         out, done = [], ""
         for k, m in enumerate(messages + [None]):
             if m is not None and m["role"] != "assistant":
                 continue
-            prompt = self.tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=m is not None)
+            prompt = self.tok.apply_chat_template(messages[:k], tokenize=False,
+                                                  add_generation_prompt=m is not None or answer)
             full = prompt if m is None else self.tok.apply_chat_template(messages[: k + 1], tokenize=False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
                 raise DataError(f"{where}: the tokenizer's chat_template does not render a conversation as a prefix "
                                 "of its continuation, so answers cannot be told apart: use --chat-template builtin")
-            out += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            out += [(prompt[len(done):], False), (full[len(prompt):], k >= first)]
             done = full
         return [(t, train) for t, train in out if t]
 
@@ -194,9 +201,15 @@ class HFTokenizer:
 # --------------------------------------------------------------------------------------------------- samples
 
 
+FORMATS = ('{"text"}', '{"messages"}', '{"prompt", "completion"}', '{"type": "instruct", "instruct", "output"}',
+           '{"type": "conversation", "rounds"}', '{"type": "ref_qa", "reference", "rounds"}')  # (what errors name)
+
+
 def _need(sample: dict, key: str, where: str, kind: type = str):
     if key not in sample:
-        raise DataError(f"{where}: a '{sample.get('type', 'pretrain')}' sample needs field '{key}'")
+        fmt = _kind(sample)
+        what = "a prompt-completion" if fmt == "prompt_completion" else f"a '{fmt}'"
+        raise DataError(f"{where}: {what} sample needs field '{key}'")
     if not isinstance(sample[key], kind):
         raise DataError(f"{where}: field '{key}' must be a {kind.__name__}, got {type(sample[key]).__name__}")
     return sample[key]
@@ -205,18 +218,22 @@ def _need(sample: dict, key: str, where: str, kind: type = str):
 ROLES = {"ask": "user", "user": "user", "ans": "assistant", "assistant": "assistant", "system": "system"}
 
 
+def _turns(turns: list, where: str, what: str = "message") -> list[dict]:
+    """A list of ``{"role", "content"}`` objects (TRL's, axolotl's and torchtune's messages) checked, roles
+    normalized."""
+    for k, m in enumerate(turns):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: {what} {k} must be {{\"role\": \"system\"|\"user\"|\"assistant\", "
+                            f"\"content\": text}}, got {json.dumps(m)[:80]}")
+    return [{"role": ROLES[m["role"]], "content": m["content"]} for m in turns]
+
+
 def _chat(sample: dict, where: str) -> list[dict]:
     """The turns of a chat sample as ``[{"role": "system"|"user"|"assistant", "content": text}, ...]``: its
-    ``messages`` (TRL's, axolotl's and torchtune's format: a list of ``{"role", "content"}`` objects) or its
-    ``rounds`` (``[role, text]`` pairs, role ``ask``/``user``, ``ans``/``assistant`` or ``system``); at least one
-    assistant turn."""
+    ``messages`` (:func:`_turns`) or its ``rounds`` (``[role, text]`` pairs, role ``ask``/``user``,
+    ``ans``/``assistant`` or ``system``); at least one assistant turn."""
     if "messages" in sample:
-        turns = _need(sample, "messages", where, list)
-        for k, m in enumerate(turns):
-            if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-                raise DataError(f"{where}: message {k} must be {{\"role\": \"system\"|\"user\"|\"assistant\", "
-                                f"\"content\": text}}, got {json.dumps(m)[:80]}")
-        msgs = [{"role": ROLES[m["role"]], "content": m["content"]} for m in turns]
+        msgs = _turns(_need(sample, "messages", where, list), where)
     else:
         msgs = []
         for k, r in enumerate(_need(sample, "rounds", where, list)):
@@ -229,20 +246,42 @@ def _chat(sample: dict, where: str) -> list[dict]:
     return msgs
 
 
-def _builtin_chat(msgs: list[dict]) -> list[tuple[str | None, bool]]:
+def _prompt_completion(sample: dict, where: str) -> tuple[list[dict], int]:
+    """A conversational prompt-completion sample (TRL's: ``{"prompt": [messages], "completion": [messages]}``) as
+    one conversation and the index of its first completion message (the completion holds an assistant reply)."""
+    prompt = _turns(_need(sample, "prompt", where, list), where, "prompt message")
+    completion = _turns(_need(sample, "completion", where, list), where, "completion message")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise DataError(f"{where}: a completion with no assistant message has nothing to train on")
+    return prompt + completion, len(prompt)
+
+
+def _builtin_chat(msgs: list[dict], first: int = 0) -> list[tuple[str | None, bool]]:
     """funcpar's template: ``System: ...``, ``User: ...`` lines, each reply ``Assistant: `` then the text and EOS,
-    trained on."""
+    trained on from message ``first`` on."""
     out: list[tuple[str | None, bool]] = []
-    for m in msgs:
+    for k, m in enumerate(msgs):
         if m["role"] == "assistant":
-            out += [("Assistant: ", False), (m["content"], True), (None, True)]  # None = EOS, trained on
+            out += [("Assistant: ", False), (m["content"], k >= first), (None, k >= first)]  # None = EOS
         else:
             out.append((f"{m['role'].capitalize()}: {m['content']}\n", False))
     return out
 
 
-def _kind(sample: dict) -> str:
-    return sample.get("type", "conversation" if "messages" in sample else "pretrain")
+def _kind(sample: dict) -> str | None:
+    """A sample's format: its ``type``, else the one its fields say (None: no format has them)."""
+    if sample.get("type") is not None:  # (a datasets row has every column: None where a row has no type)
+        return sample["type"]
+    for key, kind in (("messages", "conversation"), ("text", "pretrain"), ("prompt", "prompt_completion")):
+        if key in sample:
+            return kind
+    return None
+
+
+def _templated(sample: dict) -> bool:
+    """Whether a sample is a conversation (what a tokenizer's chat template renders)."""
+    kind = _kind(sample)
+    return kind in ("conversation", "ref_qa") or kind == "prompt_completion" and isinstance(sample.get("prompt"), list)
 
 
 def render(sample: dict, where: str = "sample") -> list[tuple[str | None, bool]]:
@@ -250,8 +289,16 @@ def render(sample: dict, where: str = "sample") -> list[tuple[str | None, bool]]
     if not isinstance(sample, dict):
         raise DataError(f"{where}: a sample must be a JSON object, got {type(sample).__name__}")
     kind = _kind(sample)
+    if kind is None:
+        fields = ", ".join(f"'{k}'" for k in list(sample)[:8]) or "none"
+        raise DataError(f"{where}: not a sample format funcpar knows (its fields: {fields}); expected one of: "
+                        f"{', '.join(FORMATS)}")
     if kind == "pretrain":
         return [(_need(sample, "text", where), True), (None, True)]
+    if kind == "prompt_completion" and isinstance(sample.get("prompt"), list):
+        return _builtin_chat(*_prompt_completion(sample, where))
+    if kind == "prompt_completion":
+        return [(_need(sample, "prompt", where), False), (_need(sample, "completion", where), True), (None, True)]
     if kind == "instruct":
         instruct = _need(sample, "instruct", where)
         inp = sample.get("input")
@@ -266,24 +313,59 @@ def render(sample: dict, where: str = "sample") -> list[tuple[str | None, bool]]
     raise DataError(f"{where}: unknown sample type '{kind}' (known: pretrain, instruct, conversation, ref_qa)")
 
 
-def _messages(sample: dict, where: str) -> list[dict]:
-    """A conversation or ref_qa sample as chat messages (the reference as a system message)."""
+def _messages(sample: dict, where: str) -> tuple[list[dict], int]:
+    """A conversation, ref_qa or conversational prompt-completion sample as chat messages (the reference as a
+    system message), and the index of the first message whose assistant replies are trained on."""
+    if _kind(sample) == "prompt_completion":
+        return _prompt_completion(sample, where)
     msgs = _chat(sample, where)
     if _kind(sample) == "ref_qa":
         msgs.insert(0, {"role": "system", "content": f"Reference: {_need(sample, 'reference', where)}"})
-    return msgs
+    return msgs, 0
 
 
 def encode(sample: dict, tok, where: str = "sample") -> tuple[list[int], list[int]]:
     """``(ids, loss_mask)`` of one sample."""
     ids: list[int] = []
     mask: list[int] = []
-    chat = getattr(tok, "chat", False) and isinstance(sample, dict) and _kind(sample) in ("conversation", "ref_qa")
-    for text, train in (tok.chat_segments(_messages(sample, where), where) if chat else render(sample, where)):
+    if getattr(tok, "chat", False) and isinstance(sample, dict) and _templated(sample):
+        msgs, first = _messages(sample, where)
+        segments = tok.chat_segments(msgs, where, first)
+    else:
+        segments = render(sample, where)
+    for text, train in segments:
         piece = [tok.eos_id] if text is None else tok.encode(text)
         ids += piece
         mask += [int(train)] * len(piece)
     return ids, mask
+
+
+PROMPTS = '{"prompt": text}, {"prompt": [messages]} or {"messages": [messages]}'  # (what prompt_text reads)
+
+
+def prompt_text(row: dict, tok=None, where: str = "prompt") -> str:
+    """The text a model reads before it answers a prompt ``row``: ``{"prompt": text}`` as it is; a conversation so
+    far (``{"messages": [...]}``, or TRL's conversational ``{"prompt": [...]}``) through the template training
+    renders it with (``tok``'s chat template where :func:`encode` uses it, funcpar's builtin one otherwise, also
+    without ``tok``), up to where the assistant's reply starts. An earlier reply's EOS is ``tok``'s EOS token's
+    text (none for the byte tokenizer, whose EOS no text encodes to)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a prompt must be a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        msgs = _turns(_need(row, "messages", where, list), where)
+    elif isinstance(row.get("prompt"), list):
+        msgs = _turns(row["prompt"], where, "prompt message")
+    elif "prompt" in row:
+        return _need(row, "prompt", where)
+    else:
+        fields = ", ".join(f"'{k}'" for k in list(row)[:8]) or "none"
+        raise DataError(f"{where}: not a prompt (its fields: {fields}); expected {PROMPTS}")
+    if not msgs:
+        raise DataError(f"{where}: a conversation with no messages: nothing to prompt with")
+    if getattr(tok, "chat", False):
+        return "".join(t for t, _ in tok.chat_segments(msgs, where, answer=True))
+    eos = tok.decode([tok.eos_id]) if tok is not None else ""
+    return "".join(eos if t is None else t for t, _ in _builtin_chat(msgs) + [("Assistant: ", False)])
 
 
 def is_hf_dataset(path: Path) -> bool:
@@ -309,48 +391,88 @@ def data_files(path: str | os.PathLike) -> list[Path]:
     return [path]
 
 
-def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line number, line)`` of a UTF-8 file, read a line at a time; bytes that are not UTF-8 are named by line
-    and column."""
+def _text_lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
+    """``(line number, line, None)`` of a UTF-8 file, read a line at a time; ``(line number, "", why)`` of a line
+    that is not UTF-8 (its first bad byte named by column)."""
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             try:
-                yield n, raw.decode("utf-8")
+                yield n, raw.decode("utf-8"), None
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                f"save the file as UTF-8") from None
+                yield n, "", (f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                              f"save the file as UTF-8")
+
+
+def _file_rows(f: Path) -> Iterator[tuple[Any, str, str | None]]:
+    """``(sample, "file:line", None)`` of each sample of a ``.txt`` or JSONL file, ``(None, "file:line", why)`` of
+    each line that cannot be one (not UTF-8, not JSON)."""
+    if f.suffix == ".txt":
+        doc: list[str] = []
+        first = 0
+        for n, line, why in itertools.chain(_text_lines(f), [(0, "", None)]):  # (a blank line after the last doc)
+            if why:
+                yield None, f"{f}:{n}", why
+            elif line.strip("\r\n"):
+                first = first or n
+                doc.append(line)
+            elif doc:
+                yield {"type": "pretrain", "text": "".join(doc).strip("\n")}, f"{f}:{first}", None
+                doc, first = [], 0
+        return
+    for n, line, why in _text_lines(f):
+        if why:
+            yield None, f"{f}:{n}", why
+        elif line.strip():
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield None, f"{f}:{n}", f"{f}:{n}: not valid JSON ({e.msg} at column {e.colno})"
+                continue
+            yield sample, f"{f}:{n}", None
+
+
+SHOWN_ERRORS = 20  # malformed samples a data error lists (then how many more)
+
+
+def _malformed(bad: list[str], count: int) -> DataError:
+    """The error for ``count`` malformed samples, of which ``bad`` are the first (each "file:line: why")."""
+    if count == 1:
+        return DataError(bad[0])
+    more = f"\nand {count - len(bad)} more" if count > len(bad) else ""
+    return DataError(f"{count} malformed samples (fix them all, then run again):\n" + "\n".join(bad) + more)
 
 
 def iter_samples(path: str | os.PathLike) -> Iterator[tuple[dict, str]]:
     """``(sample, "file:line")`` of a ``.jsonl``/``.json`` file (a JSON object per line), a ``.txt`` file
     (documents separated by blank lines, each a ``pretrain`` sample) or a folder of them, read a line at a time so
     that a corpus larger than memory streams through; or the rows of a ``datasets`` folder (``"folder[row]"``), read
-    with that package (where it is installed) as it streams them from its Arrow files."""
+    with that package (where it is installed) as it streams them from its Arrow files.
+
+    Each sample is checked (:func:`render`). Once one is malformed none is yielded any more, the rest are only
+    checked, and at the end one :class:`DataError` lists the first :data:`SHOWN_ERRORS` and counts the others."""
     if is_hf_dataset(Path(path)):
-        yield from _hf_dataset_rows(Path(path))
-        return
-    for f in data_files(path):
-        if f.suffix == ".txt":
-            doc: list[str] = []
-            first = 0
-            for n, line in itertools.chain(_text_lines(f), [(0, "")]):  # (a blank line after the last document)
-                if line.strip("\r\n"):
-                    first = first or n
-                    doc.append(line)
-                elif doc:
-                    yield {"type": "pretrain", "text": "".join(doc).strip("\n")}, f"{f}:{first}"
-                    doc, first = [], 0
-            continue
-        for n, line in _text_lines(f):
-            if not line.strip():
-                continue
+        rows: Iterator[tuple[Any, str, str | None]] = _hf_dataset_rows(Path(path))
+    else:
+        rows = (row for f in data_files(path) for row in _file_rows(f))
+    bad: list[str] = []
+    count = 0
+    for sample, where, why in rows:
+        if why is None:
             try:
-                yield json.loads(line), f"{f}:{n}"
-            except json.JSONDecodeError as e:
-                raise DataError(f"{f}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                render(sample, where)
+            except DataError as e:
+                why = str(e)
+        if why is not None:
+            count += 1
+            if len(bad) < SHOWN_ERRORS:
+                bad.append(why)
+        elif not count:
+            yield sample, where
+    if count:
+        raise _malformed(bad, count)
 
 
-def _hf_dataset_rows(path: Path) -> Iterator[tuple[dict, str]]:
+def _hf_dataset_rows(path: Path) -> Iterator[tuple[dict, str, None]]:
     """The rows of a ``datasets`` folder as samples: a ``Dataset``'s, or a ``DatasetDict``'s ``train`` split."""
     try:
         import datasets
@@ -364,7 +486,7 @@ def _hf_dataset_rows(path: Path) -> Iterator[tuple[dict, str]]:
                             f"split to train on ({path}/<split>)")
         ds, path = ds["train"], path / "train"
     for k, row in enumerate(ds):
-        yield row, f"{path}[{k}]"
+        yield row, f"{path}[{k}]", None
 
 
 def load_samples(path: str | os.PathLike) -> list[tuple[dict, str]]:

@@ -75,26 +75,31 @@ def vocab_argmax(logits: torch.Tensor, mesh, axis: str = "tp") -> torch.Tensor:
     return both[:, 1].gather(0, best[None])[0].long()
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """The prompts of ``--sample-prompts``: a ``.txt`` file's lines, or a ``.jsonl`` file's ``prompt`` fields (the
-    text as given: a chat model's template is the user's to write in)."""
+def read_prompts(path: str | Path, tok=None) -> list[str]:
+    """The prompts of ``--sample-prompts``, as the text the model reads: a ``.txt`` file's lines (``\\n`` for a
+    newline), or a ``.jsonl`` file's objects: ``{"prompt": text}`` (as given), ``{"messages": [...]}`` (the
+    conversation so far) or ``{"prompt": [messages]}`` (TRL's conversational prompt), the conversations through the
+    chat template training renders them with for ``tok`` up to where the reply starts
+    (:func:`funcpar.data.prompt_text`; funcpar's builtin template without ``tok``). A ``.txt`` line that is a JSON
+    object is one of these too."""
     import json
+
+    from .data import PROMPTS, prompt_text
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--sample-prompts {path}: no such file")
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    if path.suffix != ".jsonl":
-        return [ln.replace("\\n", "\n") for ln in lines]
     out = []
-    for n, ln in enumerate(lines, 1):
+    for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not ln.strip():
+            continue
         try:
-            row = json.loads(ln)
+            row = json.loads(ln) if path.suffix == ".jsonl" or ln.lstrip().startswith("{") else ln
         except ValueError:
-            row = None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path}:{n}: expected {{\"prompt\": text}}")
-        out.append(row["prompt"])
+            row = None if path.suffix == ".jsonl" else ln
+        if path.suffix == ".jsonl" and not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object: {PROMPTS}")
+        out.append(prompt_text(row, tok, f"{path}:{n}") if isinstance(row, dict) else ln.replace("\\n", "\n"))
     return out
 
 

@@ -80,9 +80,10 @@ HELP = {
     "heartbeat": "seconds without progress after which a stuck rank is reported and the job ends (0: off)",
     "chat_template": "conversations through the HF tokenizer's chat_template when it has one (auto), or "
                      "funcpar's User:/Assistant: template (builtin)",
-    "sample_prompts": "a .txt file of prompts (one a line; \\n for a newline) or .jsonl of {\"prompt\": ...}: at each "
-                      "evaluation their greedy continuations by the model in training are printed and written to "
-                      "samples.jsonl (not with pp or cp)",
+    "sample_prompts": "a .txt file of prompts (one a line; \\n for a newline) or .jsonl of {\"prompt\": text or "
+                      "messages} or {\"messages\": [...]} (through the chat template): at each evaluation their "
+                      "greedy continuations by the model in training are printed and written to samples.jsonl (not "
+                      "with pp or cp)",
     "sample_tokens": "tokens generated per prompt for --sample-prompts",
     "track": "experiment trackers besides TensorBoard, when installed: wandb, mlflow or wandb,mlflow (the run's "
              "options and every metrics row; a resumed run continues the same tracked run)",

@@ -85,13 +85,13 @@ def _samples(opts, mesh, cfg) -> None:
     from .generate import read_prompts
     from .options import tokenizer
 
+    tok = tokenizer(opts)
     try:
-        prompts = read_prompts(opts["sample_prompts"])
+        prompts = read_prompts(opts["sample_prompts"], tok)  # (conversations through the run's chat template)
     except ValueError as e:
         raise SystemExit(f"funcpar: {e}") from None
     learned = getattr(cfg, "n_positions", None)
     if learned is not None and prompts:
-        tok = tokenizer(opts)
         most, longest = max((len(tok.encode(p)), p) for p in prompts)
         need = most + opts["sample_tokens"]
         if need > learned:
