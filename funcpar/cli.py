@@ -234,6 +234,9 @@ def _announce(run: _Run) -> None:
                                                    zip(mix.names, mix.weights, mix.parts, strict=True)), flush=True)
     print(sharding_table(params_like(run.model, run.cfg), run.specs, mesh), flush=True)
     tok = _tokenizer(opts)
+    if opts["pack"] and not opts["cross_document"] and not run.model.documents:
+        print(f"funcpar train: model '{run.model.name}' packs samples attending across each other (it takes no "
+              f"document masks yet)", flush=True)
     if opts["tokenizer"] == opts["model"]:
         print(f"funcpar train: the tokenizer of --model {opts['model']} ({tok.vocab_size} ids"
               + (", its chat template" if getattr(tok, "chat", False) else "") + ")", flush=True)

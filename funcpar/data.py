@@ -667,17 +667,20 @@ class Dataset:
     trained on). ``part`` ``(lo, hi, key)`` keeps positions ``lo..hi`` of the rows' ordering under ``key`` (a
     train or held-out split) without holding an index. :meth:`take` reads the rows asked for and nothing else."""
 
-    def __init__(self, stream: Stream, seq_len: int, pack: bool = True, pad_id: int = 0, part=None):
+    def __init__(self, stream: Stream, seq_len: int, pack: bool = True, pad_id: int = 0, part=None,
+                 documents: bool = False):
         self.stream, self.seq_len, self.pack, self.pad_id, self.part = stream, seq_len, pack, pad_id, part
+        self.documents = documents and pack  # (one sample per row is one document already)
         self.rows = stream.tokens // seq_len if pack else stream.samples
         if not self.rows:
             raise DataError(f"the data holds {stream.tokens} tokens, not enough for one row of seq_len={seq_len}")
         self.samples, self.tokens, self.max_id = stream.samples, stream.tokens, stream.max_id
 
     @classmethod
-    def from_samples(cls, samples, tok, seq_len: int, pack: bool = True) -> "Dataset":
-        """The rows of ``samples`` (``(sample, where)`` pairs) tokenized in memory."""
-        return cls(tokenize(samples, tok), seq_len, pack, tok.pad_id)
+    def from_samples(cls, samples, tok, seq_len: int, pack: bool = True, documents: bool = False) -> "Dataset":
+        """The rows of ``samples`` (``(sample, where)`` pairs) tokenized in memory (``documents``: see
+        :meth:`positions`)."""
+        return cls(tokenize(samples, tok), seq_len, pack, tok.pad_id, documents=documents)
 
     @classmethod
     def from_rows(cls, ids: torch.Tensor, mask: torch.Tensor | None = None) -> "Dataset":
@@ -709,10 +712,7 @@ class Dataset:
         """``(ids, mask)`` (k, seq_len) of rows ``index`` (positions in this dataset, 0..len-1)."""
         import numpy as np
 
-        index = index.to(torch.int64)
-        if self.part:
-            index = permute(index + self.part[0], self.rows, self.part[2])
-        rows, t, st = index.numpy(), self.seq_len, self.stream
+        rows, t, st = self._stream_rows(index), self.seq_len, self.stream
         if self.pack:  # (a row a read: from a token cache's file, only those bytes)
             ids = np.stack([st.ids[r * t : (r + 1) * t] for r in rows]) if len(rows) else np.zeros((0, t), np.int64)
             mask = (np.ones(ids.shape, np.bool_) if st.mask is None or not len(rows) else
@@ -726,6 +726,37 @@ class Dataset:
                 ids[k, : b - a] = st.ids[a:b]
                 mask[k, : b - a] = True if st.mask is None else st.mask[a:b]
         return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.bool_))
+
+    def _stream_rows(self, index: torch.Tensor):
+        """The stream's rows (numpy) of positions ``index`` in this dataset (a split's are keyed positions)."""
+        index = index.to(torch.int64)
+        if self.part:
+            index = permute(index + self.part[0], self.rows, self.part[2])
+        return index.numpy()
+
+    def positions(self, index: torch.Tensor) -> torch.Tensor | None:
+        """With ``documents`` (packed rows only), each token's position in its own sample, (k, seq_len): 0 where a
+        sample starts and at the row's start (a sample continued from the row before starts again there), so
+        that each sample attends only to itself (:mod:`funcpar.documents`); None otherwise. Only the rows'
+        sample starts are read (a binary search of ``starts``)."""
+        import bisect
+
+        import numpy as np
+
+        if not self.documents:
+            return None
+        rows, t, starts = self._stream_rows(index), self.seq_len, self.stream.starts
+        out = np.empty((len(rows), t), dtype=np.int64)
+        col = np.arange(t)
+        for k, r in enumerate(rows):
+            lo = int(r) * t
+            begin = np.zeros(t, dtype=np.int64)
+            i = bisect.bisect_right(starts, lo)  # the first sample starting after the row's first token
+            while i < len(starts) and int(starts[i]) < lo + t:
+                begin[int(starts[i]) - lo] = int(starts[i]) - lo
+                i += 1
+            out[k] = col - np.maximum.accumulate(begin)
+        return torch.from_numpy(out)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -744,13 +775,17 @@ class Dataset:
             raise DataError("a split of a split: split the whole dataset once")
         n_eval = min(max(1, int(self.rows * eval_fraction)), HELD_OUT_MAX, self.rows - 1) if eval_fraction > 0 else 0
         key = _mix(seed, 0x5EED)
-        return (Dataset(self.stream, self.seq_len, self.pack, self.pad_id, (n_eval, self.rows, key)),
-                Dataset(self.stream, self.seq_len, self.pack, self.pad_id, (0, n_eval, key)))
+        part = functools.partial(Dataset, self.stream, self.seq_len, self.pack, self.pad_id, documents=self.documents)
+        return part((n_eval, self.rows, key)), part((0, n_eval, key))
 
 
-def as_batch(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Rows and their loss mask as a batch: ``labels`` are the ids, ``-100`` where not trained on."""
-    return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+def as_batch(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Rows and their loss mask as a batch: ``labels`` are the ids, ``-100`` where not trained on. With
+    ``positions`` (packed documents) also ``position_ids``, and a sample's first token is no target (nothing before
+    it in its sample predicts it, as when the sample runs alone)."""
+    if positions is None:
+        return {"input_ids": ids, "labels": ids.masked_fill(~mask, -100)}
+    return {"input_ids": ids, "labels": ids.masked_fill(~mask | (positions == 0), -100), "position_ids": positions}
 
 
 class Mixture:
@@ -770,6 +805,9 @@ class Mixture:
         if empty:
             raise DataError(f"data source {empty[0]} leaves no rows to train on (too little data for one row of "
                             f"--seq-len beside its held-out rows): give it more data, or a shorter --seq-len")
+        if len({p.documents for p in parts}) > 1:
+            raise DataError("data sources mixed with and without packed documents (position_ids): build every "
+                            "source's Dataset with the same documents=")
         self.shares = [w / sum(raw) for w in raw]
         self.weights = [float(w) for w in self.shares]
         self.main = max(range(len(parts)), key=lambda s: self.shares[s], default=0)  # takes what rounding leaves
@@ -799,9 +837,11 @@ class Mixture:
         for p in self.parts:
             a, b = max(lo - start, 0), min(hi - start, len(p))
             if a < b:
-                got.append(p.take(torch.arange(a, b)))
+                got.append((*p.take(torch.arange(a, b)), p.positions(torch.arange(a, b))))
             start += len(p)
-        return as_batch(torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got]))
+        pos = [g[2] for g in got]
+        return as_batch(torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got]),
+                        torch.cat(pos) if pos and pos[0] is not None else None)
 
     def taken(self, s: int, rows: int) -> int:
         """How many of the first ``rows`` rows drawn come from source ``s`` (floor of its share; the main source
@@ -868,10 +908,13 @@ class Loader:
         """The rows ``(src, row)`` as a batch."""
         ids = torch.empty(len(row), self.data.parts[0].seq_len, dtype=torch.int64)
         mask = torch.empty(ids.shape, dtype=torch.bool)
+        pos = torch.empty(ids.shape, dtype=torch.int64) if self.data.parts[0].documents else None
         for s in torch.unique(src).tolist():
             sel = src == s
             ids[sel], mask[sel] = self.data.parts[s].take(row[sel])
-        return as_batch(ids, mask)
+            if pos is not None:
+                pos[sel] = self.data.parts[s].positions(row[sel])
+        return as_batch(ids, mask, pos)
 
     def global_batch_at(self, position: int) -> dict[str, torch.Tensor]:
         """Global batch ``position``, every rank's block of it."""

@@ -171,17 +171,47 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, 
            window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's heads, ``q`` (B, Hq/tp, T, hd) and ``k``, ``v`` (B, Hkv/tp, T, hd), through
     the row-parallel output projection ``wo`` (d, Hq/tp*hd): (B, T, d), summed over tp."""
-    if L.context_parallel(mesh):  # the queries are this cp rank's pieces: each sees the keys up to its end
-        k, v = L.context_whole(k, mesh, 2), L.context_whole(v, mesh, 2)  # (B, Hkv/tp, T, hd), sequence order
-        parts, at = [], 0
-        for a, n in L.context_pieces(mesh, k.shape[2]):
-            parts.append(A.causal(q[:, :, at:at + n], k[:, :, :a + n], v[:, :, :a + n], window, a))
-            at += n
-        o = torch.cat(parts, 2) if len(parts) > 1 else parts[0]  # (B, Hq/tp, T/cp, hd)
-    else:
-        o = A.causal(q, k, v, window)
-    o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
+    o = einops.rearrange(causal(q, k, v, mesh, window), "b h t d -> b t (h d)")  # (B, T, Hq/tp*hd)
     return L.row_parallel_sum_(F.linear(o, wo), mesh, "tp")  # (B, T, d), or (B, T/tp, d): sequence parallel
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, window: int | None = None) -> torch.Tensor:
+    """Causal attention, (B, Hq, T, hd) from ``q`` and ``k``, ``v`` (B, Hkv, T, hd), on ``mesh``: over cp the
+    queries are this rank's pieces and the keys are gathered whole; where the mesh carries packed documents
+    (``mesh.documents``) each query sees only its own document's keys."""
+    docs = mesh.documents
+    if L.context_parallel(mesh):  # the queries are this cp rank's pieces: each sees the keys up to its end
+        k, v = L.context_whole(k, mesh, 2), L.context_whole(v, mesh, 2)  # (B, Hkv, T, hd), sequence order
+    if docs is not None:
+        return _by_document(q, k, v, mesh, window, docs)
+    parts, at = [], 0
+    for a, n in L.context_pieces(mesh, k.shape[2]):  # (the whole sequence, one piece, without cp)
+        parts.append(A.causal(q[:, :, at:at + n], k[:, :, :a + n], v[:, :, :a + n], window, a))
+        at += n
+    return torch.cat(parts, 2) if len(parts) > 1 else parts[0]  # (B, Hq, T/cp, hd)
+
+
+def _by_document(q, k, v, mesh, window: int | None, docs) -> torch.Tensor:
+    """Causal attention inside each document: per row, per query piece, per document it meets, one kernel call on
+    the document's keys up to the piece's end (no (T, T) mask); a block-diagonal mask where the spans cannot be
+    read on the host (compiled code, meta tensors)."""
+    pieces = L.context_pieces(mesh, k.shape[2])
+    if torch.compiler.is_compiling() or q.is_meta:
+        mask = docs.mask(window)  # (B, 1, T, T)
+        rows = torch.cat([mask[:, :, a:a + n] for a, n in pieces], 2)  # (B, 1, T/cp, T): the queries' rows
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=rows, enable_gqa=True)
+    out = []
+    for b, spans in enumerate(docs.spans):
+        parts, at = [], 0
+        for a, n in pieces:
+            for s, e in spans:
+                qs, qe = max(s, a), min(e, a + n)
+                if qs < qe:  # queries qs..qe of document s..e: its keys s..qe, the queries the last of them
+                    parts.append(A.causal(q[b:b + 1, :, at + qs - a:at + qe - a], k[b:b + 1, :, s:qe],
+                                          v[b:b + 1, :, s:qe], window, qs - s))
+            at += n
+        out.append(torch.cat(parts, 2) if len(parts) > 1 else parts[0])
+    return torch.cat(out, 0) if len(out) > 1 else out[0]
 
 
 LAYER_SPECS = {  # Megatron's plan for a layer's leaves, by the names the decoders here give them

@@ -23,7 +23,7 @@ __all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "pad
            "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets",
            "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets", "check_pad_token_id",
            "sequence_parallel", "row_parallel_sum_", "sequence_shared", "sequence_block", "sequence_length",
-           "context_parallel", "context_pieces", "context_chunk", "context_whole"]
+           "context_parallel", "context_pieces", "context_chunk", "context_whole", "position_rows"]
 
 IGNORE_INDEX = -100
 
@@ -211,7 +211,25 @@ def token_range_errors(batch: dict, cfg: Any) -> list[str]:
             at = [int(i) for i in bad.nonzero()[0]]
             out.append(f"batch['{name}'] holds {int(x[tuple(at)])} at {at} ({int(bad.sum())} such entries), outside "
                        f"the vocabulary [0, {cfg.vocab_size})" + (" (and not -100)" if name == "labels" else ""))
-    return out
+    return out + _position_errors(batch)
+
+
+def _position_errors(batch: dict) -> list[str]:
+    """What is wrong with a batch's ``position_ids`` (packed documents): not the shape of ``input_ids``, or a
+    position outside ``[0, T)`` (the position tables hold T rows)."""
+    pos, ids = batch.get("position_ids"), batch.get("input_ids")
+    if pos is None or not isinstance(ids, torch.Tensor):
+        return []
+    if not isinstance(pos, torch.Tensor) or pos.shape != ids.shape or pos.dtype.is_floating_point:
+        what = f"{pos.dtype} {tuple(pos.shape)}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        return [f"batch['position_ids'] is {what}: expected integers shaped as input_ids {tuple(ids.shape)}"]
+    T = ids.shape[-1]
+    bad = (pos < 0) | (pos >= T)
+    if pos.numel() and bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        return [f"batch['position_ids'] holds {int(pos[tuple(at)])} at {at}, outside [0, {T}) (each token's position "
+                f"in its packed sample)"]
+    return []
 
 
 def sequence_parallel(mesh: "Mesh", axis: str = "tp") -> bool:
@@ -282,6 +300,16 @@ def context_chunk(t: torch.Tensor, mesh: "Mesh", dim: int = 1) -> torch.Tensor:
     itself without context parallelism)."""
     pieces = [t.narrow(dim, a, n) for a, n in context_pieces(mesh, t.shape[dim])]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def position_rows(table: torch.Tensor, mesh: "Mesh") -> torch.Tensor:
+    """The rows of a per-position table (T, ...) (rotary angles, learned positions) for this rank's positions:
+    (T/cp, ...), this cp rank's pieces; where the mesh carries packed documents, each token's own position's row,
+    (B, 1, T/cp, ...), broadcasting over the heads of (B, H, T/cp, ...)."""
+    docs = mesh.documents
+    if docs is None:
+        return context_chunk(table, mesh, 0)
+    return context_chunk(table[docs.positions], mesh, 1)[:, None]
 
 
 def context_whole(t: torch.Tensor, mesh: "Mesh", dim: int) -> torch.Tensor:

@@ -264,6 +264,21 @@ class Mesh:
         view.context_layout = layout
         return view
 
+    # The documents of the batch being computed (a funcpar.documents.Documents), when its rows are packed samples
+    # that each attend only to themselves; None: every row is one sequence. Set on a view: with_documents.
+    documents = None
+
+    def with_documents(self, position_ids: torch.Tensor | None) -> "Mesh":
+        """This mesh carrying the documents ``position_ids`` (B, T) mark (a batch's ``"position_ids"``; see
+        :mod:`funcpar.documents`), for a model's layers: itself when None."""
+        from .documents import Documents
+
+        if position_ids is None:
+            return self
+        view = copy.copy(self)
+        view.documents = Documents(position_ids)
+        return view
+
     @staticmethod
     def abstract(device: str | torch.device | None = None, **axes: int) -> "AbstractMesh":
         """``AbstractMesh(device, **axes)``: a mesh's sizes without processes, for planning."""

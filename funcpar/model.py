@@ -26,6 +26,8 @@ inside a model module; everything it needs is named here:
 ``context_parallel`` capability: on a mesh with a ``cp`` axis each rank runs a chunk of every sequence
                    (``funcpar.layers.context_chunk``; attention over every chunk's keys), and ``batch_weight``
                    takes ``mesh=`` to count that chunk's targets
+``documents``      capability: a batch's ``position_ids`` mark packed samples, each attending only to itself at
+                   its own positions (:mod:`funcpar.documents`; ``mesh.documents`` in the layers)
 =================  =====================================================================================
 
 A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
@@ -126,6 +128,7 @@ class Stages:
     def hidden(self, params, batch, cfg, mesh, remat: bool = False):
         """The carry after the last block: ``embed``, then each block in turn. ``remat``: keep only each block's
         input, and recompute the block in the backward pass (activation checkpointing)."""
+        mesh = mesh.with_documents(batch.get("position_ids"))  # (packed samples: each attends to itself)
         x = self.embed(params, batch, cfg, mesh)
         block = remat_fn(self.block) if remat else self.block
         for i, lp in enumerate(params[self.layers]):
@@ -155,6 +158,7 @@ class ModelSpec:
     check_batch: Callable[[Any, Any], list] | None = None
     sequence_parallel: bool = False
     context_parallel: bool = False
+    documents: bool = False
 
     def __post_init__(self):
         for attr in ("from_hf",):
@@ -179,6 +183,20 @@ class ModelSpec:
             raise ModelError(f"config key '{key}' is missing, and model '{self.name}' cannot do without it") from None
         return cfg if mesh is None else cfg.with_mesh(mesh)
 
+    def batch_checks(self, cfg: Any) -> Callable[[Any], list] | None:
+        """``check(batch) -> [messages]`` for the step: ``check_batch`` on ``cfg``, and ``position_ids`` refused by
+        name where the model does not take packed documents."""
+        own = functools.partial(self.check_batch, cfg=cfg) if self.check_batch else None
+        if self.documents:
+            return own
+
+        def check(batch):
+            bad = ([f"batch['position_ids']: model '{self.name}' does not take packed documents (samples that each "
+                    f"attend only to themselves) yet; leave position_ids out (funcpar train: --cross-document)"]
+                   if isinstance(batch, dict) and "position_ids" in batch else [])
+            return bad + (own(batch) if own else [])
+        return check
+
     def loss_fn(self, cfg: Any, mesh, *, remat: bool = False, sequence_parallel: bool = False) -> "Loss":
         """The :class:`Loss` of this model for :func:`funcpar.compile_step`: ``loss(params, batch) -> scalar`` on
         ``cfg`` and ``mesh``, carrying the model's batch weight and batch check, and the model for its staged form.
@@ -196,7 +214,7 @@ class ModelSpec:
                 raise ModelError(f"model '{self.name}' does not support context parallelism (a cp axis) yet")
             weight = functools.partial(weight, mesh=mesh) if weight is not None else None  # this chunk's targets
         kw = {"remat": True} if remat else {}
-        check = functools.partial(self.check_batch, cfg=cfg) if self.check_batch else None
+        check = self.batch_checks(cfg)
         return Loss(fn=functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), model=self, cfg=cfg, mesh=mesh,
                     remat=remat, batch_weight=weight, check_batch=check)
 
@@ -287,7 +305,7 @@ class Loss:
         if owner is None:
             return Loss(fn=fn)
         cfg = kw.get("cfg")
-        check = functools.partial(owner.check_batch, cfg=cfg) if owner.check_batch and "cfg" in kw else None
+        check = owner.batch_checks(cfg) if "cfg" in kw else None
         known = "cfg" in kw and "mesh" in kw
         return Loss(fn=fn, model=owner if known else None, cfg=cfg if known else None,
                     mesh=kw["mesh"] if known else None, remat=bool(kw.get("remat", False)),

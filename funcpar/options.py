@@ -6,6 +6,7 @@ from them the model (a built-in name or an HF folder), the data, the optimizer a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -21,7 +22,8 @@ from funcpar.mesh import CONTEXT_LAYOUTS, DEVICES
 DEFAULTS: dict[str, Any] = {  # in the order --help lists them
     "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "auto",
     "token_cache": "auto",
-    "seq_len": 64, "pack": True, "global_batch": 32, "micro_batches": 1, "optimizer": "adamw", "lr": 3e-3,
+    "seq_len": 64, "pack": True, "cross_document": False, "global_batch": 32, "micro_batches": 1,
+    "optimizer": "adamw", "lr": 3e-3,
     "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
     "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "sequence_parallel": False, "offload": False,
     "compile": "auto", "final_lr": 0.1,
@@ -45,6 +47,9 @@ HELP = {
     "tokenizer": "auto (the --model folder's own tokenizer; byte for a built-in model), byte, or a folder with an "
                  "HF tokenizer", "seq_len": "tokens per row",
     "pack": "pack samples into rows (--no-pack: one sample per row, padded)",
+    "cross_document": "let a packed sample attend to the samples before it in its row, at the row's positions (the "
+                      "default keeps each sample to itself, positions from 0, as if run alone; models without "
+                      "document support always pack this way)",
     "global_batch": "rows per optimizer step, over all dp ranks and micro-batches",
     "micro_batches": "micro-batches accumulated per step (the pipeline's micro-batches with pp)",
     "optimizer": "adamw, lion or sgd", "lr": "peak learning rate",
@@ -393,20 +398,26 @@ def _source_stream(path: str, tok, choice: str):
     return stream(ARITHMETIC if path == "builtin:arithmetic" else path, tok, choice)
 
 
+def documents_on(opts, cfg) -> bool:
+    """Whether packed rows keep each sample to itself (``position_ids`` in the batches: attention inside the sample,
+    positions from 0): by default, where the model takes packed documents; ``--cross-document`` turns it off."""
+    return bool(opts["pack"]) and not opts["cross_document"] and fp.get_model(cfg.model_type).documents
+
+
 def datasets(opts, cfg):
     """``(data, train_data, eval_data)`` as :class:`funcpar.data.Mixture` s: every source's rows, their train
     part weighted as ``--data`` says, and the held-out part (``--eval-fraction`` of each source, or with
     ``--eval-data`` every row of ``--data`` trains and that data is held out). A large source is read from the
     token cache (``--token-cache``), tokenizing it first if needed."""
     tok, seq, pack = tokenizer(opts), opts["seq_len"], opts["pack"]
+    rows = functools.partial(fp.data.Dataset, seq_len=seq, pack=pack, pad_id=tok.pad_id,
+                             documents=documents_on(opts, cfg))
     sources = data_sources(opts["data"])
-    whole = [fp.data.Dataset(_source_stream(path, tok, opts["token_cache"]), seq, pack, tok.pad_id)
-             for path, _ in sources]
+    whole = [rows(_source_stream(path, tok, opts["token_cache"])) for path, _ in sources]
     names, weights = [p for p, _ in sources], [w for _, w in sources]
     if opts["eval_data"]:
         evals = [p for p, _ in data_sources(opts["eval_data"])]
-        held = [(p, fp.data.Dataset(_source_stream(p, tok, opts["token_cache"]), seq, pack, tok.pad_id))
-                for p in evals]
+        held = [(p, rows(_source_stream(p, tok, opts["token_cache"]))) for p in evals]
         train = whole
     else:
         train, parts = zip(*(d.split(opts["eval_fraction"], seed=opts["seed"]) for d in whole), strict=True)

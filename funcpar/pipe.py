@@ -182,8 +182,8 @@ class Executor:
         return 3 if v % pp == 0 else 1
 
     # ------------------------------------------------------------------------------------------- chunk passes
-    def _blocks(self, params: Any, x: torch.Tensor, v: int) -> torch.Tensor:
-        plan, st, cfg, mesh = self.plan, self.plan.stages, self.plan.cfg, self.mesh
+    def _blocks(self, params: Any, x: torch.Tensor, v: int, mesh) -> torch.Tensor:
+        plan, st, cfg = self.plan, self.plan.stages, self.plan.cfg
         for i, half in plan.pieces(plan.ranges[v]):
             fn = functools.partial(_block_call, st.block if half is None else st.halves[half], i, cfg, mesh)
             if self.zero3 is not None:  # gathered inside remat: the backward gathers the layer again
@@ -235,7 +235,8 @@ class Executor:
         return out
 
     def _forward(self, params, mb, v: int, m: int, weight: torch.Tensor | None):
-        st, cfg, mesh, last = self.plan.stages, self.plan.cfg, self.mesh, v == self.plan.V - 1
+        st, cfg, last = self.plan.stages, self.plan.cfg, v == self.plan.V - 1
+        mesh = self.mesh.with_documents(mb.get("position_ids"))  # (packed samples: each attends to itself)
         sig = _signature(mb)
         embedded = None
         if v == 0:  # the blocks start from a leaf, as on the other stages: the embedding's backward comes after
@@ -243,7 +244,7 @@ class Executor:
             x_in = embedded.detach().requires_grad_(True)
         else:
             x_in = self._recv_input(v, m, sig).requires_grad_(True)
-        y = self._blocks(params, x_in, v)
+        y = self._blocks(params, x_in, v, mesh)
         if not last:
             self._send_output(y.detach(), v, m, sig)
             return (x_in, embedded), y, None

@@ -201,19 +201,20 @@ class Zero3Loss:
         return self.layout.unflatten(leaves)
 
     def __call__(self, parts: list[torch.Tensor], batch: Any) -> torch.Tensor:
-        st, cfg, mesh = self.stages, self.cfg, self.mesh
+        st, cfg = self.stages, self.cfg
+        mesh = self.mesh.with_documents(batch.get("position_ids"))  # (packed samples: each attends to itself)
         x = st.embed(self.tree({0: self.embed_leaves(parts[0])}), batch, cfg, mesh)
         for i in range(self.n_blocks):
-            x = remat(self._block(i + 1, i))(parts[i + 1], x)
+            x = remat(self._block(i + 1, i, mesh))(parts[i + 1], x)
         head = {0: self.gather(0, parts[0])} if self.tied else {}  # a tied head: the embedding gathered again
         if len(parts) > self.n_blocks + 1:
             head[len(parts) - 1] = self.gather(len(parts) - 1, parts[-1])
         return st.head(self.tree(head), x, batch, cfg, mesh)
 
-    def _block(self, k: int, i: int) -> Callable:
+    def _block(self, k: int, i: int, mesh) -> Callable:
         def run(part, x):
             tree = self.tree({k: self.gather(k, part)})
-            return self.stages.block(tree[self.stages.layers][i], x, i, self.cfg, self.mesh)
+            return self.stages.block(tree[self.stages.layers][i], x, i, self.cfg, mesh)
 
         return run
 

@@ -207,7 +207,7 @@ def _attention(p, x, cos, sin, cfg: Config, mesh):
 
 def _block(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     # the whole sequence's positions, then this cp rank's pieces of them
-    cos, sin = (L.context_chunk(t, mesh, 0) for t in _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device))
+    cos, sin = (L.position_rows(t, mesh) for t in _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device))
     x = D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps, mesh)
     return D.mlp_residual(lp, x, cfg.rms_norm_eps, mesh)
 
@@ -243,5 +243,5 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat:
 MODEL = fp.register_model(fp.ModelSpec(
     name="baichuan", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
-    sequence_parallel=True, context_parallel=True,
+    sequence_parallel=True, context_parallel=True, documents=True,
 ))

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 import funcpar as fp
 from funcpar import P
-from funcpar import attention as A
 from funcpar import decoder as D
 from funcpar import layers as L
 
@@ -180,7 +179,7 @@ def _attention_half(p, x, i: int | None, cfg: Config, mesh):
     # (B, T, d) -> (B, T, H/tp*hd) each; h's gradient summed over tp
     q, k, v = L.column_parallel(h, [p["wq"], p["wk"], p["wv"]], mesh, "tp", [p["bq"], p["bk"], p["bv"]])
     q, k, v = (einops.rearrange(t, "b t (h d) -> b h t d", d=hd) for t in (q, k, v))  # (B, H/tp, T, hd)
-    o = A.causal(q, k, v)  # (B, H/tp, T, hd)
+    o = D.causal(q, k, v, mesh)  # (B, H/tp, T, hd)
     o = einops.rearrange(o, "b h t d -> b t (h d)")  # (B, T, H/tp*hd)
     # (B, T, H/tp*hd) -> (B, T, d), or (B, T/tp, d) under sequence parallelism
     return x + L.row_parallel_sum_(F.linear(o, p["wo"]), mesh) + L.sequence_shared(p["bo"], mesh)
@@ -201,7 +200,9 @@ def _embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
     T = batch["input_ids"].shape[1]
     if T > cfg.n_positions:
         raise ValueError(f"sequence length {T} exceeds GPT-2's n_positions={cfg.n_positions}")
-    pos = L.sequence_block(params["wpe"][:T], mesh)  # (T, d), or this rank's (T/tp, d): sequence parallel
+    docs = mesh.documents  # packed samples: each token at its own position in its sample
+    wpe = params["wpe"][:T] if docs is None else F.embedding(docs.positions, params["wpe"])  # (T, d) or (B, T, d)
+    pos = L.sequence_block(wpe, mesh, wpe.dim() - 2)  # this rank's (.., T/tp, d) under sequence parallelism
     return L.vocab_embedding(params["wte"], batch["input_ids"], mesh, "tp") + pos  # (B, T, d)
 
 
@@ -239,5 +240,5 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> tor
 MODEL = fp.register_model(fp.ModelSpec(
     name="gpt2", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=False, stages=STAGES,
-    sequence_parallel=True,
+    sequence_parallel=True, documents=True,
 ))

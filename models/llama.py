@@ -245,7 +245,7 @@ def _attention(p, x, cos, sin, window, cfg: Config, mesh):
 def _attention_half(lp, x, i: int, cfg: Config, mesh) -> torch.Tensor:
     """Layer ``i``'s attention and its residual (a pipeline may cut a layer after it)."""
     # (T, hd): the positions of the whole sequence, then this cp rank's chunk of them
-    cos, sin = (L.context_chunk(t, mesh, 0) for t in _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device,
+    cos, sin = (L.position_rows(t, mesh) for t in _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device,
                                                                     x.dtype))
     window = cfg.sliding_windows[i]
     return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, window, cfg, mesh), cfg.rms_norm_eps,
@@ -288,5 +288,5 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat:
 MODEL = fp.register_model(fp.ModelSpec(
     name="llama", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
-    sequence_parallel=True, context_parallel=True,
+    sequence_parallel=True, context_parallel=True, documents=True,
 ))

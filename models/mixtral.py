@@ -284,7 +284,7 @@ def _trunk(params, tokens: torch.Tensor, cfg: Config, mesh):
     """The last layer's output (B, T, d), replicated over tp, and the load-balancing statistics summed over the
     layers (assignments per expert, router probability per expert)."""
     x = D.embed(params, {"input_ids": tokens}, cfg, mesh)  # (B, T) -> (B, T, d)
-    cos, sin = _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype)  # (T, hd)
+    cos, sin = (L.position_rows(t, mesh) for t in _rope_cos_sin(cfg, tokens.shape[1], x.device, x.dtype))  # (T, hd)
     counts = prob_sum = 0
     for lp in params["layers"]:
         x, c, s = _layer(lp, x, cos, sin, cfg, mesh)
@@ -329,7 +329,7 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", aux: b
     ``batch["loss_mask"]`` optional), plus ``router_aux_loss_coef`` times the load-balancing loss of the global
     batch when ``aux`` (default ``cfg.output_router_logits``, as transformers decides). Under ``reduction="sum"``
     the load-balancing term is added as it is."""
-    tokens = batch["input_ids"]
+    tokens, mesh = batch["input_ids"], mesh.with_documents(batch.get("position_ids"))
     x, counts, prob_sum = _trunk(params, tokens, cfg, mesh)
     ce = D.rms_head_loss(params, x, batch, cfg, mesh, reduction)
     if not (cfg.output_router_logits if aux is None else aux):
@@ -354,7 +354,7 @@ def _staged_embed(params, batch: dict, cfg: Config, mesh) -> torch.Tensor:
 
 
 def _attention_half(lp, x: torch.Tensor, i: int, cfg: Config, mesh) -> torch.Tensor:
-    cos, sin = _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device, x.dtype)  # (T, hd)
+    cos, sin = (L.position_rows(t, mesh) for t in _rope_cos_sin(cfg, L.sequence_length(x, mesh), x.device, x.dtype))
     return D.attention_residual(lp, x, lambda h: _attention(lp, h, cos, sin, cfg, mesh), cfg.rms_norm_eps, mesh)
 
 
@@ -378,4 +378,5 @@ STAGES = fp.Stages(_staged_embed, _staged_block, _staged_head, embed_leaves=lamb
 MODEL = fp.register_model(fp.ModelSpec(
     name="mixtral", model_types=("mixtral",), Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, stages=STAGES, sequence_parallel=True,
+    documents=True,
 ))

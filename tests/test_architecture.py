@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ("core", ["funcpar.tree", "funcpar.spec", "funcpar.state", "funcpar.model", "funcpar.mesh",
               "funcpar.lifeline", "funcpar.hostmem", "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*", "funcpar.pipeline",
-              "funcpar.stagecut", "funcpar.splitgrad", "funcpar.remat"]),
+              "funcpar.stagecut", "funcpar.splitgrad", "funcpar.remat", "funcpar.documents"]),
     ("communication", ["funcpar.transport", "funcpar.collectives", "funcpar.p2p"]),
     ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_config", "funcpar.step_options", "funcpar.layers", "funcpar.headloss", "funcpar.decoder", "funcpar.atomic", "funcpar.data", "funcpar.tokencache",
                 "funcpar._ckpt_source", "funcpar._hf_folder", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),

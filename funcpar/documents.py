@@ -1,0 +1,68 @@
+"""Packed rows of several documents: where each begins, from the batch's ``position_ids``.
+
+A packed row holds samples end to end. With ``position_ids`` in the batch (the position of each token in its own
+sample: 0, 1, 2, 0, 1, ...) each sample is its own sequence, as if run alone: rotary and learned positions are the
+given ones, and causal attention stays inside the sample. A document begins where a position is not the previous
+one plus one (and at the row's start), so a fragment that continues a sample from the row before keeps its
+positions and is a document of its own.
+
+:meth:`funcpar.Mesh.with_documents` hands a model's layers a mesh view carrying them; :func:`funcpar.decoder.
+causal` attends by document (one kernel call per document and query piece, no (T, T) mask), or through a
+block-diagonal mask where the spans cannot be read on the host (``torch.compile``, meta tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+__all__ = ["Documents"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Documents:
+    """The documents of a batch's rows: ``positions`` (B, T), each token's position in its document."""
+
+    positions: torch.Tensor
+
+    def __post_init__(self):
+        p = self.positions
+        if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.dtype.is_floating_point or p.dtype == torch.bool:
+            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"batch['position_ids'] must be an integer tensor (B, T), like input_ids; got {shape}")
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """(B, T) bool: where a document begins (the row's first position, and each that does not follow on)."""
+        p = self.positions
+        cont = torch.zeros_like(p, dtype=torch.bool)
+        cont[:, 1:] = p[:, 1:] == p[:, :-1] + 1
+        return ~cont
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """(B, T): each token's document, numbered from 0 in its row."""
+        return self.starts.long().cumsum(1) - 1
+
+    @functools.cached_property
+    def spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per row, its documents' ``(start, end)`` positions, read on the host once."""
+        T = self.positions.shape[1]
+        rows = []
+        for row in self.starts.cpu().tolist():
+            begin = [t for t, s in enumerate(row) if s]
+            rows.append(tuple(zip(begin, begin[1:] + [T], strict=True)))
+        return tuple(rows)
+
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        """(B, 1, T, T) bool: key ``j`` visible to query ``i`` (the same document, ``j <= i``, and within the last
+        ``window`` positions): for where the spans cannot be read (compiled code, meta tensors)."""
+        d = self.ids
+        T = d.shape[1]
+        i = torch.arange(T, device=d.device)
+        causal = i[None, :] <= i[:, None]
+        if window is not None:
+            causal = causal & (i[:, None] - i[None, :] < window)
+        return ((d[:, :, None] == d[:, None, :]) & causal)[:, None]
