@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from funcpar.pointwise import functorch_wrapped
 
-__all__ = ["causal", "BLOCKED_T"]
+__all__ = ["causal", "within_documents", "blocked_within", "BLOCKED_T"]
 
 BLOCKED_T = (64, 512)  # the sequence lengths (inclusive) the block path takes on CPU
 
@@ -134,9 +134,26 @@ def _rows(x: torch.Tensor, kv: int, a: int, e: int) -> torch.Tensor:
     return x.reshape(B, kv, H // kv, T, D)[:, :, :, a:e].reshape(B * kv, H // kv * (e - a), D)
 
 
+def blocked_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> bool:
+    """Whether :func:`within_documents` takes the block-causal CPU path (no mask, the work of causal attention)."""
+    return window is None and _blocked(q, k, v)
+
+
+def within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, mask,
+                     window: int | None = None) -> torch.Tensor:
+    """Causal attention inside documents in one call: ``ids`` (B, T) numbers each position's document, and a query
+    sees the keys of its own document up to itself (and within ``window``). On the block-causal CPU path its score
+    blocks are masked by document (the work of plain causal attention, exact per document); elsewhere torch's
+    kernel with ``mask()``, the (B, 1, T, T) block-diagonal mask (for rows of many short documents, where a kernel
+    call per document would cost more than the mask)."""
+    if blocked_within(q, k, v, window):
+        return _BlockCausal.apply(q, k, v, 32 if q.shape[-2] <= 256 else 64, ids)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask(), enable_gqa=True)
+
+
 class _BlockCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, tb):
+    def forward(ctx, q, k, v, tb, ids=None):
         B, H, T, D = q.shape
         kv, scale = k.shape[1], D ** -0.5
         kf, vf = k.reshape(B * kv, T, D), v.reshape(B * kv, T, D)
@@ -147,11 +164,14 @@ class _BlockCausal(torch.autograd.Function):
             e = min(a + tb, T)
             s = torch.bmm(_rows(q, kv, a, e), kf[:, :e].transpose(1, 2)).mul_(scale)  # (B·kv, G·n, e)
             s.view(B * kv, H // kv, e - a, e)[..., a:].masked_fill_(above[: e - a, : e - a], float("-inf"))
+            if ids is not None:  # packed documents: only the query's own document's keys
+                other = (ids[:, a:e, None] != ids[:, None, :e])[:, None, None]  # (B, 1, 1, n, e)
+                s.view(B, kv, H // kv, e - a, e).masked_fill_(other, float("-inf"))
             p = torch.softmax(s, -1)
             out[:, a:e] = torch.bmm(p, vf[:, :e]).view(B, kv, H // kv, e - a, D).permute(0, 3, 1, 2, 4)
             probs.append(p)
         o = out.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        ctx.tb = tb
+        ctx.tb, ctx.ids = tb, ids
         ctx.save_for_backward(q, k, v, o, *probs)
         return o
 
@@ -159,7 +179,9 @@ class _BlockCausal(torch.autograd.Function):
     def backward(ctx, go):
         q, k, v, o, *probs = ctx.saved_tensors
         if torch.is_grad_enabled():  # differentiated again: the composition's graph gives the second derivative
-            return (*_again(ctx, q, k, v, go), None)
+            if ctx.ids is not None:
+                raise NotImplementedError("attention within documents differentiated twice")
+            return (*_again(ctx, q, k, v, go), None, None)
         B, H, T, D = q.shape
         kv, scale, tb = k.shape[1], D ** -0.5, ctx.tb
         kf, vf = k.reshape(B * kv, T, D), v.reshape(B * kv, T, D)
@@ -173,7 +195,7 @@ class _BlockCausal(torch.autograd.Function):
             ds = torch.bmm(goi, vf[:, :e].transpose(1, 2)).sub_(_rows(delta, kv, a, e)).mul_(p).mul_(scale)
             gk[:, :e].baddbmm_(ds.transpose(1, 2), _rows(q, kv, a, e))
             gq[:, a:e] = torch.bmm(ds, kf[:, :e]).view(B, kv, H // kv, e - a, D).permute(0, 3, 1, 2, 4)
-        return gq.view(B, T, H, D).transpose(1, 2), gk.view(k.shape), gv.view(v.shape), None
+        return gq.view(B, T, H, D).transpose(1, 2), gk.view(k.shape), gv.view(v.shape), None, None
 
 
 def _again(ctx, q, k, v, go):

@@ -191,20 +191,32 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, window: int 
     return torch.cat(parts, 2) if len(parts) > 1 else parts[0]  # (B, Hq, T/cp, hd)
 
 
+# Documents per row beyond which one call with the block-diagonal mask beats a kernel call per document
+# (bench/documents.py: rows of ~13 arithmetic samples ran 4x slower one call per document than across them).
+MANY_DOCUMENTS = 4
+
+
 def _by_document(q, k, v, mesh, window: int | None, docs) -> torch.Tensor:
-    """Causal attention inside each document: per row, per query piece, per document it meets, one kernel call on
-    the document's keys up to the piece's end (no (T, T) mask); a block-diagonal mask where the spans cannot be
-    read on the host (compiled code, meta tensors)."""
+    """Causal attention inside each document. Float32 CPU rows of 64-512 positions: one block-causal call, its
+    score blocks masked by document (the work of causal attention). Rows of a few documents: per row, per query
+    piece, per document it meets, one kernel call on the document's keys up to the piece's end (no (T, T) mask).
+    Rows of many short documents (more than ``MANY_DOCUMENTS``), and compiled code (where the spans cannot be read
+    on the host): one call with the block-diagonal mask. On meta tensors (a plan) each row counts as one document:
+    the most work, the memory of the eager calls, which keep no mask."""
     pieces = L.context_pieces(mesh, k.shape[2])
-    if torch.compiler.is_compiling() or q.is_meta:
+    one = len(pieces) == 1
+    if (torch.compiler.is_compiling() or (one and A.blocked_within(q, k, v, window))
+            or (not q.is_meta and docs.count > MANY_DOCUMENTS * q.shape[0])):
+        if one:
+            return A.within_documents(q, k, v, docs.ids, lambda: docs.mask(window), window)
         mask = docs.mask(window)  # (B, 1, T, T)
         rows = torch.cat([mask[:, :, a:a + n] for a, n in pieces], 2)  # (B, 1, T/cp, T): the queries' rows
         return F.scaled_dot_product_attention(q, k, v, attn_mask=rows, enable_gqa=True)
     out = []
-    for b, spans in enumerate(docs.spans):
+    for b, row in enumerate([((0, k.shape[2]),)] * q.shape[0] if q.is_meta else docs.spans):
         parts, at = [], 0
         for a, n in pieces:
-            for s, e in spans:
+            for s, e in row:
                 qs, qe = max(s, a), min(e, a + n)
                 if qs < qe:  # queries qs..qe of document s..e: its keys s..qe, the queries the last of them
                     parts.append(A.causal(q[b:b + 1, :, at + qs - a:at + qe - a], k[b:b + 1, :, s:qe],

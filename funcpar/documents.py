@@ -26,6 +26,7 @@ class Documents:
     """The documents of a batch's rows: ``positions`` (B, T), each token's position in its document."""
 
     positions: torch.Tensor
+    _masks: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         p = self.positions
@@ -56,9 +57,19 @@ class Documents:
             rows.append(tuple(zip(begin, begin[1:] + [T], strict=True)))
         return tuple(rows)
 
+    @property
+    def count(self) -> int:
+        """How many documents the rows hold, all rows together."""
+        return sum(len(row) for row in self.spans)
+
     def mask(self, window: int | None = None) -> torch.Tensor:
         """(B, 1, T, T) bool: key ``j`` visible to query ``i`` (the same document, ``j <= i``, and within the last
-        ``window`` positions): for where the spans cannot be read (compiled code, meta tensors)."""
+        ``window`` positions), made once per window and shared by every layer of the batch."""
+        if window not in self._masks:
+            self._masks[window] = self._mask(window)
+        return self._masks[window]
+
+    def _mask(self, window: int | None) -> torch.Tensor:
         d = self.ids
         T = d.shape[1]
         i = torch.arange(T, device=d.device)

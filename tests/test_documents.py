@@ -83,22 +83,38 @@ def test_a_packed_rows_loss_and_gradients_are_its_samples_run_alone(kind):
     assert abs(across.item() - want_loss) > 1e-3
 
 
-def test_eager_block_paths_and_the_compiled_mask_agree():
-    """Outside torch.func (the block-causal CPU kernel per document, 64+ positions) and through the block-diagonal
-    mask compiled code takes, attention by document gives the per-document result."""
+@pytest.mark.parametrize("lengths, path", [
+    ((70, 58), "the block-causal CPU kernel, its blocks masked by document (64-512 positions)"),
+    ((3, 5, 2, 7, 4, 6, 5), "one call with the block-diagonal mask (many short documents)"),
+    ((20, 12), "a kernel call per document (a few documents)"),
+])
+def test_every_attention_path_within_documents_is_each_document_alone(lengths, path, monkeypatch):
+    """Outside torch.func (plain autograd), each of D.causal's paths gives each document's causal attention and its
+    gradients; so does the compiled form (the mask)."""
+    from funcpar import attention as A
     from funcpar import decoder as D
 
+    taken = []
+    for name in ("within_documents", "causal"):
+        monkeypatch.setattr(A, name, lambda *a, _f=getattr(A, name), _n=name, **kw: taken.append(_n) or _f(*a, **kw))
+    monkeypatch.setattr(A._BlockCausal, "apply", lambda *a, _f=A._BlockCausal.apply: taken.append("block") or _f(*a))
     torch.manual_seed(0)
-    pos = torch.cat([torch.arange(n) for n in (70, 58)])[None].repeat(2, 1)  # (2, 128)
-    docs = fp.Mesh().with_documents(pos)
-    q, k, v = (torch.randn(2, 4, 128, 16) for _ in range(3))
-    got = D.causal(q, k, v, docs)
+    T = sum(lengths)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].repeat(2, 1)  # (2, T)
+    q, k, v = (torch.randn(2, 4, T, 16, requires_grad=True) for _ in range(3))
+    got = D.causal(q, k, v, fp.Mesh().with_documents(pos))
+    bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
     want = torch.cat([torch.nn.functional.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :],
                                                                        v[..., a:b, :], is_causal=True)
-                      for a, b in ((0, 70), (70, 128))], 2)
+                      for a, b in zip(bounds, bounds[1:])], 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=docs.documents.mask())
-    torch.testing.assert_close(masked, want, rtol=1e-5, atol=1e-6)
+    assert taken == {"the block": ["within_documents", "block"], "one call ": ["within_documents"],
+                     "a kernel ": ["causal"] * len(lengths) * 2}[path[:9]], taken
+    go = torch.randn_like(got)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(lambda q, k, v, p: D.causal(q, k, v, fp.Mesh().with_documents(p)), dynamic=False)
+    torch.testing.assert_close(compiled(q, k, v, pos), want, rtol=1e-5, atol=1e-6)
 
 
 def _step_grads(kind: str, sizes: dict, extra: dict, layout: str = "zigzag"):
