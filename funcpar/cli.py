@@ -148,35 +148,87 @@ def _lora_fields(opts) -> dict | None:
     return dataclasses.asdict(fp.lora.LoraConfig.parse(opts["lora"])) if opts["lora"] else None
 
 
-def _same_run(opts, extra: dict, src: Path) -> None:
-    """Refuse to resume with settings that would change what the checkpoint's state means without changing any
-    shape (another --seq-len: the saved data position counts rows of the old length; another LoRA alpha or
-    dropout: the adapters were trained under the old scale). A checkpoint that predates a record is not checked."""
+def _same_run(opts, extra: dict, src: Path, loader=None) -> None:
+    """Refuse to resume with settings the checkpoint's state cannot continue under (``extra``: what it recorded;
+    read from its meta.json before any tensor, so the launcher checks it before the ranks start): another
+    --seq-len (the saved data position counts rows of the old length); another --lora (alpha or dropout: the
+    adapters were trained under the old scale; r or targets: other adapters), or --lora on a whole model's
+    checkpoint or none on an adapters' one; and what ``loader`` (the run's :class:`funcpar.data.Loader`) would
+    refuse of the saved data position (:func:`_same_data`). A checkpoint that predates a record is not checked."""
     if extra.get("seq_len") not in (None, opts["seq_len"]):
         raise SystemExit(f"funcpar: --seq-len {opts['seq_len']} differs from the checkpoint's {extra['seq_len']} "
                          f"({src}): its data position counts rows of {extra['seq_len']} tokens; resume with --seq-len "
                          f"{extra['seq_len']}, or start a new run")
     saved, now = extra.get("lora"), _lora_fields(opts)
+    if "lora" in extra and (saved is None) != (now is None):
+        held = (f"LoRA adapters (--lora r={saved['r']},alpha={saved['alpha']:g},targets={','.join(saved['targets'])})"
+                if saved else "a whole model's state (no --lora)")
+        raise SystemExit(f"funcpar: --resume: the checkpoint ({src}) holds {held}, and this run "
+                         f"{'trains the whole model' if now is None else 'trains LoRA adapters'}: resume with the "
+                         f"run's --lora, or start a new run")
     if saved is not None and now is not None:
-        changed = [f"{k}={now[k]} (the checkpoint's: {saved[k]})" for k in ("alpha", "dropout")
-                   if k in saved and saved[k] != now[k]]
+        changed = [f"{k}={_shown(now[k])} (the checkpoint's: {_shown(saved[k])})"
+                   for k in ("r", "alpha", "targets", "dropout") if k in saved and _shown(saved[k]) != _shown(now[k])]
         if changed:
             raise SystemExit(f"funcpar: --lora {', '.join(changed)} differs from the run being resumed ({src}): its "
                              f"adapters were trained under the checkpoint's settings; resume with them")
+    if loader is not None and isinstance(extra.get("data"), dict):
+        _same_data(opts, extra["data"], loader.state_dict(), src)
+
+
+def _shown(v):
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
+
+
+def _same_data(opts, saved: dict, now: dict, src: Path) -> None:
+    """What :meth:`funcpar.data.Loader.load_state_dict` refuses of a saved data position (``saved``; ``now``: the
+    run's loader's own state), said in flags: another --global-batch or --seed (the order the position counts
+    in), another number of --data sources or other weights (the rows each source has served)."""
+    for key in ("global_batch", "seed"):
+        if key in saved and saved[key] != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(f"funcpar: {flag} {now[key]} differs from the checkpoint's {saved[key]} ({src}): its data "
+                             f"position counts global batches in the order of --global-batch and --seed; resume with "
+                             f"{flag} {saved[key]}, or start a new run")
+    was, weights = saved.get("weights", [1.0]), now.get("weights", [1.0])
+    if len(was) != len(weights) or any(abs(a - b) > 1e-9 for a, b in zip(was, weights, strict=True)):
+        now_by, was_by = (", ".join(f"{w:g}" for w in ws) for ws in (weights, was))
+        raise SystemExit(f"funcpar: --data {opts['data']} mixes {len(weights)} source(s) by {now_by}, the "
+                         f"checkpoint's run {len(was)} by {was_by} ({src}): the rows each source has served follow "
+                         f"from the mix; resume with the run's --data, or start a new run")
+
+
+def _resume_source(opts) -> Path | None:
+    """With ``--resume``: the checkpoint it continues (:func:`resume_point`). None of them is refused, naming the
+    folder (a mistyped --out would otherwise train from scratch), but in a rank torchrun restarted (it continues
+    the run it was; one that failed before its first checkpoint starts again at step 0)."""
+    out = Path(opts["out"])
+    src = resume_point(out / "checkpoints")
+    if src is not None or restarted():
+        return src
+    found = run_files(out) if out.is_dir() else []
+    if found:
+        refuse_links(out, RUN_FILES)  # (what the run would refuse first)
+        raise SystemExit(f"funcpar: --resume: --out {out} holds no checkpoint to continue (its earlier run saved none: "
+                         f"{', '.join(found)}): drop --resume and pass --overwrite to start a new run there")
+    what = "no such folder" if not out.exists() else "no checkpoints in it"
+    raise SystemExit(f"funcpar: --resume: --out {out} holds no checkpoint to continue ({what}): drop --resume to "
+                     f"start a new run (or check --out)")
 
 
 def _resume(run: _Run) -> None:
-    """With ``--resume``: continue from the output folder's checkpoint (:func:`resume_point`), its state and data
-    position; with none there yet, say so and start at step 0."""
+    """With ``--resume``: continue from the output folder's checkpoint (:func:`_resume_source`), its state and data
+    position, once its recorded settings agree (:func:`_same_run`, before a tensor is read); a rank torchrun
+    restarted before the run's first checkpoint says so and starts at step 0."""
     if not run.opts["resume"]:
         return
-    src = resume_point(run.ckpts)
+    src = _resume_source(run.opts)
     if src is None:
         if run.rank0:
             print(f"funcpar: --resume: {run.ckpts} holds no checkpoint yet: starting at step 0", flush=True)
         return
+    _same_run(run.opts, fp.checkpoint.metadata(src).get("extra") or {}, src, run.loader)
     run.state, extra = run.step.load(src)
-    _same_run(run.opts, extra, src)
     run.loader.load_state_dict(extra["data"])
     if run.rank0:
         print(f"resumed from {fp.checkpoint.resolve(src)} at step {run.state.step}", flush=True)
@@ -403,7 +455,9 @@ def _preflight(opts, sizes) -> None:
     """What every rank would check before its first step, checked once here, before the ranks start, so that a
     mistake is one line within seconds rather than after every rank has loaded torch and built its mesh: the
     options, the model on the mesh (heads, vocabulary, layers over pp), the tokenizer and the data (read and
-    tokenized, as each rank then does), the batch arithmetic, and an --out that holds another run."""
+    tokenized, as each rank then does), the batch arithmetic, an --out that holds another run, and with --resume
+    a checkpoint to continue whose recorded settings the run keeps (another --seq-len, --global-batch, --seed,
+    data mix or --lora is refused here, not after the ranks have started and loaded it)."""
     mesh = fp.Mesh.abstract(**sizes)
     model, cfg = model_config(opts["model"], mesh)
     specs = model.specs(cfg, mesh)
@@ -415,6 +469,10 @@ def _preflight(opts, sizes) -> None:
     check_run(with_epochs(opts, len(train_data)), cfg, mesh, len(train_data), len(eval_data), data.tokens)
     claim_out(Path(opts["out"]), opts["resume"], opts["overwrite"], check_only=True)
     lock_out(Path(opts["out"]), hold=False)
+    src = _resume_source(opts) if opts["resume"] else None
+    if src is not None:  # (the checkpoint's meta.json only: what it recorded, not a tensor)
+        loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
+        _same_run(opts, fp.checkpoint.metadata(src).get("extra") or {}, src, loader)
 
 
 def train(argv: list[str]) -> None:
@@ -430,8 +488,8 @@ def train(argv: list[str]) -> None:
         if why_not_gpu:
             print(f"funcpar: warning: the ranks run on the CPU: {why_not_gpu}", flush=True)
         os.environ[CHOSEN_DEVICE] = device.type  # (not in argv: the resume command a rank prints is the user's)
-        try:
-            launch_if_needed(["train", *argv], nproc, opts["max_restarts"])
+        try:  # (a rank's traceback goes to --out/logs/rank-N.log; the console gets its one line)
+            launch_if_needed(["train", *argv], nproc, opts["max_restarts"], logs=Path(opts["out"]) / "logs")
         finally:
             os.environ.pop(CHOSEN_DEVICE, None)
         return
@@ -441,6 +499,8 @@ def train(argv: list[str]) -> None:
             of = f" of --max-restarts {opts['max_restarts']}" if os.environ.get(LAUNCHER_ENV) == "1" else ""
             print(f"funcpar: a rank failed; torchrun restarted the ranks (restart {restarted()}{of}): resuming",
                   flush=True)  # (under a user's torchrun, its own --max-restarts counts them)
+    elif opts["resume"]:
+        _resume_source(opts)  # (none to continue: refused before the model and data are built)
     run = _setup_run(opts, *_run_mesh(opts, sizes))
     try:
         _resume(run)
@@ -460,17 +520,24 @@ def plan(argv: list[str]) -> None:
     """Print the sharding table and the traced per-rank memory of the train step for a model on a mesh, without
     starting processes; with ``--devices N --memory GiB``, rank the meshes of N devices that fit."""
     ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False, allow_abbrev=False)  # (--device is not --devices)
-    ap.add_argument("--devices", type=int)
-    ap.add_argument("--memory", type=float, default=float("inf"))
-    ap.add_argument("--gpu", choices=sorted(GPUS))
-    ap.add_argument("--links", default="nvlink,ib400")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--efficiency", type=float, default=MEASURED_EFFICIENCY)
+    ap.add_argument("--devices", type=int, metavar="N", help="rank the meshes of N devices (dp x tp, and cp where "
+                                                              "the model has it) by the traced step")
+    ap.add_argument("--memory", type=float, default=float("inf"), metavar="GiB",
+                    help="with --devices: each device's memory; the meshes whose peak fits come first")
+    ap.add_argument("--gpu", choices=sorted(GPUS), help="estimate each step's time on these GPUs (their peaks then "
+                                                        "without the host process)")
+    ap.add_argument("--links", default="nvlink,ib400", metavar="INTRA,INTER",
+                    help=f"with --gpu: the links within a node and between nodes, of {', '.join(LINKS)} (default: "
+                         f"nvlink,ib400)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="with --gpu: GPUs a node (default: 8)")
+    ap.add_argument("--efficiency", type=float, default=MEASURED_EFFICIENCY, metavar="F",
+                    help=f"with --gpu: the share of the datasheet's FLOP rate a step reaches (default: "
+                         f"{MEASURED_EFFICIENCY}, measured)")
     ranking, rest = ap.parse_known_args(argv)
-    opts = read_options(rest, "plan", epilog=(
-        "plan also takes --devices N --memory GiB: rank the meshes that fit; --gpu h100|h200|a100 [--links "
-        f"INTRA,INTER of {','.join(LINKS)}] [--gpus-per-node 8] [--efficiency {MEASURED_EFFICIENCY}]: estimate "
-        "each step's time on such GPUs (docs/MEASUREMENTS.md: the model and its check)"))
+    opts = read_options(rest, "plan", parents=[ap], epilog=(
+        "--devices N [--memory GiB]: rank the meshes that fit; --gpu h100|h200|a100 [--links INTRA,INTER] "
+        "[--gpus-per-node N] [--efficiency F]: estimate each step's time on such GPUs (docs/MEASUREMENTS.md: the "
+        "model and its check)"))
     links = tuple(ranking.links.split(","))
     if len(links) != 2 or any(x not in LINKS for x in links):
         raise SystemExit(f"funcpar: --links takes two of {', '.join(LINKS)} (within a node, between nodes), not "
@@ -499,7 +566,7 @@ def plan(argv: list[str]) -> None:
         memory = ranking.memory * 2**30
         context = model_config(opts["model"], None)[0].context_parallel  # cp candidates: where the model has it
         rows = rank_meshes(build, ranking.devices, memory, context=context,
-                           estimate=estimate if ranking.gpu else None)
+                           estimate=estimate if ranking.gpu else None, documents=not opts["cross_document"] and None)
         print_ranking(rows, ranking.devices, memory)
         return
     try:
@@ -508,7 +575,8 @@ def plan(argv: list[str]) -> None:
         raise SystemExit(f"funcpar: {e}") from None
     axes = parse_mesh(opts["mesh"])
     print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len,
-               (lambda row, step: estimate(row, axes)) if ranking.gpu else None)
+               (lambda row, step: estimate(row, axes)) if ranking.gpu else None,
+               documents=not opts["cross_document"] and None)  # (None: where the model takes them)
 
 
 def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:

@@ -193,7 +193,8 @@ class Lora:
             hit = [(p, s, x) for p, s, x in entries if _matches(target, p, _module_of(hf_names[p].hf))]
             if not hit:
                 mods = sorted({_module_of(hf_names[p].hf) for p, _, x in entries if x.ndim == 2} - {""})
-                raise LoraError(f"LoRA target '{target}' matches no weight of model '{self.model.name}'; its "
+                kind = getattr(self.cfg, "model_type", None) or self.model.name  # (qwen2, not its spec 'llama')
+                raise LoraError(f"LoRA target '{target}' matches no weight of model '{kind}'; its "
                                 f"modules are: {', '.join(mods)}")
             for p, s, x in hit:
                 if x.ndim != 2:

@@ -75,7 +75,8 @@ HELP = {
                      "--eval-data)",
     "eval_data": "held-out data (a file or folder, --data's formats): the held-out loss is computed on it, and every "
                  "row of --data trains",
-    "epochs": "passes over the training rows: sets --steps to epochs x (rows // --global-batch) (0: --steps decides)",
+    "epochs": "passes over the training rows: sets --steps to epochs x (rows // --global-batch); not together with "
+              "--steps (0: --steps decides)",
     "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints of this run to keep", "log_every": "a log line every N steps",
     "out": "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/",
@@ -180,14 +181,18 @@ def _read_config(path: str) -> dict[str, Any]:
 
 # what shapes the step's memory; the rest: defaults
 _PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline",
-               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel", "cp_layout", "offload", "compile")
+               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel", "cp_layout", "offload", "compile",
+               "cross_document")
 _ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
           "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
 
 
-def read_options(argv: list[str], command: str, epilog: str | None = None) -> dict[str, Any]:
-    """The options of ``funcpar train`` or ``funcpar plan`` (its flags: those that shape the step)."""
-    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=_ABOUT[command], epilog=epilog)
+def read_options(argv: list[str], command: str, epilog: str | None = None, parents=()) -> dict[str, Any]:
+    """The options of ``funcpar train`` or ``funcpar plan`` (its flags: those that shape the step). ``parents``:
+    parsers of the command's own flags (``add_help=False``), parsed by the caller: listed in the usage line and
+    ``--help``, never taken here (abbreviations are then off: ``--mem`` is not ``--memory``)."""
+    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=_ABOUT[command], epilog=epilog,
+                                 parents=list(parents), allow_abbrev=not parents)
     ap.add_argument("--config", help="a TOML or JSON file of options (command-line flags override it; a run's "
                                      "--out/config.json is one)")
     ap.add_argument("--debug", action="store_true", help="tracebacks and torchrun's own logs on errors")
@@ -204,6 +209,7 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
     if unknown:
         flags = ["--config", "--debug"] + ["--" + k.replace("_", "-") for k in DEFAULTS
                                            if command != "plan" or k in _PLAN_FLAGS]
+        flags += [f for p in parents for f in p._option_string_actions if f.startswith("--")]
         raise SystemExit(_unknown_flag(unknown[0], ap.prog, flags))
     opts = dict(DEFAULTS)
     if args.config:
@@ -212,7 +218,7 @@ def read_options(argv: list[str], command: str, epilog: str | None = None) -> di
         if unknown:
             raise SystemExit(f"funcpar: unknown option(s) in {args.config}: {', '.join(unknown)}")
         opts.update(cfg)
-    opts.update({k: v for k, v in vars(args).items() if v is not None and k not in ("config", "debug")})
+    opts.update({k: v for k, v in vars(args).items() if v is not None and k in DEFAULTS})
     _check_options(opts, args.config)
     return opts
 
@@ -233,14 +239,44 @@ def run_options(opts: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     flag that changes ``--steps`` is said (the learning-rate schedule is stretched or cut from the step resumed)."""
     saved = Path(opts["out"]) / "config.json"
     run = saved_run_options(saved) if opts["resume"] and "--config" not in argv else None
-    if run is None:
-        return opts  # (none, or not a run's options: claim_out and the checkpoint say what the folder is)
+    if run is None:  # (none, or not a run's options: claim_out and the checkpoint say what the folder is)
+        _one_length(opts, argv, None)
+        return opts
     out = read_options(["--config", str(saved), *argv], "train")
+    _one_length(out, argv, saved)
     if out["steps"] != run.get("steps", out["steps"]) and _speaks_for_the_job():
         print(f"funcpar: warning: --steps {out['steps']} differs from the run's {run['steps']}: its "
               f"{out['schedule']} learning-rate schedule is laid over {out['steps']} steps from here on, so the "
               f"rate at the step resumed changes too", flush=True)
     return out
+
+
+def _given(argv: list[str]) -> dict[str, Any]:
+    """The options the command line itself sets (as ``read_options`` parses it, abbreviations included)."""
+    ap = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    ap.add_argument("--config")
+    ap.add_argument("--debug", action="store_true", default=None)
+    for key, default in DEFAULTS.items():
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {}
+        ap.add_argument("--" + key.replace("_", "-"), dest=key, default=None, **kind)
+    try:
+        args, _ = ap.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit):  # (read_options has said what is wrong with argv already)
+        return {}
+    return {k: v for k, v in vars(args).items() if v is not None}
+
+
+def _one_length(opts: dict[str, Any], argv: list[str], saved: Path | None) -> None:
+    """Refuse ``--steps`` on the command line together with ``--epochs`` (there, in ``--config`` or in the resumed
+    run's options ``saved``): each sets how long the run trains, and --epochs would silently decide."""
+    given = _given(argv)
+    if "steps" not in given or not opts["epochs"]:
+        return
+    where = ("" if "epochs" in given else f" (the run's, from {saved})" if saved is not None
+             else f" (from {given.get('config')})")
+    raise SystemExit(f"funcpar: --steps {opts['steps']} and --epochs {opts['epochs']}{where} both set how long the "
+                     f"run trains (--epochs: {opts['epochs']} passes over the training rows, whatever --steps says): "
+                     f"give one of them (--epochs 0 lets --steps decide)")
 
 
 def _speaks_for_the_job() -> bool:

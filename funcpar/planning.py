@@ -101,33 +101,44 @@ def _traffic(t: dict[str, float]) -> str:
     return ", ".join(f"{a} {n / 2**20:,.1f} MiB" for a, n in sorted(t.items())) or "none"
 
 
-def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None) -> dict[str, Any]:
+def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None, gpu: bool = False,
+               documents: bool | None = None) -> dict[str, Any]:
     """:func:`trace_step` of ``step`` (over an abstract mesh) on a token batch of ``rows`` x ``seq_len`` per rank,
     plus the host runtime's own resident set (``runtime``) where training runs on the host (a mesh on the CPU).
-    ``like``: the model's :func:`params_like`, if the caller has it already.
+    ``like``: the model's :func:`params_like`, if the caller has it already. ``gpu``: the plan is for GPUs
+    (``funcpar plan --gpu``), whatever device this machine traces on: the peak is a GPU's, with no host process in
+    it (``runtime`` 0).
 
     A step whose gradient ``compile="auto"`` compiles (a CUDA mesh of data axes only) is traced with its eager
     gradient, and ``eager_trace`` is True: inductor plans the compiled graph's buffers itself, so the figure is the
-    eager step's, an estimate for the compiled one (docs/GPU.md has how far apart the two were on one GPU)."""
+    eager step's, an estimate for the compiled one (docs/GPU.md has how far apart the two were on one GPU).
+
+    ``documents``: the batches carry packed documents' ``position_ids`` (default: where the model takes them, as
+    ``funcpar train`` packs); the trace then runs the layers' document path (its position tables included)."""
     like = params_like(model, cfg) if like is None else like
     ids = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+    if model.documents if documents is None else documents:
+        batch["position_ids"] = ids
     if step.compiled is True:
         raise ValueError("a compile=True step cannot be traced on meta tensors: plan it with compile='auto' or False")
     compiled, was = step.compiled == "auto", step.compiled
     step.compiled = False  # (auto_compiled's own switch: the eager gradient, for this trace only)
     try:
-        out = trace_step(step, local_params(like, step.specs, step.mesh), {"input_ids": ids, "labels": ids})
+        out = trace_step(step, local_params(like, step.specs, step.mesh), batch)
     finally:
         step.compiled = was
     out["eager_trace"] = compiled
-    out["runtime"] = runtime_bytes() if step.mesh.device.type == "cpu" else 0
+    out["runtime"] = runtime_bytes() if step.mesh.device.type == "cpu" and not gpu else 0
     return out
 
 
-def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int, estimate=None) -> None:
+def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int, estimate=None,
+               documents: bool | None = None) -> None:
     """Print what ``funcpar plan`` shows: the parameter count, the sharding table, and per rank the memory of the
     parameters, gradients and optimizer state, the activations and the peak of a step (traced), and the traffic;
-    with ``estimate(row, step)`` (:func:`estimate_time`'s dict), the step's estimated time."""
+    with ``estimate(row, step)`` (:func:`estimate_time`'s dict: a plan for GPUs, its peak without the host
+    process), the step's estimated time."""
     from .tree import leaves_with_path
 
     mesh = step.mesh
@@ -144,7 +155,7 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     mem = memory_plan(stage, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
     print(f"per rank (zero={zero}, {optimizer}): params {mem['params']:.2f} MiB, grads "
           f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
-    t = trace_plan(model, cfg, step, rows, seq_len, like)
+    t = trace_plan(model, cfg, step, rows, seq_len, like, gpu=estimate is not None, documents=documents)
     host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
     acts = f"activations {_mib(t['activations'])} per micro-batch; " if step.pipe is None else ""
     how = (" (the eager step's trace: compile='auto' compiles this step's gradient and inductor plans its buffers)"
@@ -154,8 +165,8 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
           f"sends {_traffic(t['traffic'])} per step; {t['flops'] / 1e12:,.3f} TFLOP per step per rank")
     if estimate is not None:
         e = estimate(t, step)
-        comm = ", ".join(f"{a} {s:.3f} s" for a, s in e["comm"].items()) or "none"
-        print(f"estimated step: {e['step']:.3f} s (compute {e['compute']:.3f} s, communication {comm}); "
+        comm = ", ".join(f"{a} {seconds(s)}" for a, s in e["comm"].items()) or "none"
+        print(f"estimated step: {seconds(e['step'])} (compute {seconds(e['compute'])}, communication {comm}); "
               f"{rows * seq_len * step.accum_steps / e['step']:,.0f} tokens/s per rank. Assumed: {e['assumptions']}")
 
 
@@ -170,19 +181,20 @@ def candidate_meshes(devices: int, context: bool = False) -> list[dict[str, int]
 
 
 def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False,
-                estimate=None) -> list[dict[str, Any]]:
+                estimate=None, documents: bool | None = None) -> list[dict[str, Any]]:
     """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too: :func:`candidate_meshes`) at
     each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows, seq_len)`` or raises ``ValueError``
-    naming why that mesh cannot run. The ones whose peak (with the runtime) fits in ``memory`` bytes come first:
-    fastest first by ``estimate(row, axes, step)`` (:func:`estimate_time`'s dict, kept as ``row["time"]``) when
-    given, else fewest bytes sent per step first (then lowest peak)."""
+    naming why that mesh cannot run. The ones whose peak (with the runtime, on the CPU) fits in ``memory`` bytes
+    come first: fastest first by ``estimate(row, axes, step)`` (:func:`estimate_time`'s dict, kept as
+    ``row["time"]``; a plan for GPUs: the peaks without the host process) when given, else fewest bytes sent per
+    step first (then lowest peak)."""
     out = []
     for axes in candidate_meshes(devices, context):
         for zero in zeros:
             row: dict[str, Any] = {"axes": axes, "zero": zero}
             try:
                 model, cfg, step, rows, seq_len = build(axes, zero)
-                row |= trace_plan(model, cfg, step, rows, seq_len)
+                row |= trace_plan(model, cfg, step, rows, seq_len, gpu=estimate is not None, documents=documents)
                 row["need"] = row["peak"] + row["runtime"]
                 row["fits"] = row["need"] <= memory
                 if estimate is not None:
@@ -236,19 +248,26 @@ def estimate_time(row: dict[str, Any], axes: dict[str, int], gpu: str, links: tu
     return {"compute": compute, "comm": {a: t for a, (t, _) in comm.items()}, "step": step, "assumptions": said}
 
 
+def seconds(s: float) -> str:
+    """A duration with three significant figures: ``1.23 s``, ``0.156 s``, ``12.3 ms``, ``45.6 µs``."""
+    if s >= 0.1 or s <= 0:
+        return f"{s:.3g} s" if s < 100 else f"{s:,.0f} s"
+    return f"{s * 1e3:.3g} ms" if s >= 1e-4 else f"{s * 1e6:.3g} µs"
+
+
 def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float) -> None:
     timed = any("time" in r for r in rows)
     order = "then fastest by the estimate" if timed else "then fewest bytes sent"
     print(f"meshes of {devices} devices with {memory / 2**30:g} GiB each (fits first, {order}):")
     print(f"{'mesh':<16} {'zero':>4} {'peak/rank':>12} {'activations':>12}  {'sends per step':<30} fits"
-          + ("  est. s/step" if timed else ""))
+          + ("  est. step" if timed else ""))
     for r in rows:
         mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
         if "why" in r:
             print(f"{mesh:<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why']}")
             continue
         need = ("~" if r["eager_trace"] else "") + _mib(r["need"])  # (a compiled step: its eager trace's figure)
-        est = f"  {r['time']['step']:.3f}" if "time" in r else ""
+        est = f"  {seconds(r['time']['step'])}" if "time" in r else ""
         print(f"{mesh:<16} {r['zero']:>4} {need:>12} {_mib(r['activations']):>12}  "
               f"{_traffic(r['traffic']):<30} {'yes' if r['fits'] else 'no '}{est}")
     if timed:

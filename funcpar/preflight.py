@@ -108,9 +108,9 @@ def _samples(opts, mesh, cfg) -> None:
                          f"axis splits: train without it, or generate from the run's hf/ afterwards")
 
 
-# what a run writes in --out
+# what a run writes in --out (logs/: rank-N.log, the traceback of a rank that failed under funcpar's launcher)
 RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter", "samples.jsonl",
-             "trackers.json", "wandb")
+             "trackers.json", "wandb", "logs")
 
 
 def _run_config(path: Path) -> bool:
@@ -120,9 +120,16 @@ def _run_config(path: Path) -> bool:
     return saved_run_options(path) is not None
 
 
+def _rank_logs(path: Path) -> bool:
+    """Whether ``path`` is a run's logs/ folder: only ranks' logs (``rank-N.log``) in it."""
+    return path.is_dir() and all(p.name.startswith("rank-") and p.name.endswith(".log") for p in path.iterdir())
+
+
 def run_files(out: Path) -> list[str]:
-    """The entries of ``out`` a funcpar run wrote (its config.json only if it holds funcpar's options)."""
-    return [n for n in RUN_FILES if (out / n).exists() and (n != "config.json" or _run_config(out / n))]
+    """The entries of ``out`` a funcpar run wrote (its config.json only if it holds funcpar's options, logs/ only if
+    it holds ranks' logs)."""
+    return [n for n in RUN_FILES if (out / n).exists() and (n != "config.json" or _run_config(out / n))
+            and (n != "logs" or _rank_logs(out / n))]
 
 
 def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False) -> None:
@@ -135,7 +142,7 @@ def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False
         return  # (new; or not a folder: creating it says why)
     entries = sorted(e.name for e in out.iterdir() if e.name != LOCK)
     found = run_files(out)
-    ours = [n for n in found if n in ("metrics.jsonl", "checkpoints", "config.json")]
+    ours = [n for n in found if n in ("metrics.jsonl", "checkpoints", "config.json", "logs")]
     if entries and not ours:
         shown = ", ".join(entries[:6]) + (" ..." if len(entries) > 6 else "")
         raise SystemExit(f"funcpar: --out {out} holds files funcpar did not write ({shown}): funcpar writes only "

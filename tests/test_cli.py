@@ -318,3 +318,16 @@ def test_a_bf16_hf_folder_trains_from_float32_weights(tmp_path):
     assert leaves and all(x.dtype == torch.float32 for x in leaves)
     want = model.model.layers[0].self_attn.q_proj.weight.float()
     assert torch.equal(params["layers"][0]["wq"], want)  # bf16 values, exactly, in float32
+
+
+@pytest.mark.subprocess
+def test_the_readmes_own_model_section_is_the_example_and_it_verifies_on_tp2(tmp_path):
+    """README's "Your own model" code is examples/own_model.py as it stands; under torchrun on tp=2 fp.verify
+    passes and the step trains."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## Your own model"):readme.index("## The command line")]
+    code = section[section.index("```python\n") + 10:section.index("```\n\nA model that")]
+    example = open(os.path.join(ROOT, "examples", "own_model.py")).read()
+    assert code == example[example.index("import os"):]
+    stdout = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/own_model.py"])
+    assert "verified on Mesh(pp=1, dp=1, tp=2); loss " in stdout

@@ -457,7 +457,7 @@ def test_a_multi_rank_runs_mistakes_are_refused_before_any_rank_starts(tmp_path,
 def test_resume_is_the_runs_own_options_from_its_newest_checkpoint_and_says_what_changed(tmp_path):
     """`--resume` alone continues the run in --out with its own options (config.json, its paths absolute), from
     the newest complete checkpoint when `latest` is missing, says that a new --steps reshapes the schedule, and
-    into a folder with no checkpoint yet says it starts at step 0."""
+    into a folder with no checkpoint is refused (a rank torchrun restarted starts such a run at step 0)."""
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"{a}+{a}={2 * a}"}) + "\n" for a in range(200)))
     first = ["train", *SMALL, "--mesh", "1", "--seq-len", "32", "--global-batch", "4", "--lr", "0.01",
              "--data", "d.jsonl", "--eval-every", "0", "--save-every", "2", "--steps", "2", "--out", "run"]
@@ -477,9 +477,11 @@ def test_resume_is_the_runs_own_options_from_its_newest_checkpoint_and_says_what
     times = [r["time"] for r in rows]  # (issue 45: each row says when its step ended)
     assert times == sorted(times) and time.time() - 600 < times[0] <= time.time()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.01
-    p = _funcpar(tmp_path, *first[:-2], "--out", "fresh", "--steps", "1", "--resume")
-    assert p.returncode == 0, p.stderr
-    assert f"funcpar: --resume: {Path('fresh') / 'checkpoints'} holds no checkpoint yet: starting at step 0" in p.stdout
+    p = _funcpar(tmp_path, *first[:-2], "--out", "fresh", "--steps", "1", "--resume")  # (issue 53: a typo'd --out)
+    assert (p.returncode, p.stdout) == (1, ""), p.stderr
+    assert p.stderr == ("funcpar: --resume: --out fresh holds no checkpoint to continue (no such folder): drop --resume "
+                        "to start a new run (or check --out)\n")
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_an_out_of_someone_elses_files_is_refused_whatever_the_flags_and_left_untouched(tmp_path):

@@ -95,8 +95,13 @@ def test_every_attention_path_within_documents_is_each_document_alone(lengths, p
     from funcpar import decoder as D
 
     taken = []
+
+    def spy(name):
+        real = getattr(A, name)
+        return lambda *a, **kw: taken.append(name) or real(*a, **kw)
+
     for name in ("within_documents", "causal"):
-        monkeypatch.setattr(A, name, lambda *a, _f=getattr(A, name), _n=name, **kw: taken.append(_n) or _f(*a, **kw))
+        monkeypatch.setattr(A, name, spy(name))
     monkeypatch.setattr(A._BlockCausal, "apply", lambda *a, _f=A._BlockCausal.apply: taken.append("block") or _f(*a))
     torch.manual_seed(0)
     T = sum(lengths)
@@ -106,12 +111,12 @@ def test_every_attention_path_within_documents_is_each_document_alone(lengths, p
     bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
     want = torch.cat([torch.nn.functional.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :],
                                                                        v[..., a:b, :], is_causal=True)
-                      for a, b in zip(bounds, bounds[1:])], 2)
+                      for a, b in zip(bounds, bounds[1:], strict=False)], 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert taken == {"the block": ["within_documents", "block"], "one call ": ["within_documents"],
                      "a kernel ": ["causal"] * len(lengths) * 2}[path[:9]], taken
     go = torch.randn_like(got)
-    for g, w in zip(torch.autograd.grad(got, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go)):
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     compiled = torch.compile(lambda q, k, v, p: D.causal(q, k, v, fp.Mesh().with_documents(p)), dynamic=False)
     torch.testing.assert_close(compiled(q, k, v, pos), want, rtol=1e-5, atol=1e-6)
@@ -225,3 +230,21 @@ def test_a_model_without_document_support_refuses_position_ids_by_name():
     assert llama.loss_fn(lcfg, fp.Mesh()).check_batch(bad)[0].startswith(
         "batch['position_ids'] holds 40 at [0, 0], outside [0, 32)")
     assert json.dumps(llama.loss_fn(lcfg, fp.Mesh()).check_batch(batch)) == "[]"
+
+
+def test_the_plan_traces_the_document_path_that_funcpar_train_takes(monkeypatch, capsys):
+    """`funcpar plan` traces batches with position_ids (funcpar train's default), through the layers' document
+    path; `--cross-document` plans without them."""
+    from funcpar import cli
+    from funcpar import decoder as D
+
+    seen = []
+    real = D._by_document
+    monkeypatch.setattr(D, "_by_document", lambda *a: seen.append(a[0].is_meta) or real(*a))
+    cli.main(["plan", "--mesh", "cp=2,tp=2", "--model", "llama-micro"])
+    with_docs = capsys.readouterr().out.splitlines()[-1]
+    assert seen and all(seen)
+    seen.clear()
+    cli.main(["plan", "--mesh", "cp=2,tp=2", "--model", "llama-micro", "--cross-document"])
+    without = capsys.readouterr().out.splitlines()[-1]
+    assert not seen and with_docs != without
