@@ -204,7 +204,7 @@ def _by_document(q, k, v, mesh, window: int | None, docs) -> torch.Tensor:
     on the host): one call with the block-diagonal mask. On meta tensors (a plan) each row counts as one document:
     the most work, the memory of the eager calls, which keep no mask."""
     pieces = L.context_pieces(mesh, k.shape[2])
-    one = len(pieces) == 1
+    one = not L.context_parallel(mesh)  # (the queries are the keys' positions: a contiguous cp chunk is not)
     if (torch.compiler.is_compiling() or (one and A.blocked_within(q, k, v, window))
             or (not q.is_meta and docs.count > MANY_DOCUMENTS * q.shape[0])):
         if one:

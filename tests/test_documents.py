@@ -21,6 +21,7 @@ from test_glm import CONFIGS as GLM
 
 T = 32
 LENGTHS = [[10, 15, 7], [5, 27], [32], [1, 12, 19]]  # four rows: documents of 1 to 32 tokens, one row whole
+MANY = [[5, 3, 6, 2, 4, 7, 5], [4] * 8, [9, 1, 6, 6, 3, 7], [2, 30]]  # rows of many short ones: one masked call
 CONFIGS = {
     "llama": lambda: hf_fixtures.CONFIGS["llama"]().to_dict(),
     "mistral": lambda: hf_fixtures.CONFIGS["mistral"]().to_dict(),  # a window of 5, shorter than most samples
@@ -39,13 +40,14 @@ def _setup(kind: str, mesh):
     return model, cfg, model.init(cfg, seed=3)
 
 
-def _packed(vocab: int, seed: int = 0) -> tuple[dict, list]:
+def _packed(vocab: int, seed: int = 0, lengths=None) -> tuple[dict, list]:
     """The packed batch (B=4, T=32) and its samples, ``[(row, start, length)]``."""
+    lengths = LENGTHS if lengths is None else lengths
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (len(LENGTHS), T), generator=g)
-    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENGTHS])
+    ids = torch.randint(1, vocab, (len(lengths), T), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
     labels = ids.masked_fill(pos == 0, -100)  # (nothing in a sample predicts its first token)
-    samples = [(b, sum(row[:k]), n) for b, row in enumerate(LENGTHS) for k, n in enumerate(row)]
+    samples = [(b, sum(row[:k]), n) for b, row in enumerate(lengths) for k, n in enumerate(row)]
     return {"input_ids": ids, "labels": labels, "position_ids": pos}, samples
 
 
@@ -128,7 +130,7 @@ def _step_grads(kind: str, sizes: dict, extra: dict, layout: str = "zigzag"):
     mesh = harness.mesh(**sizes).with_context_layout(layout)
     model, cfg, params = _setup(kind, mesh)
     specs = model.specs(cfg, mesh)
-    batch, _ = _packed(min(cfg.vocab_size, 100))
+    batch, _ = _packed(min(cfg.vocab_size, 100), lengths=extra.pop("lengths", None))
     cp = "cp" in sizes
     dp, c = mesh.axis_size("dp"), mesh.coord("dp")
     local = {k: v[c * (len(v) // dp):(c + 1) * (len(v) // dp)] for k, v in batch.items()}
@@ -175,18 +177,21 @@ MESHES = [  # (world, kind, sizes, step options, cp layout)
     (2, "gpt2", {"tp": 2}, {"sequence_parallel": True}, "zigzag"),
     (2, "llama", {"dp": 2}, {"zero": 3}, "zigzag"),
     (2, "llama", {"pp": 2}, {"accum_steps": 2}, "zigzag"),
+    (2, "llama", {"cp": 2}, {"lengths": MANY}, "zigzag"),
+    (2, "llama", {"cp": 2}, {"lengths": MANY}, "contiguous"),
+    (4, "llama", {"tp": 2, "dp": 2}, {"lengths": MANY}, "zigzag"),
 ]
 
 
 @pytest.mark.parametrize("world, kind, sizes, extra, layout", MESHES,
-                         ids=[f"{k}-{'x'.join(f'{a}{n}' for a, n in s.items())}-{'-'.join(map(str, e)) or layout}"
+                         ids=[f"{k}-{'x'.join(f'{a}{n}' for a, n in s.items())}-{'-'.join(map(str, e)).replace('lengths', 'many') or layout}-{layout}"
                               for _, k, s, e, layout in MESHES])
 def test_packed_rows_through_the_step_are_their_samples_alone_on_a_mesh(world, kind, sizes, extra, layout):
     """The step's mean loss and gradient on a packed batch equal the samples' run alone, summed and divided by
     their targets (a document crossing a cp piece or a pipeline micro-batch's rows included)."""
     mesh = fp.Mesh()
     model, cfg, params = _setup(kind, mesh)
-    batch, samples = _packed(min(cfg.vocab_size, 100))
+    batch, samples = _packed(min(cfg.vocab_size, 100), lengths=extra.get("lengths"))
     want_loss, want_grads = _alone(model, cfg, params, batch, samples)
     targets = sum(n - 1 for _, _, n in samples if n > 1)
     loss, grads = harness.run(world, _step_grads, kind, sizes, dict(extra), layout)[0]
