@@ -408,18 +408,19 @@ class ShardedBase:
         return self.lora.apply(tree, adapters, merged=True)
 
     def __call__(self, adapters: Any, batch: Any) -> torch.Tensor:
-        st, cfg, mesh = self.stages, self.cfg, self.mesh
+        st, cfg = self.stages, self.cfg
+        mesh = self.mesh.with_documents(batch.get("position_ids"))  # (packed samples: each attends to itself)
         x = st.embed(self._tree(adapters, [0]), batch, cfg, mesh)
         layers = adapters.get(st.layers, {}) if isinstance(adapters, dict) else {}
         for i in range(self.n_blocks):
-            x = remat(functools.partial(self._block, i))(layers.get(str(i), {}), x)
+            x = remat(functools.partial(self._block, i, mesh))(layers.get(str(i), {}), x)
         head = ([0] if self.units.tied else []) + ([len(self.parts) - 1] if len(self.parts) > self.n_blocks + 1
                                                    else [])
         return st.head(self._tree(adapters, head), x, batch, cfg, mesh)
 
-    def _block(self, i: int, layer_adapters: Any, x: torch.Tensor) -> torch.Tensor:
+    def _block(self, i: int, mesh, layer_adapters: Any, x: torch.Tensor) -> torch.Tensor:
         tree = self._tree({self.stages.layers: {str(i): layer_adapters}}, [i + 1])
-        return self.stages.block(tree[self.stages.layers][i], x, i, self.cfg, self.mesh)
+        return self.stages.block(tree[self.stages.layers][i], x, i, self.cfg, mesh)
 
 
 class _LoraLoss:
