@@ -115,10 +115,10 @@ def _wrap(owner, attr: str, label: str) -> None:
 
 def mark_funcpar(run) -> None:
     """Phase markers around funcpar's step methods (class-level, plus the step's own gradient function)."""
-    import funcpar.buffers as B
-    import funcpar.collectives as FC
-    import funcpar.layout as L
-    import funcpar.step as S
+    import funcpar.train.buffers as B
+    import funcpar.parallel.collectives as FC
+    import funcpar.parallel.layout as L
+    import funcpar.train.step as S
 
     _wrap(L.ZeroLayout, "flat", "phase:bucket copies")
     _wrap(L.ZeroLayout, "reduce", "phase:reduce")
@@ -151,13 +151,13 @@ def mark_collectives() -> None:
     """Markers around every collective funcpar issues (with its wait) and torch.distributed's own entry points."""
     import torch.distributed as dist
 
-    import funcpar.collectives as FC
+    import funcpar.parallel.collectives as FC
 
     for name in ("_raw_all_reduce", "_raw_all_gather", "_raw_reduce_scatter"):
         _wrap(FC, name, "comm:" + name[5:])
     _wrap(FC, "reduce_scatter_segments", "comm:reduce_scatter")  # ZeRO's, from the gradient leaves: its ring's waits
     _wrap(FC, "_wait", "comm:wait")  # every bounded wait, e.g. column_parallel's for the all-reduce it overlaps
-    import funcpar.p2p as P2P
+    import funcpar.parallel.p2p as P2P
 
     _wrap(P2P.Pending, "wait", "comm:p2p")  # a pipeline stage waiting for its neighbour's activations or gradients
     for name in ("sendrecv", "send", "recv"):

@@ -433,10 +433,10 @@ SETUP_NOTES = [
     "Timing: rank 0's clock between a barrier before and one after each step.",
     "funcpar: `fp.compile_step(model.loss_fn(cfg, mesh), model.specs(cfg, mesh), zero=1, clip_norm=1.0)` with "
     "`fp.optim.adamw` and its defaults (donated state, no `compile=`; RMSNorm, SwiGLU and the cross-entropy's exp as "
-    "`torch.compile`d element-wise kernels, `funcpar.pointwise`'s default on host tensors, compiled in the warm-up "
+    "`torch.compile`d element-wise kernels, `funcpar.nn.pointwise`'s default on host tensors, compiled in the warm-up "
     "steps); weights through `fp.hf.load`. On host "
     "tensors (gloo) its ZeRO reduce-scatter and all-gather are rings of `batch_isend_irecv` exchanges "
-    "(`funcpar/collectives.py`): gloo's own take 2.5-3x the time of its all-reduce of the same bytes.",
+    "(`funcpar/parallel/collectives.py`): gloo's own take 2.5-3x the time of its all-reduce of the same bytes.",
     "transformers eager: `LlamaForCausalLM` (SDPA attention), `torch.optim.AdamW` with its defaults (on CPU the "
     "per-parameter loop), `clip_grad_norm_`.",
     "DeepSpeed: `deepspeed.initialize` on the transformers model, gloo, optimizer `AdamW` with `torch_adam` (torch's), "

@@ -160,7 +160,7 @@ def build_deepspeed(args, size, rank, world):
 
 def build_ds_pipe(args, size, rank, world):
     """DeepSpeed's pipe engine, 2 stages: the checkpoint's transformers modules as pipe layers (embedding | decoder
-    layers | norm + head, split uniformly, each stage reading only its tensors; bench/pipeline_vs_deepspeed.py's
+    layers | norm + head, split uniformly, each stage reading only its tensors; benchmarks/pipeline_vs_deepspeed.py's
     ``_ds_layers``), the same micro-batches as funcpar's schedule, ZeRO stage 0 (the pipe engine refuses 2/3).
     Clipped by the global norm over both stages, as every other implementation here (the engine's own clipping is
     per stage)."""
@@ -169,7 +169,7 @@ def build_ds_pipe(args, size, rank, world):
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from pipeline_vs_deepspeed import _ds_layers
 
     deepspeed.init_distributed(dist_backend=C.backend(args.device))

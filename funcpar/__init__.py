@@ -1,54 +1,54 @@
 """funcpar: JAX-style functional tensor/data/pipeline parallel training of Hugging Face-style models on torch.func.
 
-The public API is what this module re-exports; everything else is private. The layers and the direction of imports
-are drawn in docs/ARCHITECTURE.md (and checked by tests/test_architecture.py).
+The public API is what this module re-exports; everything else is private. The packages by concern and the direction
+of imports between them are drawn in docs/ARCHITECTURE.md (and checked by tests/test_architecture.py).
 """
 
-from . import checkpoint as checkpoint
-from . import attention as attention
-from . import collectives as collectives
-from . import data as data
-from . import decoder as decoder
-from . import hf as hf
-from . import layers as layers
-from . import lora as lora
-from . import optim as optim
-from . import p2p as p2p
-from . import pipeline as pipeline
-from . import splitgrad as splitgrad
-from . import tree as tree
-from .collectives import CollectiveError as CollectiveError
-from .layout import ZeroLayout as ZeroLayout
-from .mesh import AbstractMesh as AbstractMesh
-from .mesh import Mesh as Mesh
-from .mesh import MeshError as MeshError
-from .model import HFNames as HFNames
-from .model import ModelError as ModelError
-from .model import Loss as Loss
-from .model import ModelSpec as ModelSpec
-from .model import Stages as Stages
-from .model import get_model as get_model
-from .model import known_models as known_models
-from .model import register_model as register_model
-from .remat import remat as remat
-from .sharding import ShardingError as ShardingError
-from .sharding import gather as gather
-from .sharding import shard as shard
-from .spec import P as P
-from .spec import SpecError as SpecError
-from .spec import local_shape as local_shape
-from .spec import local_slice as local_slice
-from .state import MixedState as MixedState
-from .state import TrainState as TrainState
-from .step import Step as Step
-from .step import StepError as StepError
-from .step import compile_step as compile_step
-from .step_config import Guards as Guards
-from .step_config import Parallel as Parallel
-from .step_config import Pipelining as Pipelining
-from .step_config import Precision as Precision
-from .step_config import StepOptions as StepOptions
-from .verify import Verification as Verification
-from .verify import verify as verify
+from funcpar.io import checkpoint as checkpoint
+from funcpar.nn import attention as attention
+from funcpar.parallel import collectives as collectives
+from funcpar import data as data
+from funcpar.nn import decoder as decoder
+from funcpar.io import hf as hf
+from funcpar.nn import layers as layers
+from funcpar.train import lora as lora
+from funcpar import optim as optim
+from funcpar.parallel import p2p as p2p
+from funcpar import pipeline as pipeline
+from funcpar.nn import splitgrad as splitgrad
+from funcpar import tree as tree
+from funcpar.parallel.collectives import CollectiveError as CollectiveError
+from funcpar.parallel.layout import ZeroLayout as ZeroLayout
+from funcpar.parallel.mesh import AbstractMesh as AbstractMesh
+from funcpar.parallel.mesh import Mesh as Mesh
+from funcpar.parallel.mesh import MeshError as MeshError
+from funcpar.model import HFNames as HFNames
+from funcpar.model import ModelError as ModelError
+from funcpar.model import Loss as Loss
+from funcpar.model import ModelSpec as ModelSpec
+from funcpar.model import Stages as Stages
+from funcpar.model import get_model as get_model
+from funcpar.model import known_models as known_models
+from funcpar.model import register_model as register_model
+from funcpar.nn.remat import remat as remat
+from funcpar.parallel.sharding import ShardingError as ShardingError
+from funcpar.parallel.sharding import gather as gather
+from funcpar.parallel.sharding import shard as shard
+from funcpar.spec import P as P
+from funcpar.spec import SpecError as SpecError
+from funcpar.spec import local_shape as local_shape
+from funcpar.spec import local_slice as local_slice
+from funcpar.state import MixedState as MixedState
+from funcpar.state import TrainState as TrainState
+from funcpar.train.step import Step as Step
+from funcpar.train.step import StepError as StepError
+from funcpar.train.step import compile_step as compile_step
+from funcpar.train.config import Guards as Guards
+from funcpar.train.config import Parallel as Parallel
+from funcpar.train.config import Pipelining as Pipelining
+from funcpar.train.config import Precision as Precision
+from funcpar.train.config import StepOptions as StepOptions
+from funcpar.train.verify import Verification as Verification
+from funcpar.train.verify import verify as verify
 
 __version__ = "0.1.0"

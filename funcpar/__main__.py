@@ -1,3 +1,3 @@
-from .cli import entry
+from funcpar.cli.main import entry
 
 entry()

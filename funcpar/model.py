@@ -7,7 +7,7 @@ inside a model module; everything it needs is named here:
 ``name``           a short name (``"llama"``), used in messages
 ``model_types``    the HF ``config.json`` ``model_type`` values it implements (``("llama", "mistral")``)
 ``Config``         a class with ``from_hf(dict) -> cfg``, ``cfg.to_hf() -> dict``, ``cfg.with_mesh(mesh) -> cfg``
-                   (padding a vocabulary tp does not divide: :class:`funcpar.layers.VocabPadding` provides it)
+                   (padding a vocabulary tp does not divide: :class:`funcpar.nn.layers.VocabPadding` provides it)
                    and ``cfg.model_type``
 ``init``           ``init(cfg, seed=0, dtype=float32, device=None) -> params`` (global shapes; ``device="meta"``
                    gives shapes only)
@@ -16,18 +16,18 @@ inside a model module; everything it needs is named here:
 ``loss``           ``loss(params, batch, cfg, mesh, reduction="mean", **capabilities) -> scalar``
 ``hf``             an :class:`HFNames` table: HF tensor names <-> pytree paths, as data
 ``batch_weight``   ``batch_weight(micro_batch) -> number``: a micro-batch's weight in the step's global mean
-                   (:func:`funcpar.layers.count_targets` for a token-mean loss); ``None`` weighs rows
+                   (:func:`funcpar.nn.layers.count_targets` for a token-mean loss); ``None`` weighs rows
 ``remat``          capability: ``loss(..., remat=True)`` recomputes each block in the backward pass
 ``stages``         capability: the staged form pipeline stages need (:class:`Stages`), or ``None``
 ``check_batch``    ``check_batch(batch, cfg) -> [messages]``: what is wrong with a batch (out-of-range token ids:
-                   :func:`funcpar.layers.token_range_errors`); the step checks every batch with it
+                   :func:`funcpar.nn.layers.token_range_errors`); the step checks every batch with it
 ``sequence_parallel`` capability: its layers keep the hidden state split along the sequence over tp where the mesh
-                   says so (:meth:`funcpar.Mesh.with_sequence_parallel`, the ``funcpar.layers`` sequence helpers)
+                   says so (:meth:`funcpar.Mesh.with_sequence_parallel`, the ``funcpar.nn.layers`` sequence helpers)
 ``context_parallel`` capability: on a mesh with a ``cp`` axis each rank runs a chunk of every sequence
-                   (``funcpar.layers.context_chunk``; attention over every chunk's keys), and ``batch_weight``
+                   (``funcpar.nn.layers.context_chunk``; attention over every chunk's keys), and ``batch_weight``
                    takes ``mesh=`` to count that chunk's targets
 ``documents``      capability: a batch's ``position_ids`` mark packed samples, each attending only to itself at
-                   its own positions (:mod:`funcpar.documents`; ``mesh.documents`` in the layers)
+                   its own positions (:mod:`funcpar.nn.documents`; ``mesh.documents`` in the layers)
 =================  =====================================================================================
 
 A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
@@ -43,7 +43,8 @@ import importlib
 import types
 from typing import Any, Callable, Mapping, Sequence
 
-from .remat import remat as remat_fn
+from funcpar.nn.documents import documents_of
+from funcpar.nn.remat import remat as remat_fn
 
 __all__ = ["ModelSpec", "HFNames", "Stages", "Loss", "ModelError", "register_model", "get_model", "known_models"]
 
@@ -128,7 +129,7 @@ class Stages:
     def hidden(self, params, batch, cfg, mesh, remat: bool = False):
         """The carry after the last block: ``embed``, then each block in turn. ``remat``: keep only each block's
         input, and recompute the block in the backward pass (activation checkpointing)."""
-        mesh = mesh.with_documents(batch.get("position_ids"))  # (packed samples: each attends to itself)
+        mesh = documents_of(mesh, batch)  # (packed samples: each attends to itself)
         x = self.embed(params, batch, cfg, mesh)
         block = remat_fn(self.block) if remat else self.block
         for i, lp in enumerate(params[self.layers]):
@@ -206,7 +207,7 @@ class ModelSpec:
             raise ModelError(f"model '{self.name}' does not support remat (activation checkpointing)")
         if sequence_parallel and not self.sequence_parallel:
             raise ModelError(f"model '{self.name}' does not support sequence parallelism yet (its layers are not "
-                             f"written with funcpar.layers' sequence helpers)")
+                             f"written with funcpar.nn.layers' sequence helpers)")
         mesh = mesh.with_sequence_parallel() if sequence_parallel else mesh
         weight = self.batch_weight
         if "cp" in mesh.axis_names and mesh.axis_size("cp") > 1:  # a chunk of every sequence per cp rank

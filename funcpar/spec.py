@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import optree
 
-from .tree import leaves_with_path, path_str
+from funcpar.tree import leaves_with_path, path_str
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .mesh import Mesh
+    from funcpar.parallel.mesh import Mesh
 
 __all__ = ["P", "SpecError", "validate", "local_shape", "global_shape", "local_slice", "broadcast_specs"]
 

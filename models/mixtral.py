@@ -318,18 +318,12 @@ def forward(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
     return L.unpad_logits(D.rms_head_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
 
 
-def router_aux_loss(params, tokens: torch.Tensor, cfg: Config, mesh) -> torch.Tensor:
-    """The load-balancing loss of the global batch (every data rank's ``tokens``): transformers' ``aux_loss``."""
-    _, counts, prob_sum = _trunk(params, tokens, cfg, mesh)
-    return _balance_loss(counts, prob_sum, tokens.numel() * cfg.num_hidden_layers, cfg, mesh)
-
-
 def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", aux: bool | None = None) -> torch.Tensor:
     """transformers' ``labels=`` loss (mean over counted targets of the shifted cross-entropy, ``-100`` ignored,
     ``batch["loss_mask"]`` optional), plus ``router_aux_loss_coef`` times the load-balancing loss of the global
     batch when ``aux`` (default ``cfg.output_router_logits``, as transformers decides). Under ``reduction="sum"``
     the load-balancing term is added as it is."""
-    tokens, mesh = batch["input_ids"], mesh.with_documents(batch.get("position_ids"))
+    tokens, mesh = batch["input_ids"], D.documents_of(mesh, batch)
     x, counts, prob_sum = _trunk(params, tokens, cfg, mesh)
     ce = D.rms_head_loss(params, x, batch, cfg, mesh, reduction)
     if not (cfg.output_router_logits if aux is None else aux):

@@ -81,10 +81,10 @@ left=$((400 - $(elapsed)))
 if [ "$left" -gt 60 ]; then
     [ "$left" -gt 200 ] && left=200
     # shellcheck disable=SC2086  # (PLAN_ARGS: several words; a smaller model checks the script on a CPU)
-    timeout "$left" "$PY" bench/plan_vs_measured.py ${PLAN_ARGS:---batch 8 --seq 512} \
+    timeout "$left" "$PY" benchmarks/plan_vs_measured.py ${PLAN_ARGS:---batch 8 --seq 512} \
         --cases "1:1:eager,1:3,1:1:bf16:eager,1:1:remat,1:0:eager,1:1,1:1:bf16" > "$OUT/plan.log" 2>&1
     plan=$?
-    { echo; echo "## The plan against max_memory_allocated (bench/plan_vs_measured.py ${PLAN_ARGS:---batch 8 --seq 512}): \
+    { echo; echo "## The plan against max_memory_allocated (benchmarks/plan_vs_measured.py ${PLAN_ARGS:---batch 8 --seq 512}): \
 exit $plan, $(elapsed) s"; echo '```'; grep -E "^\|" "$OUT/plan.log"; echo '```'; } >> "$S"
 else
     { echo; echo "## The plan against max_memory_allocated: skipped ($left s left)"; } >> "$S"

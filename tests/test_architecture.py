@@ -1,8 +1,9 @@
-"""The house as drawn in docs/ARCHITECTURE.md: the import graph of funcpar and its models, and the function size rule.
+"""The house as the folders draw it: the import graph of funcpar and its models, and the function size rule.
 
 The imports are read from the source (every ``import`` statement, function-level ones included; those under
-``if TYPE_CHECKING:`` are not run and do not count). An import must not point to a higher layer, the graph must
-have no cycle, models import only the public ``funcpar`` package, and the library never imports a model.
+``if TYPE_CHECKING:`` are not run and do not count). The packages (funcpar's folders, each entry module its own
+unit) import each other without a cycle, and so do the modules; models import only the public ``funcpar`` package,
+and the library never imports a model. No table to keep in step: the folders are the map.
 """
 
 from __future__ import annotations
@@ -13,22 +14,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-# lowest first; a module may import its own layer or a lower one (docs/ARCHITECTURE.md, "Layers")
-LAYERS = [
-    ("core", ["funcpar.tree", "funcpar.spec", "funcpar.state", "funcpar.model", "funcpar.mesh",
-              "funcpar.lifeline", "funcpar.hostmem", "funcpar._safetensors", "funcpar.optim", "funcpar.optim.*", "funcpar.pipeline",
-              "funcpar.stagecut", "funcpar.splitgrad", "funcpar.remat", "funcpar.documents"]),
-    ("communication", ["funcpar.transport", "funcpar.collectives", "funcpar.p2p"]),
-    ("blocks", ["funcpar.pointwise", "funcpar.attention", "funcpar.sharding", "funcpar.pipe", "funcpar.batching", "funcpar.step_config", "funcpar.step_options", "funcpar.layers", "funcpar.headloss", "funcpar.decoder", "funcpar.atomic", "funcpar.data", "funcpar.tokencache",
-                "funcpar._ckpt_source", "funcpar._hf_folder", "funcpar.layout", "funcpar.buffers", "funcpar.zero3"]),
-    ("io", ["funcpar.hf", "funcpar.checkpoint", "funcpar.lora"]),
-    ("step", ["funcpar.step", "funcpar.step_gradients", "funcpar.verify"]),
-    ("api", ["funcpar"]),
-    ("apps", ["funcpar.options", "funcpar.cli", "funcpar.launch", "funcpar.preflight", "funcpar.progress", "funcpar.__main__", "funcpar.generate", "funcpar.plot", "funcpar.planning",
-              "funcpar.assets", "funcpar.trackers"]),
-    ("models", ["funcpar.models", "funcpar.models.*"]),
-]
+# the public entry modules funcpar/ holds beside its packages (docs/ARCHITECTURE.md, "The tree")
+ENTRY_MODULES = {"__init__", "__main__", "tree", "spec", "state", "model"}
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -77,31 +64,41 @@ def import_graph() -> dict[str, set[str]]:
     return {m: _imports(ast.parse(f.read_text()), m, f.name == "__init__.py", known) for m, f in files.items()}
 
 
-def layer_of(module: str) -> int:
-    for i, (_, members) in enumerate(LAYERS):
-        for m in members:
-            if module == m or (m.endswith(".*") and module.startswith(m[:-1])):
-                return i
-    raise AssertionError(f"module {module} is in no layer of docs/ARCHITECTURE.md: add it to LAYERS and the doc")
+def unit_of(module: str) -> str:
+    """The package a module belongs to (``funcpar.nn.layers`` -> ``nn``; the models are one), or the entry module
+    itself (``funcpar.tree`` -> ``tree``; ``funcpar`` -> ``api``): the units the folders draw."""
+    parts = module.split(".")
+    return "api" if len(parts) == 1 else parts[1]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between units (:func:`unit_of`), from the modules' imports: the folders are the map."""
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(unit_of(a), set()).update(unit_of(b) for b in targets if unit_of(b) != unit_of(a))
+    return out
 
 
 def public_modules() -> set[str]:
-    """``funcpar`` and the submodules its ``__init__`` re-exports (``from . import hf as hf``): the public API."""
+    """``funcpar`` and the submodules its ``__init__`` re-exports (``from funcpar.io import hf as hf``): the public
+    API."""
     tree = ast.parse((ROOT / "funcpar" / "__init__.py").read_text())
-    return {"funcpar"} | {f"funcpar.{a.name}" for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 1
-                          and not n.module for a in n.names}
+    known, out = set(module_files()), {"funcpar"}
+    for n in tree.body:
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("funcpar"):
+            out |= {f"{n.module}.{a.name}" for a in n.names if f"{n.module}.{a.name}" in known}
+            out |= {n.module for a in n.names if n.module in known and a.name == n.module.rpartition(".")[2]}
+    return out
 
 
 def violations(graph: dict[str, set[str]]) -> list[str]:
-    """Every import against the documented direction, every cycle, every forbidden edge."""
+    """Every import cycle between packages or between modules, and every forbidden edge."""
     bad, public = [], public_modules()
     for a, targets in sorted(graph.items()):
         for b in sorted(targets):
-            la, lb = layer_of(a), layer_of(b)
-            if lb > la:
-                bad.append(f"{a} ({LAYERS[la][0]}) imports {b} ({LAYERS[lb][0]}), a higher layer")
             if a.startswith("funcpar.models") and b not in public and not b.startswith("funcpar.models"):
                 bad.append(f"{a} imports {b}: models use the public API (`import funcpar`) only")
+    bad += [f"package cycle: {' -> '.join(c)}" for c in cycles(package_graph(graph))]
     bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return bad
 
@@ -124,28 +121,39 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_import_graph_follows_the_layers():
+def test_the_packages_import_each_other_without_a_cycle():
     graph = import_graph()
-    assert "funcpar.step" in graph and "funcpar.checkpoint" in graph["funcpar.step"]  # the parser sees imports
+    assert "funcpar.train.step" in graph and "funcpar.io.checkpoint" in graph["funcpar.train.step"]  # imports seen
     assert violations(graph) == []
+    units = package_graph(graph)
+    assert {"parallel", "nn", "pipeline", "train", "io", "data", "cli", "optim"} <= set(units)
+    assert "train" not in units["parallel"] and "cli" not in units["train"]  # (what the folders say: a direction)
 
 
-def test_a_back_edge_or_a_cycle_fails_the_layering_check():
+def test_funcpar_top_level_holds_entry_modules_and_packages_only():
+    top = {p.stem for p in (ROOT / "funcpar").glob("*.py")}
+    assert top <= ENTRY_MODULES, top - ENTRY_MODULES
+    assert all((p / "__init__.py").exists() for p in (ROOT / "funcpar").iterdir()
+               if p.is_dir() and not p.name.startswith((".", "_")) and not p.is_symlink())
+
+
+def test_a_cycle_between_packages_or_modules_and_a_private_import_fail_the_check():
     graph = import_graph()
-    back = {**graph, "funcpar.tree": graph["funcpar.tree"] | {"funcpar.step"}}
-    assert "funcpar.tree (core) imports funcpar.step (step), a higher layer" in violations(back)
-    cyc = {**graph, "funcpar.mesh": graph["funcpar.mesh"] | {"funcpar.spec"},
-           "funcpar.spec": graph["funcpar.spec"] | {"funcpar.mesh"}}
-    assert any(v.startswith("import cycle:") and "funcpar.mesh" in v and "funcpar.spec" in v for v in violations(cyc))
-    private = {**graph, "funcpar.models.llama": graph["funcpar.models.llama"] | {"funcpar.step"}}
+    back = {**graph, "funcpar.parallel.mesh": graph["funcpar.parallel.mesh"] | {"funcpar.train.step"}}
+    assert any(v.startswith("package cycle:") and "parallel" in v and "train" in v for v in violations(back))
+    cyc = {**graph, "funcpar.parallel.mesh": graph["funcpar.parallel.mesh"] | {"funcpar.parallel.p2p"},
+           "funcpar.parallel.p2p": graph["funcpar.parallel.p2p"] | {"funcpar.parallel.mesh"}}
+    assert any(v.startswith("import cycle:") and "funcpar.parallel.mesh" in v for v in violations(cyc))
+    private = {**graph, "funcpar.models.llama": graph["funcpar.models.llama"] | {"funcpar.train.step"}}
     assert any("models use the public API" in v for v in violations(private))
 
 
 def test_the_parser_resolves_relative_and_lazy_imports(tmp_path):
-    src = "from . import collectives as C\nfrom .optim import chain\ndef f():\n    from . import hf\n" \
+    src = "from . import collectives as C\nfrom ..optim import chain\ndef f():\n    from ..io import hf\n" \
           "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .mesh import Mesh\n"
-    known = {"funcpar.collectives", "funcpar.optim", "funcpar.hf", "funcpar.mesh"}
-    assert _imports(ast.parse(src), "funcpar.x", False, known) == {"funcpar.collectives", "funcpar.optim", "funcpar.hf"}
+    known = {"funcpar.parallel.collectives", "funcpar.optim", "funcpar.io.hf", "funcpar.parallel.mesh"}
+    assert _imports(ast.parse(src), "funcpar.parallel.x", False, known) == {
+        "funcpar.parallel.collectives", "funcpar.optim", "funcpar.io.hf"}
 
 
 def test_the_library_never_imports_a_model():

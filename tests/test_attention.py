@@ -1,4 +1,4 @@
-"""funcpar.attention.causal: torch's causal SDPA to round-off (no further from a float64 reference than torch's own
+"""funcpar.nn.attention.causal: torch's causal SDPA to round-off (no further from a float64 reference than torch's own
 float32 kernel), through the block path on CPU float32, torch's kernel everywhere else; the block path skips the
 masked keys beyond the diagonal block and returns the layout torch's CPU kernel returns."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from funcpar import attention as A
+from funcpar.nn import attention as A
 
 
 def _sdpa(q, k, v):

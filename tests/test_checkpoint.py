@@ -224,7 +224,7 @@ def test_bad_checkpoints_are_refused_by_name(saved, tmp_path):
     flipped = tmp_path / "flipped"
     shutil.copytree(os.path.join(folder, "step-3"), flipped)
     f = flipped / "rank-00001.safetensors"  # dp=0, tp=1: owns blocks of the parameters
-    from funcpar._safetensors import read_header
+    from funcpar.io.safetensors_header import read_header
 
     t = read_header(f)["param/layers.0.w_up"]  # a tensor this load reads
     data = bytearray(f.read_bytes())

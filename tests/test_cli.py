@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import funcpar as fp
-from funcpar import cli, options
-from funcpar.generate import greedy
-from funcpar.planning import memory_plan, sharding_table
-from funcpar.plot import plot_metrics
+from funcpar.cli import main as cli
+from funcpar.cli import options
+from funcpar.cli.generate import greedy
+from funcpar.cli.planning import memory_plan, sharding_table
+from funcpar.cli.plot import plot_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "llama-micro", "--global-batch", "8", "--seq-len", "32", "--schedule", "constant", "--lr", "3e-3",

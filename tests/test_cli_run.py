@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from funcpar import options
-from funcpar.progress import eta_seconds
+from funcpar.cli import options
+from funcpar.cli.progress import eta_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "llama-micro", "--schedule", "constant", "--log-every", "1"]
@@ -73,7 +73,7 @@ def test_batch_arithmetic_and_held_out_rows_are_checked_before_step_1(tmp_path, 
 
 
 def test_warnings_for_warmup_and_positions_and_a_learned_position_table_is_a_limit():
-    from funcpar import preflight
+    from funcpar.cli import preflight
     from funcpar.models import gpt2, llama
 
     mesh = type("M", (), {"axis_size": lambda self, a: 1})()
@@ -364,7 +364,7 @@ def test_context_and_sequence_parallel_runs_train_and_resume_across_cp_sizes(tmp
 
 def test_a_seq_len_cp_does_not_divide_is_refused_in_one_line():
     import funcpar as fp
-    from funcpar import options
+    from funcpar.cli import options
 
     llama = fp.get_model("llama")
     mesh = fp.Mesh.abstract(cp=4)
@@ -379,7 +379,7 @@ def test_a_seq_len_cp_does_not_divide_is_refused_in_one_line():
 def test_plan_ranks_cp_meshes_and_names_the_ones_seq_len_rules_out(capsys):
     """`funcpar plan --devices 2` for a model with context parallelism ranks dp x cp x tp meshes; a --seq-len the
     zig-zag layout cannot split over cp=2 (66: not a multiple of 4) is that mesh's reason, not the end of the plan."""
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     cli.plan(["--model", "llama-micro", "--seq-len", "66", "--global-batch", "4", "--devices", "2", "--memory", "4"])
     out = capsys.readouterr().out
@@ -388,7 +388,7 @@ def test_plan_ranks_cp_meshes_and_names_the_ones_seq_len_rules_out(capsys):
 
 
 def test_plan_estimates_a_steps_time_on_named_gpus_and_says_what_it_assumed(capsys):
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     cli.plan(["--model", "llama-micro", "--mesh", "dp=2,tp=2", "--global-batch", "4", "--precision", "bf16",
               "--gpu", "h100", "--links", "nvlink,ib400"])
@@ -438,7 +438,7 @@ def test_a_multi_rank_runs_mistakes_are_refused_before_any_rank_starts(tmp_path,
     """`funcpar train --mesh dp=2,...` checks in the launching process what every rank would check before its
     first step: the ranks are never started (the launcher would fail this test), one line on stderr, nothing
     written."""
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     _preflight_case(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -487,7 +487,7 @@ def test_resume_is_the_runs_own_options_from_its_newest_checkpoint_and_says_what
 def test_an_out_of_someone_elses_files_is_refused_whatever_the_flags_and_left_untouched(tmp_path):
     """A model folder or a folder of notes as --out: refused with and without --resume/--overwrite, nothing
     removed or written; a run's own folder (its options in config.json) is still claimed as before."""
-    from funcpar.preflight import claim_out
+    from funcpar.cli.preflight import claim_out
 
     model = tmp_path / "mymodel"
     model.mkdir()
@@ -530,8 +530,8 @@ def test_a_run_folder_in_use_is_refused_naming_the_run_that_holds_it(tmp_path, m
     run there is refused before its ranks start, naming the first's pid; once the first ends, it may go on."""
     import os
 
-    from funcpar import cli
-    from funcpar.preflight import lock_out
+    from funcpar.cli import main as cli
+    from funcpar.cli.preflight import lock_out
 
     out = tmp_path / "out"
     out.mkdir()
@@ -552,7 +552,8 @@ def test_what_resume_would_misread_is_refused_and_a_cut_metrics_line_dropped(tmp
     import torch
 
     import funcpar as fp
-    from funcpar import cli, data
+    from funcpar import data
+    from funcpar.cli import main as cli
 
     src = tmp_path / "ck"
     opts = {**options.DEFAULTS, "seq_len": 64, "lora": "r=4,alpha=8,targets=q,v"}
@@ -602,7 +603,7 @@ def test_export_dtype_fp32_writes_a_bf16_runs_float32_masters(tmp_path, monkeypa
     masters, of which the bf16 export is the rounding."""
     from safetensors.torch import load_file
 
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     run = ["train", "--model", "llama-micro", "--mesh", "1", "--steps", "3", "--precision", "bf16", "--lr", "1e-2",
@@ -623,7 +624,7 @@ def test_offload_compile_and_final_lr_switches_reach_the_step(tmp_path, monkeypa
     """`--offload`, `--compile on|off|auto` and `--final-lr` set what `compile_step` and the schedule already had;
     an offloaded run trains, and its last step's rate is --final-lr of the peak."""
     import funcpar as fp
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     llama = fp.get_model("llama")
     cfg = llama.config(options.BUILTIN_MODELS["llama-micro"], fp.Mesh())
@@ -645,7 +646,7 @@ def test_offload_compile_and_final_lr_switches_reach_the_step(tmp_path, monkeypa
 
 
 def test_convert_of_a_lora_checkpoint_says_it_holds_adapters_and_where_the_model_is(tmp_path, monkeypatch, capsys):
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     cli.main(["train", "--model", "llama-micro", "--mesh", "1", "--steps", "1", "--lora", "r=4,alpha=8,targets=q,v",
@@ -667,7 +668,7 @@ def test_the_interval_line_averages_its_steps_and_the_time_left_follows_the_rece
     steps at 100 and 900 tokens/s read 180 tokens/s (all tokens over all the time) and MFU 18%, not 90%."""
     import torch
 
-    from funcpar import progress
+    from funcpar.cli import progress
 
     clock = [0.0]
     monkeypatch.setattr(progress.time, "time", lambda: clock[0])
@@ -685,7 +686,7 @@ def test_the_interval_line_averages_its_steps_and_the_time_left_follows_the_rece
 
 def test_a_vocabulary_padded_for_tp_is_said_under_the_table():
     import funcpar as fp
-    from funcpar.planning import vocab_note
+    from funcpar.cli.planning import vocab_note
 
     llama = fp.get_model("llama")
     raw = {**options.BUILTIN_MODELS["llama-micro"], "vocab_size": 259}
@@ -700,7 +701,7 @@ def _sample_tp(prompts, tp):
 
     import funcpar as fp
     from funcpar.data import ByteTokenizer
-    from funcpar.generate import sample_on_mesh
+    from funcpar.cli.generate import sample_on_mesh
 
     mesh = harness.mesh(tp=tp)
     llama = fp.get_model("llama")
@@ -717,7 +718,7 @@ def test_samples_on_a_tp_mesh_are_the_single_process_greedy_continuations(tp):
 
     import funcpar as fp
     from funcpar.data import ByteTokenizer
-    from funcpar.generate import greedy
+    from funcpar.cli.generate import greedy
 
     prompts = ["7+5=\n", "hello", "a"]
     llama = fp.get_model("llama")
@@ -731,7 +732,7 @@ def test_samples_on_a_tp_mesh_are_the_single_process_greedy_continuations(tp):
 
 def test_sample_prompts_are_shown_at_each_evaluation_and_kept_per_step(tmp_path, monkeypatch, capsys):
     import funcpar as fp
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     def fp_mesh():
         return fp.Mesh()
@@ -753,7 +754,7 @@ def test_sample_prompts_are_shown_at_each_evaluation_and_kept_per_step(tmp_path,
     with pytest.raises(SystemExit, match=r"^funcpar: --sample-prompts decodes with the model where it trains, which "
                                          r"a pp axis splits"):
         cli.main(["train", "--mesh", "pp=2", "--sample-prompts", "prompts.txt", "--out", "x"])
-    from funcpar import preflight
+    from funcpar.cli import preflight
     from funcpar.models import gpt2
 
     cfg = gpt2.Config(vocab_size=264, n_embd=32, n_layer=2, n_head=2, n_positions=8)
@@ -783,7 +784,7 @@ class _FakeTracker:
 def test_track_sends_each_row_to_wandb_and_mlflow_and_a_resumed_run_continues_the_same_runs(tmp_path, monkeypatch):
     import sys as _sys
 
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     wandb, mlflow = _FakeTracker(), _FakeTracker()
     monkeypatch.setitem(_sys.modules, "wandb", wandb)

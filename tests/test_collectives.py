@@ -1,7 +1,7 @@
 """Every differentiable collective: forward value and gradient under torch.func.grad, .backward() and vmap, on real
 gloo groups, against an unsharded reference computed here in one process (float32, <= 1e-6 relative).
 
-Objective convention (funcpar.collectives): the sum over ranks of partial values, replicated values counted once.
+Objective convention (funcpar.parallel.collectives): the sum over ranks of partial values, replicated values counted once.
 Each case below builds global tensors from a seed; rank r of an axis of size n sees its share of them.
 """
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import harness
-from funcpar import collectives as C
-from funcpar import p2p as P2P
-from funcpar import transport as T
+from funcpar.parallel import collectives as C
+from funcpar.parallel import p2p as P2P
+from funcpar.parallel import transport as T
 
 NAMES = ["copy_to_region", "reduce_from_region", "reduce_from_region_", "all_gather", "reduce_scatter", "scatter_to_region", "gather_from_region"]
 # (mesh sizes, axis, world): tp=2 and tp=4 on their own, and both axes of Mesh(tp=4, dp=2)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import funcpar as fp
-import funcpar.step as S
+import funcpar.train.step as S
 from funcpar.models import llama
-from funcpar.step_options import auto_compiled, resolve_compile
+from funcpar.train.options import auto_compiled, resolve_compile
 
 
 def _mesh(device="cuda", **axes):

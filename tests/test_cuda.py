@@ -219,7 +219,7 @@ PLAN_CASES = [dict(remat=True), dict(compile=False), dict(param_dtype=torch.bflo
 @pytest.mark.parametrize("case", PLAN_CASES, ids=["remat", "eager", "bf16-eager", "zero3", "default"])
 def test_the_plan_against_max_memory_allocated(case):
     # a model whose tensors dwarf the allocator's rounding: hidden 512, 4 layers, 8 x 256 tokens
-    from funcpar.planning import trace_plan
+    from funcpar.cli.planning import trace_plan
 
     model, cfg = _llama(hidden=512, layers=4, vocab=4096)
     kw = dict(case)
@@ -253,7 +253,7 @@ def test_the_plan_against_max_memory_allocated(case):
 def test_a_context_chunk_attends_without_a_mask_on_the_gpu(dtype):
     """A context-parallel chunk's attention (queries at the last Tq of Tk positions, GQA) on the device equals the
     masked attention in float64, and on CUDA forms no (Tq, Tk) mask: torch's lower-right causal bias."""
-    from funcpar import attention as A
+    from funcpar.nn import attention as A
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, h, t, 64, generator=g, dtype=torch.float64) for h, t in ((8, 256), (2, 768), (2, 768)))
@@ -277,9 +277,9 @@ def test_a_context_chunk_attends_without_a_mask_on_the_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_head_loss_on_the_gpu(dtype):
-    """funcpar.headloss on the device equals the unfused head (logits, then the vocab-parallel cross-entropy) in
+    """funcpar.nn.headloss on the device equals the unfused head (logits, then the vocab-parallel cross-entropy) in
     loss and gradients, and on CUDA holds far less: 2048 tokens over a 128k vocabulary (1 GiB of float32 logits)."""
-    from funcpar import headloss as HL
+    from funcpar.nn import headloss as HL
 
     mesh, V = fp.Mesh(device=DEVICE), 128256
     g = torch.Generator().manual_seed(8)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import funcpar as fp
-from funcpar.mesh import resolve_device
+from funcpar.parallel.mesh import resolve_device
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ import sys, torch
 n = int(sys.argv[1])
 torch.cuda.is_available = lambda: n > 0
 torch.cuda.device_count = lambda: n
-from funcpar.cli import entry
+from funcpar.cli.main import entry
 sys.argv = ["funcpar", *sys.argv[2:]]
 entry()
 """
@@ -155,7 +155,7 @@ def test_train_on_cuda_with_fewer_gpus_than_ranks_prints_one_line_before_startin
 def test_device_option_is_checked_and_plan_takes_it(capsys):
     p = _cli(0, "train", "--device", "gpu")
     assert p.returncode != 0 and "funcpar: --device 'gpu'" in p.stderr and "auto, cpu, cuda" in p.stderr
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     p = _cli(0, "plan", "--mesh", "dp=2", "--model", "llama-micro", "--device", "cuda")
     assert p.returncode == 1 and p.stderr.startswith("funcpar: device 'cuda' asked for, but no GPU is visible")
@@ -166,8 +166,8 @@ def test_device_option_is_checked_and_plan_takes_it(capsys):
 def test_the_plan_of_a_step_auto_compiles_says_its_peak_is_the_eager_traces(capsys):
     # compile="auto" compiles the gradient on a CUDA mesh of data axes only, where inductor plans the buffers: the
     # plan traces the eager gradient and says that its figure is the eager step's (docs/GPU.md: how far apart)
-    from funcpar import planning
-    from funcpar.options import BUILTIN_MODELS, DEFAULTS, build_step
+    from funcpar.cli import planning
+    from funcpar.cli.options import BUILTIN_MODELS, DEFAULTS, build_step
 
     model = fp.get_model("llama")
     mesh = fp.Mesh.abstract(device="cpu", dp=2)
@@ -209,9 +209,9 @@ class _Work:
 def test_a_cuda_mesh_waits_on_the_stream_and_a_host_mesh_with_its_timeout():
     # NCCL's work.wait(timeout=) blocks the host until the collective ends (no kernels queued meanwhile); a CUDA
     # mesh leaves the bound to the process group's own timeout (NCCL's watchdog)
-    from funcpar import transport
+    from funcpar.parallel import mesh as mesh_module, transport
 
-    for device, expected in (("cuda", {}), ("cpu", {"timeout": fp.mesh.default_timeout()})):
+    for device, expected in (("cuda", {}), ("cpu", {"timeout": mesh_module.default_timeout()})):
         work = _Work()
         transport.wait(work, fp.Mesh.abstract(device=device, dp=2), "all_reduce", "dp")
         assert work.calls == [expected], device

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import funcpar as fp
+from funcpar.nn.documents import Documents
 import harness
 import hf_fixtures
 from test_baichuan import published_config
@@ -93,8 +94,8 @@ def test_a_packed_rows_loss_and_gradients_are_its_samples_run_alone(kind):
 def test_every_attention_path_within_documents_is_each_document_alone(lengths, path, monkeypatch):
     """Outside torch.func (plain autograd), each of D.causal's paths gives each document's causal attention and its
     gradients; so does the compiled form (the mask)."""
-    from funcpar import attention as A
-    from funcpar import decoder as D
+    from funcpar.nn import attention as A
+    from funcpar.nn import decoder as D
 
     taken = []
 
@@ -109,7 +110,7 @@ def test_every_attention_path_within_documents_is_each_document_alone(lengths, p
     T = sum(lengths)
     pos = torch.cat([torch.arange(n) for n in lengths])[None].repeat(2, 1)  # (2, T)
     q, k, v = (torch.randn(2, 4, T, 16, requires_grad=True) for _ in range(3))
-    got = D.causal(q, k, v, fp.Mesh().with_documents(pos))
+    got = D.causal(q, k, v, fp.Mesh().with_documents(Documents(pos)))
     bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
     want = torch.cat([torch.nn.functional.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :],
                                                                        v[..., a:b, :], is_causal=True)
@@ -120,7 +121,8 @@ def test_every_attention_path_within_documents_is_each_document_alone(lengths, p
     go = torch.randn_like(got)
     for g, w in zip(torch.autograd.grad(got, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    compiled = torch.compile(lambda q, k, v, p: D.causal(q, k, v, fp.Mesh().with_documents(p)), dynamic=False)
+    compiled = torch.compile(lambda q, k, v, p: D.causal(q, k, v, fp.Mesh().with_documents(Documents(p))),
+                             dynamic=False)
     torch.testing.assert_close(compiled(q, k, v, pos), want, rtol=1e-5, atol=1e-6)
 
 
@@ -240,8 +242,8 @@ def test_a_model_without_document_support_refuses_position_ids_by_name():
 def test_the_plan_traces_the_document_path_that_funcpar_train_takes(monkeypatch, capsys):
     """`funcpar plan` traces batches with position_ids (funcpar train's default), through the layers' document
     path; `--cross-document` plans without them."""
-    from funcpar import cli
-    from funcpar import decoder as D
+    from funcpar.cli import main as cli
+    from funcpar.nn import decoder as D
 
     seen = []
     real = D._by_document

@@ -8,7 +8,7 @@ import pytest
 
 from funcpar import data
 from funcpar.data import ByteTokenizer, DataError, Dataset, encode, iter_samples, load_samples
-from funcpar.generate import read_prompts
+from funcpar.cli.generate import read_prompts
 
 TOK = ByteTokenizer()
 EOS = TOK.eos_id

@@ -1,4 +1,4 @@
-"""funcpar.headloss: the head's matmul and the cross-entropy fused over row chunks equal the unfused head (the
+"""funcpar.nn.headloss: the head's matmul and the cross-entropy fused over row chunks equal the unfused head (the
 logits, then ``layers.vocab_cross_entropy``) to round-off, in loss and in both gradients, with several chunks, a
 padded vocabulary, ignored targets, either reduction, in bfloat16 too, vocab-parallel over tp=2, and under
 ``torch.func.grad``; the logits are never held whole."""
@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcpar as fp
 import harness
-from funcpar import headloss as HL
+from funcpar.nn import headloss as HL
 
 N, D, V = 24, 16, 50  # V: a vocabulary padded to 52 rows (tp=2 splits it 26 + 26)
 

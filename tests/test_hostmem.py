@@ -1,4 +1,4 @@
-"""compile_step on a CPU mesh keeps the memory a step frees (funcpar.hostmem): no page is faulted in again after
+"""compile_step on a CPU mesh keeps the memory a step frees (funcpar.train.hostmem): no page is faulted in again after
 the first steps, where glibc's defaults fault in every large tensor every step; and it leaves malloc alone
 wherever the environment or the caller chose otherwise."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import funcpar as fp
-from funcpar import hostmem
+from funcpar.train import hostmem
 from funcpar.state import StepError
 
 # one process, a fresh interpreter per run (the setting is process-wide and made once): a 1-layer Llama whose

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from funcpar import options
+from funcpar.cli import options
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--model", "llama-micro", "--seq-len", "32", "--global-batch", "4", "--eval-every", "0", "--log-every", "1",
@@ -41,7 +41,7 @@ def _snapshot(root):
 @pytest.fixture(scope="module")
 def lora_mix_run(tmp_path_factory):
     """A finished one-process run (--out run) of a LoRA over a 50/50 mix of two sources, seq-len 32, batch 4."""
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     d = tmp_path_factory.mktemp("resume")
     for name, k in (("a.jsonl", 1), ("b.jsonl", 3)):
@@ -80,7 +80,7 @@ def test_a_resume_the_checkpoint_cannot_continue_is_refused_before_any_rank_star
                                                                                    message):
     """Every setting the ranks would refuse on resume (_same_run, Loader.load_state_dict) is read from the
     checkpoint's meta.json by the launcher: one line, no rank started, nothing written."""
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     monkeypatch.chdir(lora_mix_run)
     monkeypatch.setattr(cli, "launch_if_needed", lambda *a, **k: pytest.fail("the ranks were started"))
@@ -131,7 +131,7 @@ if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT"
 
     class _Fault(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "funcpar.progress":
+            if name != "funcpar.cli.progress":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -186,7 +186,7 @@ def test_a_ranks_lost_connection_goes_to_its_log_and_reads_as_a_consequence(tmp_
     """The surviving rank's side of a peer's death (gloo: "Connection closed by peer", raised where it posts a
     send): under funcpar's launcher nothing reaches the console, the traceback is in the rank's log, and the
     error file's one line says a peer died, so the job's report names the peer's reason instead."""
-    code = ("from funcpar.launch import run_and_exit\n"
+    code = ("from funcpar.cli.launch import run_and_exit\n"
             "def step():\n"
             "    raise RuntimeError('[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by '\n"
             "                       'peer [127.0.0.1]:387. This is typically caused by a remote worker crashing.')\n"
@@ -216,7 +216,7 @@ def _failure(exitcode, message=None, when=0):
 
 
 def test_the_report_names_the_cause_and_leaves_out_what_followed_from_it():
-    from funcpar.launch import _failure_summary
+    from funcpar.cli.launch import _failure_summary
 
     peer = ("funcpar: all_reduce over mesh axis 'dp' of Mesh(pp=1, dp=2, tp=1) (rank 0, group ranks [0, 1]) failed: a "
             "peer rank has died or stopped responding (timeout 1800 s). Cause: Connection closed by peer")
@@ -231,7 +231,7 @@ def test_the_report_names_the_cause_and_leaves_out_what_followed_from_it():
 
 
 def test_a_runs_logs_folder_is_its_own_and_replaced_with_it(tmp_path):
-    from funcpar.preflight import claim_out
+    from funcpar.cli.preflight import claim_out
 
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
@@ -251,7 +251,7 @@ def test_a_runs_logs_folder_is_its_own_and_replaced_with_it(tmp_path):
 
 def test_resume_with_no_checkpoint_is_refused_naming_the_folder_but_a_restarted_rank_starts_at_0(tmp_path,
                                                                                                monkeypatch):
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
@@ -296,7 +296,7 @@ def test_steps_and_epochs_together_are_refused_saying_which_would_decide(tmp_pat
 
 def test_a_lora_target_typo_names_the_folders_model_type_not_the_spec():
     import funcpar as fp
-    from funcpar.lora import Lora, LoraConfig, LoraError
+    from funcpar.train.lora import Lora, LoraConfig, LoraError
 
     llama = fp.get_model("llama")
     cfg = llama.config({**options.BUILTIN_MODELS["llama-micro"], "model_type": "qwen2"}, fp.Mesh())
@@ -305,7 +305,8 @@ def test_a_lora_target_typo_names_the_folders_model_type_not_the_spec():
 
 
 def test_plan_for_gpus_leaves_the_host_process_out_and_shows_small_step_times(capsys, monkeypatch):
-    from funcpar import cli, planning
+    from funcpar.cli import main as cli
+    from funcpar.cli import planning
 
     monkeypatch.setattr(planning, "_RUNTIME", [123 * 2**20])  # (the host's resident set, were it counted)
     cli.plan(["--model", "llama-micro", "--mesh", "dp=2", "--global-batch", "4", "--device", "cpu", "--gpu", "h100"])
@@ -324,7 +325,7 @@ def test_plan_for_gpus_leaves_the_host_process_out_and_shows_small_step_times(ca
 
 
 def test_plans_usage_line_lists_its_own_flags(capsys):
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--help"])

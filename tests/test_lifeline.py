@@ -161,7 +161,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 _ENDING = """
 import atexit, sys, threading, time
-from funcpar.launch import run_and_exit
+from funcpar.cli.launch import run_and_exit
 atexit.register(lambda: print("atexit handler ran"))  # (stdout is a pipe: block-buffered, flushed at the end)
 def late():
     time.sleep(0.3)

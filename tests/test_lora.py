@@ -1,4 +1,4 @@
-"""LoRA (funcpar.lora): adapters as their own pytree, the base frozen outside the train state; at Mesh(tp=2, dp=2)
+"""LoRA (funcpar.train.lora): adapters as their own pytree, the base frozen outside the train state; at Mesh(tp=2, dp=2)
 training equals Mesh(), only the adapters change, no gradient or optimizer state exists for a base weight; the
 merged export is W + (alpha/r)·B·A and loads in transformers; the PEFT folder loads with peft."""
 
@@ -9,7 +9,7 @@ import torch
 
 import funcpar as fp
 import harness
-from funcpar.lora import Lora, LoraConfig, LoraError
+from funcpar.train.lora import Lora, LoraConfig, LoraError
 from hf_fixtures import batch, make_checkpoint
 
 LCFG = LoraConfig(r=4, alpha=8.0, targets=("q", "v", "o_proj", "down"))
@@ -244,7 +244,7 @@ def test_funcpar_train_with_lora_exports_merged_and_peft_folders(tmp_path):
     # q and v projections of every layer, every other tensor the base's bit for bit
     from safetensors.torch import load_file
 
-    from funcpar.options import BUILTIN_MODELS
+    from funcpar.cli.options import BUILTIN_MODELS
 
     llama = fp.get_model("llama")
     cfg = llama.config(BUILTIN_MODELS["llama-micro"], fp.Mesh())

@@ -9,7 +9,7 @@ import torch
 
 import funcpar as fp
 import harness
-from funcpar import collectives as C
+from funcpar.parallel import collectives as C
 
 
 def _layout(sizes):
@@ -17,16 +17,15 @@ def _layout(sizes):
 
     m = harness.mesh(**sizes)
     from_groups = {a: dist.get_process_group_ranks(m.group(a)) for a in ("pp", "dp", "tp")}
-    from_device_mesh = {a: dist.get_process_group_ranks(m.device_mesh.get_group(a)) for a in ("pp", "dp", "tp")}
-    return m.rank, m.coords, from_groups, from_device_mesh, {a: m.group_ranks(a) for a in ("pp", "dp", "tp")}, m.timeout
+    return m.rank, m.coords, from_groups, {a: m.group_ranks(a) for a in ("pp", "dp", "tp")}, m.timeout
 
 
 def test_rank_layout_tp_innermost():
     tp_groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
     dp_groups = [[0, 4], [1, 5], [2, 6], [3, 7]]
-    for rank, coords, groups, dm_groups, listed, timeout in harness.run(8, _layout, {"tp": 4, "dp": 2}):
+    for rank, coords, groups, listed, timeout in harness.run(8, _layout, {"tp": 4, "dp": 2}):
         assert coords == {"pp": 0, "dp": rank // 4, "tp": rank % 4}
-        for g in (groups, dm_groups, listed):
+        for g in (groups, listed):
             assert g["tp"] == next(x for x in tp_groups if rank in x)
             assert g["dp"] == next(x for x in dp_groups if rank in x)
             assert g["pp"] == [rank]
@@ -35,7 +34,7 @@ def test_rank_layout_tp_innermost():
 
 def test_rank_layout_with_pipeline_axis():
     # Mesh(pp=2, dp=2, tp=2): rank = (p*dp + d)*tp + t
-    for rank, coords, groups, _, _, _ in harness.run(8, _layout, {"pp": 2, "dp": 2, "tp": 2}):
+    for rank, coords, groups, _, _ in harness.run(8, _layout, {"pp": 2, "dp": 2, "tp": 2}):
         p, d, t = rank // 4, (rank // 2) % 2, rank % 2
         assert coords == {"pp": p, "dp": d, "tp": t}
         assert groups["pp"] == [d * 2 + t, 4 + d * 2 + t]

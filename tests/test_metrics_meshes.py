@@ -29,7 +29,8 @@ def _write_sources(folder) -> str:
 
 def _metrics(sizes: dict, extra: list[str], data: str) -> dict:
     """The run's metrics on ``harness.mesh(**sizes)``: held-out before and after one step, and the step's."""
-    from funcpar import cli, options
+    from funcpar.cli import main as cli
+    from funcpar.cli import options
 
     argv = [*BASE, "--data", data, *extra]
     opts = options.run_options(options.read_options(argv, "train"), argv)

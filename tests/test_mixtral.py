@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import funcpar as fp
 import harness
 from hf_fixtures import folder_tensors
-from funcpar import collectives as C
+from funcpar.parallel import collectives as C
 from funcpar.models import mixtral
 
 B, T, V, STEPS = 4, 12, 128, 3
@@ -149,13 +149,19 @@ def test_all_to_all_on_an_abstract_mesh_is_simulated_and_checks_its_blocks():
 # --------------------------------------------------------------------------------------- against transformers
 
 
+def _aux(params, tokens, cfg, mesh):
+    """The load-balancing loss of the global batch (every data rank's ``tokens``): transformers' ``aux_loss``."""
+    _, counts, prob_sum = mixtral._trunk(params, tokens, cfg, mesh)
+    return mixtral._balance_loss(counts, prob_sum, tokens.numel() * cfg.num_hidden_layers, cfg, mesh)
+
+
 def test_logits_loss_and_aux_loss_match_transformers_single_process(ckpt):
     path, ref, b = ckpt
     params, cfg = fp.hf.load(path)
     assert cfg.model_type == "mixtral" and cfg.num_local_experts == 4 and cfg.output_router_logits
     model = fp.get_model("mixtral")
     assert (model.forward(params, b["input_ids"], cfg, fp.Mesh()) - ref.logits).abs().max().item() <= 1e-5
-    aux = mixtral.router_aux_loss(params, b["input_ids"], cfg, fp.Mesh())
+    aux = _aux(params, b["input_ids"], cfg, fp.Mesh())
     assert abs(aux.item() - ref.aux_loss.item()) <= 1e-6 * ref.aux_loss.item() and aux.item() > 1.0
     loss = model.loss(params, b, cfg, fp.Mesh())
     assert abs(loss.item() - ref.loss.item()) <= 1e-6 * ref.loss.item()
@@ -176,7 +182,7 @@ def _ep_forward(path, sizes, b, out):
     local = rows(b, mesh)
     logits = mixtral.forward(params, local["input_ids"], cfg, mesh)
     loss = mixtral.loss(params, local, cfg, mesh)
-    aux = mixtral.router_aux_loss(params, local["input_ids"], cfg, mesh)
+    aux = _aux(params, local["input_ids"], cfg, mesh)
     share = fp.layers.count_targets(local) / fp.layers.count_targets(b)  # the step's weight of this rank's loss
     grads = torch.func.grad(lambda p: mixtral.loss(p, local, cfg, mesh) * share)(params)
     data = [a for a in mixtral.DATA_AXES if a in mesh.axis_names and mesh.axis_size(a) > 1]

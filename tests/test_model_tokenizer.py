@@ -65,7 +65,7 @@ def test_a_qwen2_folder_trains_with_its_own_tokenizer_and_its_export_answers_cha
 
 
 def test_a_folder_without_a_tokenizer_is_refused_unless_a_tokenizer_is_named(tmp_path, monkeypatch):
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     model = tmp_path / "bare"
     _qwen2_folder(model, with_tokenizer=False)

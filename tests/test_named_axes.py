@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import funcpar as fp
-from funcpar.remat import grad_and_value
+from funcpar.nn.remat import grad_and_value
 import harness
 from funcpar.models import llama
 

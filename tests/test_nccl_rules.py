@@ -1,9 +1,9 @@
 """What NCCL does differently from gloo, held on gloo (one GPU is all a test machine has: issue 40).
 
 NCCL ignores message tags and pairs the messages between two ranks of one communicator by posting order; it needs
-every member of a communicator to post the same collectives in the same order. ``funcpar.p2p.USE_TAGS = False``
+every member of a communicator to post the same collectives in the same order. ``funcpar.parallel.p2p.USE_TAGS = False``
 makes gloo match the pipeline's messages by posting order too (one tag for all), and
-``funcpar.transport.recording`` / ``check_sequences`` hold every rank's posted collectives and messages to both
+``funcpar.parallel.transport.recording`` / ``check_sequences`` hold every rank's posted collectives and messages to both
 rules. The pipelines, ZeRO 0-3 and tp are run under them here.
 """
 
@@ -12,7 +12,8 @@ import torch
 
 import funcpar as fp
 import harness
-from funcpar import p2p, transport
+from funcpar.parallel import p2p
+from funcpar.parallel import transport
 
 V, B, T = 96, 16, 8
 

@@ -61,7 +61,7 @@ def _assert_close(a, b, rtol=1e-6, atol=1e-7):
 
 
 def _state_types(state):
-    from funcpar.checkpoint import _state_types as types  # the names a checkpoint records for an optimizer
+    from funcpar.io.checkpoint import _state_types as types  # the names a checkpoint records for an optimizer
 
     return types(state)
 

@@ -1,4 +1,4 @@
-"""Pipeline plans (funcpar/pipeline.py): stage assignment, the three schedules, validation and the simulation.
+"""Pipeline plans (funcpar/pipeline/schedule.py): stage assignment, the three schedules, validation and the simulation.
 
 Pure Python, no processes: each test builds schedules as data and checks them.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from funcpar.pipeline import (
+from funcpar.pipeline.schedule import (
     Action,
     PipelineError,
     Schedule,
@@ -100,10 +100,10 @@ def test_assign_units_errors_name_the_numbers(args, kwargs, message):
         assign_units(*args, **kwargs)
 
 
-def test_rank_layers_puts_virtual_stage_c_pp_plus_r_on_rank_r():
+def test_virtual_stage_c_pp_plus_r_is_on_rank_r():
     sched = interleaved_1f1b(2, 4, chunks=2)
-    assert sched.rank_layers(8) == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
-    assert one_f_one_b(2, 2).rank_layers(5) == [[range(0, 3)], [range(3, 5)]]
+    assert [[sched.stage_of(r, c) for c in range(2)] for r in range(2)] == [[0, 2], [1, 3]]
+    assert [one_f_one_b(2, 2).stage_of(r, 0) for r in range(2)] == [0, 1]
 
 
 # ---- the schedules -------------------------------------------------------------------------------------------------

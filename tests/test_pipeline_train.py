@@ -3,7 +3,7 @@
 Every mesh runs every schedule (GPipe, 1F1B, interleaved 1F1B) at 4 and 8 micro-batches, for an untied Llama, a
 tied-embedding Llama and GPT-2 (tied), and zero bubble (plain and interleaved) on two of them: per-step losses and
 the gathered parameters after 3 AdamW steps (with clipping) must equal the single-process run's. (The measured
-bubble against the planned one is a wall-clock figure: bench/pipeline_bubble.py.)
+bubble against the planned one is a wall-clock figure: benchmarks/pipeline_bubble.py.)
 """
 
 import dataclasses

@@ -10,7 +10,7 @@ import torch
 import funcpar as fp
 import harness
 from funcpar.models import llama
-from funcpar.planning import local_params, rank_meshes, trace_step
+from funcpar.cli.planning import local_params, rank_meshes, trace_step
 
 ROWS, T, V = 4, 16, 128
 CASES = {  # world size -> (mesh, zero, remat, accum_steps, param_dtype)
@@ -117,7 +117,7 @@ def test_the_plan_is_the_same_every_time():
 def test_memory_trace_counts_a_buffer_another_thread_releases():
     import threading
 
-    from funcpar.planning import MemoryTrace
+    from funcpar.cli.planning import MemoryTrace
 
     with MemoryTrace("cpu") as tr:
         kept, box = torch.ones(1000), [torch.zeros(256)]
@@ -180,7 +180,7 @@ def test_the_step_time_model_adds_compute_and_each_axis_over_its_link():
     """estimate_time: the traced FLOPs at the efficiency of the datasheet rate for the dtype, plus each axis's bytes
     over NVLink when it and the axes inside it span a node, over the network otherwise; the traced FLOPs of a
     step are the model's 6·N per token (no embedding matmul) plus the attention's."""
-    from funcpar.planning import GPUS, LINKS, estimate_time
+    from funcpar.cli.planning import GPUS, LINKS, estimate_time
 
     row = {"flops": 4e14, "traffic": {"dp": 9e9, "tp": 36e9}}
     e = estimate_time(row, {"dp": 4, "tp": 4}, "h100", ("nvlink", "ib400"), 8, torch.bfloat16, 0.5)

@@ -1,4 +1,4 @@
-"""The fused element-wise kernels (``funcpar.pointwise``): RMSNorm, SwiGLU and the cross-entropy's exp compiled by
+"""The fused element-wise kernels (``funcpar.nn.pointwise``): RMSNorm, SwiGLU and the cross-entropy's exp compiled by
 ``torch.compile`` on large float32 host tensors. They must give the eager Functions' values and gradients to
 float32 round-off (no further from a float64 reference), be taken only where the policy says, never under
 ``torch.func`` transforms or a backward differentiated again, fail over to eager with a warning, and leave a whole
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import funcpar as fp
 import harness
-from funcpar import layers as L
-from funcpar import pointwise as Pw
+from funcpar.nn import layers as L
+from funcpar.nn import pointwise as Pw
 from hf_fixtures import batch, make_checkpoint
 
 KERNELS = ("_rms_forward", "_rms_backward_kernel", "_swiglu_forward", "_swiglu_backward", "_exp_and_sum")
@@ -139,11 +139,11 @@ def test_a_bad_setting_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(Pw, "FUSE", "yes")
     with pytest.raises(ValueError, match=r"FUNCPAR_FUSE in the environment\) is 'yes'; one of \('auto', 'on', 'off'\)"):
         L.swiglu(torch.randn(3), torch.randn(3))
-    code = "import funcpar.pointwise as P; print(P.FUSE)"
+    code = "import funcpar.nn.pointwise as P; print(P.FUSE)"
     for value, rc in (("off", 0), ("yes", 1)):
         out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True,
                              env={**os.environ, "FUNCPAR_FUSE": value})
-        refused = "ValueError: funcpar.pointwise.FUSE (FUNCPAR_FUSE in the environment) is 'yes'; one of ('auto', "
+        refused = "ValueError: funcpar.nn.pointwise.FUSE (FUNCPAR_FUSE in the environment) is 'yes'; one of ('auto', "
         assert out.returncode == rc and (out.stdout.strip() == value if rc == 0 else
                                          refused + "'on', 'off')" in out.stderr), out.stderr
 

@@ -260,7 +260,7 @@ def _one_group_drifts():
     (["--zero", "4"], "funcpar: --zero 4: must be a number at least 0 and at most 3"),
 ])
 def test_command_line_numbers_out_of_range_are_named(argv, message):
-    from funcpar import options
+    from funcpar.cli import options
 
     with pytest.raises(SystemExit) as e:
         options.read_options(argv, "train")
@@ -268,7 +268,7 @@ def test_command_line_numbers_out_of_range_are_named(argv, message):
 
 
 def test_config_file_values_of_the_wrong_type_and_repeated_mesh_axes_are_named(tmp_path):
-    from funcpar import options
+    from funcpar.cli import options
 
     f = tmp_path / "run.json"
     f.write_text('{"seq_len": "1024"}')
@@ -478,7 +478,7 @@ def _snap_params(state):
 def test_a_crash_while_replacing_a_checkpoint_leaves_one_whole_checkpoint(tmp_path, monkeypatch, exchange):
     """Re-saving under an existing name: a process killed mid-swap leaves a complete checkpoint that loads: the new
     one after the atomic exchange, the old one (put back from .NAME.old) between the fallback's two renames."""
-    from funcpar import atomic
+    from funcpar.io import atomic
 
     step, state = _tiny_step(fp.Mesh())
     old = _snap_params(state)

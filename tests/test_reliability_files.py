@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import funcpar as fp
 import hf_fixtures
-from funcpar._ckpt_source import crc
+from funcpar.io.checkpoint_source import crc
 from test_reliability import SMALL, _tiny_step
 
 
@@ -206,7 +206,7 @@ def test_safetensors_with_overlapping_tensors_or_holes_is_refused(hf_folders, tm
 def test_a_layout_the_format_allows_is_read(tmp_path):
     f = tmp_path / "ok.safetensors"  # out of order in the header, empty tensors at the start and the end
     f.write_bytes(_st({"b": (8, 12), "a": (0, 8), "e": (0, 0), "z": (12, 12)}))
-    from funcpar._safetensors import read_header
+    from funcpar.io.safetensors_header import read_header
 
     assert sorted(read_header(f)) == ["a", "b", "e", "z"]
 
@@ -320,7 +320,7 @@ def test_the_run_folders_files_are_never_written_through_a_symbolic_link(tmp_pat
     """Issue 46, BAD 1-3: a link where funcpar writes (dangling or to someone's file) is replaced by a new file when
     funcpar writes the file whole, refused when it appends; a checkpoint saved while a link is planted at
     checkpoints/.latest.tmp leaves the link's target as it was."""
-    from funcpar.atomic import open_own
+    from funcpar.io.atomic import open_own
 
     victim = tmp_path / "victim.txt"
     victim.write_text("mine")
@@ -371,7 +371,7 @@ def test_a_funcpar_folder_is_replaced_only_by_the_same_kind_of_write_for_the_sam
     """Issue 46, BAD 5: a checkpoint is not replaced by an export, nor by another run's checkpoint; an export not by
     a checkpoint; convert refuses a destination that is its source or inside it; every refusal leaves the files as
     they were, and the same run saving again (a resumed run re-saving its step) still replaces its own."""
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     step, state = _tiny_step(fp.Mesh())
     ckpts = tmp_path / "run" / "checkpoints"
@@ -399,7 +399,7 @@ def test_convert_takes_a_run_folder_and_gives_the_export_a_tokenizer(tmp_path):
     funcpar's options, not a model's), and `--tokenizer` puts the tokenizer's files in the export."""
     import json
 
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     cfg = SMALL["llama"](vocab_size=264)  # (the byte tokenizer's ids fit)
     run = tmp_path / "run"

@@ -60,7 +60,7 @@ def test_remat_keeps_only_layer_inputs():
 
 
 def test_the_steps_gradient_matches_torch_func_and_returns_aux_detached():
-    from funcpar.remat import grad_and_value
+    from funcpar.nn.remat import grad_and_value
 
     cfg = config()
     params = llama.init(cfg, seed=0)
@@ -81,7 +81,7 @@ def test_the_steps_gradient_matches_torch_func_and_returns_aux_detached():
 
 
 def test_fused_cross_entropy_under_vmap_of_grad():
-    from funcpar.layers import vocab_cross_entropy
+    from funcpar.nn.layers import vocab_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(3, 5, 11, generator=g), torch.randint(0, 11, (3, 5), generator=g)
@@ -97,7 +97,7 @@ def test_fused_cross_entropy_backward_scales_its_saved_exponentials_in_place():
     """The train step's backward (plain autograd, first order): the logits' gradient is the forward's saved
     ``exp(logits - max)`` scaled in place (no new logits-sized tensor), equal to torch's; a second backward over the
     same graph is refused by autograd's version check, not answered from the overwritten tensor."""
-    from funcpar.layers import vocab_cross_entropy
+    from funcpar.nn.layers import vocab_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(4, 7, 13, generator=g, requires_grad=True), torch.randint(0, 13, (4, 7), generator=g)

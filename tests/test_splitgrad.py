@@ -1,4 +1,4 @@
-"""A backward split into the inputs' gradients now and the weights' later (funcpar/splitgrad.py), on one process.
+"""A backward split into the inputs' gradients now and the weights' later (funcpar/nn/splitgrad.py), on one process.
 
 Each test runs a function's backward whole and split, and compares every gradient bit for bit; and checks the
 split's two passes each do only their part (custom Functions ask :func:`wanted`).
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from funcpar import splitgrad
-from funcpar.pointwise import rms_norm
+from funcpar.nn import splitgrad
+from funcpar.nn.pointwise import rms_norm
 
 D = 16
 

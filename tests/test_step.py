@@ -198,7 +198,7 @@ def lion_by_hand():
 def _count_collectives(layers):
     import torch.distributed as dist
 
-    from funcpar import collectives as C
+    from funcpar.parallel import collectives as C
 
     mesh = harness.mesh(dp=4)
     cfg = config(layers)
@@ -431,7 +431,7 @@ def test_compiled_step_matches_eager():
 
 
 def test_compile_step_names_an_unknown_option_and_the_ones_it_takes():
-    # its options are written once, in their typed groups (funcpar.step_config); the error lists them all
+    # its options are written once, in their typed groups (funcpar.train.config); the error lists them all
     with pytest.raises(TypeError, match=r"compile_step\(\) got unknown option\(s\) overlap: it takes mesh, "
                                         r"optimizer, accum_steps, .*, zero, data_axes, bucket_mb, offload, pipeline, "
                                         r"chunks, parts, param_dtype, .* max_skips, parallel, pipelining, precision, "

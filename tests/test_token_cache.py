@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import funcpar as fp
-from funcpar import options, tokencache
+from funcpar.cli import options
+from funcpar.data import cache as tokencache
 from funcpar.data import ByteTokenizer, DataError, Dataset, Loader, Mixture, iter_samples, permute, tokenize
 
 TOK = ByteTokenizer()
@@ -158,7 +159,7 @@ def test_text_files_stream_by_line_with_their_line_numbers(tmp_path):
 def test_train_mixes_two_files_by_weight_from_the_cache(tmp_path, monkeypatch, capfd):
     """`--data a:3,b:1 --token-cache DIR`: the run says the mixture, tokenizes each file into the cache once, and a
     second run reads the cache and trains the same."""
-    from funcpar import cli
+    from funcpar.cli import main as cli
 
     a, b = tmp_path / "a.txt", tmp_path / "b.jsonl"
     _corpus(a, 200)

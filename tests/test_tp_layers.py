@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import funcpar as fp
 import harness
 from funcpar import P
-from funcpar import collectives as C
+from funcpar.parallel import collectives as C
 
 D, H, HEADS, HEAD_DIM, B, T = 16, 32, 4, 8, 3, 5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +155,7 @@ def _column_parallel_case(tp):
     (the composable one), a frozen weight, and vmap over x; plus the order of the overlapped backward's work."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from funcpar import layers as L
+    from funcpar.nn import layers as L
 
     m = harness.mesh(tp=tp)
     g = torch.Generator().manual_seed(3)

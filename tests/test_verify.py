@@ -15,7 +15,7 @@ import funcpar as fp
 import harness
 import tinylm
 from funcpar import P
-from funcpar import collectives as C
+from funcpar.parallel import collectives as C
 
 V = 64
 

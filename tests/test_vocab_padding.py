@@ -9,7 +9,7 @@ import transformers as tf
 
 import funcpar as fp
 import harness
-from funcpar.layers import padded_vocab
+from funcpar.nn.layers import padded_vocab
 from test_models_hf import _assert_identical, _tensors
 
 V = 101

@@ -112,7 +112,7 @@ def _distance(a, b) -> float:
 def _mixed(remat):
     """zero=1 and zero=3 in bf16 on tp=2 x dp=2 (and zero=3 in fp32 without remat); the bytes each ZeRO-3 run's
     collectives over its dp group move, by operation."""
-    from funcpar import transport
+    from funcpar.parallel import transport
 
     mesh = harness.mesh(tp=2, dp=2)
     runs = [(1, torch.bfloat16), (3, torch.bfloat16)] + ([] if remat else [(3, None)])
@@ -131,7 +131,7 @@ def test_zero3_in_bf16_equals_zero1_in_bf16(remat):
     """ZeRO-3 in bfloat16 (blocks gathered in bf16, gradients reduce-scattered in fp32 into fp32 master parts)
     against funcpar's zero=1 bf16 run on the same tp=2 x dp=2 mesh. Both compute each block on the masters rounded
     to bf16 alike and sum the data ranks' gradients in fp32; they differ in one place: zero=1's dense lookup
-    backward sums the embedding's gradient rows in bf16, ZeRO-3's lookup on the parts (funcpar.zero3.ZeroRows) in
+    backward sums the embedding's gradient rows in bf16, ZeRO-3's lookup on the parts (funcpar.train.zero3.ZeroRows) in
     fp32. The first forward is therefore the same bit for bit; after it the losses agree to 1e-4, the gradient norms
     to bf16's resolution (2**-8 = 3.9e-3) and the weights to 1e-2 of the distance they moved. The gathers move half
     the bytes of the float32 ZeRO-3 run's (to 1%: the lookups' int64 token ids do not halve), the gradients'
@@ -216,7 +216,7 @@ def test_step_loss_evaluates_the_state_it_is_given_at_zero3():
 
 
 def _lookups():
-    from funcpar import transport
+    from funcpar.parallel import transport
 
     mesh = harness.mesh(dp=2)
     step, specs, cfg = make(mesh, 3)
@@ -232,7 +232,7 @@ def _lookups():
 
 
 def test_zero3_looks_tokens_up_on_the_parts_without_gathering_the_table():
-    """The untied embedding table is never gathered at ZeRO-3 (funcpar.zero3.ZeroRows: each rank looks up the ids
+    """The untied embedding table is never gathered at ZeRO-3 (funcpar.train.zero3.ZeroRows: each rank looks up the ids
     whose rows it holds, for every data rank, and adds their gradients into its own part), and training still equals
     one process (the bar of the float32 ZeRO-3 test)."""
     ref_losses, _, ref, _ = train(fp.Mesh(), 0, steps=2)

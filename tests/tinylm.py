@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import funcpar as fp
 from funcpar import P
-from funcpar import collectives as C
-from funcpar import layers as L
+from funcpar.parallel import collectives as C
+from funcpar.nn import layers as L
 
 
 # step 1: a config with from_hf / to_hf / with_mesh (VocabPadding gives with_mesh)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .base import NOTHING, GradientTransformation, InPlace, leaves, update_with
+from funcpar.optim.base import NOTHING, GradientTransformation, InPlace, leaves, update_with
 
 
 class LossScaleState(NamedTuple):

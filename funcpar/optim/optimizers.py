@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .base import Fused, GradientTransformation, chain, leaves, mask_list
-from .schedules import Schedule
-from .transforms import (ScaleByAdamState, ScaleByLearningRateState, as_schedule, add_decayed_weights, count_value,
-                         lr_at, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace)
+from funcpar.optim.base import Fused, GradientTransformation, chain, leaves, mask_list
+from funcpar.optim.schedules import Schedule
+from funcpar.optim.transforms import (ScaleByAdamState, ScaleByLearningRateState, as_schedule, add_decayed_weights,
+                                      count_value, lr_at, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace)
 
 
 def _decay(weight_decay: float, mask: Any) -> list[GradientTransformation]:

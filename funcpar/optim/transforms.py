@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import NOTHING, GradientTransformation, InPlace, leaves, mask_list, mul_leaves as _mul, unflatten_like
-from .schedules import Schedule, check_hyper, constant
+from funcpar.optim.base import (NOTHING, GradientTransformation, InPlace, leaves, mask_list, mul_leaves as _mul,
+                                unflatten_like)
+from funcpar.optim.schedules import Schedule, check_hyper, constant
 
 
 def as_schedule(lr: float | Schedule) -> Schedule:

@@ -1,0 +1,451 @@
+"""Planning a run before starting it: how each parameter is sharded over a mesh, and the memory each rank needs.
+
+Everything here works on shapes only (``model.init(cfg, device="meta")``) and an abstract mesh
+(:meth:`funcpar.Mesh.abstract`), so ``funcpar plan`` starts no processes and allocates no parameters.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+import threading
+import weakref
+from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from funcpar.nn import attention as A
+from funcpar.parallel.mesh import STANDARD_AXES
+from funcpar.spec import broadcast_specs, local_shape
+
+__all__ = ["params_like", "local_params", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan",
+           "trace_step", "trace_plan", "MemoryTrace", "runtime_bytes", "candidate_meshes", "rank_meshes",
+           "print_ranking"]
+
+# fp32 tensors of optimizer state per parameter
+OPTIMIZER_SLOTS = {"adamw": 2, "lion": 1, "sgd": 1}
+
+
+def params_like(model, cfg) -> Any:
+    """The model's parameter tree as shapes only (meta tensors)."""
+    return model.init(cfg, device="meta")
+
+
+def local_params(params_like, specs, mesh) -> Any:
+    """This rank's leaves of ``mesh`` (shards by ``specs``) as meta tensors: what :func:`trace_step` starts from."""
+    leaves = [torch.empty(local_shape(s, tuple(x.shape), mesh, p), dtype=x.dtype, device="meta")
+              for p, s, x in broadcast_specs(specs, params_like)]
+    return optree.tree_unflatten(optree.tree_structure(params_like, none_is_leaf=True), leaves)
+
+
+def sharding_table(params_like, specs, mesh) -> str:
+    """One row per leaf (layers collapsed when alike): global shape, spec, local shape, MiB per rank."""
+    rows: dict[str, list] = {}
+    for path, spec, x in broadcast_specs(specs, params_like):
+        key = re.sub(r"\.\d+\.", ".*.", path)
+        loc = local_shape(spec, tuple(x.shape), mesh, path)
+        mib = math.prod(loc) * x.element_size() / 2**20
+        row = rows.setdefault(key, [key, tuple(x.shape), spec, loc, mib, 0])
+        row[5] += 1
+    lines = [f"{'leaf':<28} {'global shape':<16} {'spec':<18} {'local shape':<16} {'MiB/rank':>9}"]
+    for key, shape, spec, loc, mib, count in rows.values():
+        name = key if count == 1 else f"{key} (x{count})"
+        lines.append(f"{name:<28} {str(shape):<16} {str(spec):<18} {str(loc):<16} {mib * count:>9.3f}")
+    return "\n".join(lines)
+
+
+def vocab_note(cfg, tokens: int | None = None) -> str | None:
+    """A line for under the sharding table where the vocabulary tables hold rows no token uses: padded for tp
+    (``vocab_rows``), or beyond a tokenizer's ``tokens``; None where every row is a token."""
+    size, rows = getattr(cfg, "vocab_size", None), getattr(cfg, "vocab_rows", None)
+    notes = []
+    if size and rows and rows != size:
+        notes.append(f"vocab_size {size} padded to {rows} rows, a multiple of 128 and of tp (the {rows - size} extra "
+                     f"rows are never predicted and are not exported)")
+    if size and tokens and tokens < size:
+        notes.append(f"the tokenizer's {tokens} tokens use {tokens} of the model's vocab_size {size}")
+    return "vocabulary: " + "; ".join(notes) if notes else None
+
+
+def memory_plan(params_like, specs, mesh, zero: int, opt_slots: int = 2) -> dict[str, float]:
+    """Per-rank MiB of parameters, gradients and optimizer state (``opt_slots`` fp32 tensors per parameter).
+
+    With ``zero >= 1`` a leaf's optimizer state is split over every mesh axis (pipeline stages aside) along which
+    the leaf is replicated; with ``zero >= 2`` its gradient is split over ``dp`` too; with ``zero=3`` the parameters
+    held between steps as well (and the optimizer state over ``dp`` only, as :mod:`funcpar.train.zero3` partitions it).
+    """
+    params = grads = opt = 0.0
+    dp = mesh.axis_size("dp")
+    for path, spec, x in broadcast_specs(specs, params_like):
+        n = math.prod(local_shape(spec, tuple(x.shape), mesh, path))
+        repl = [a for a in mesh.axis_names if a != "pp" and a not in spec.axes]
+        parts = dp if zero == 3 else (math.prod(mesh.axis_size(a) for a in repl) if zero >= 1 else 1)
+        params += n * x.element_size() / (dp if zero == 3 else 1)
+        grads += n * x.element_size() / (dp if zero >= 2 else 1)
+        opt += opt_slots * 4 * n / parts
+    return {"params": params / 2**20, "grads": grads / 2**20, "optimizer": opt / 2**20,
+            "total": (params + grads + opt) / 2**20}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def _traffic(t: dict[str, float]) -> str:
+    return ", ".join(f"{a} {n / 2**20:,.1f} MiB" for a, n in sorted(t.items())) or "none"
+
+
+def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None, gpu: bool = False,
+               documents: bool | None = None) -> dict[str, Any]:
+    """:func:`trace_step` of ``step`` (over an abstract mesh) on a token batch of ``rows`` x ``seq_len`` per rank,
+    plus the host runtime's own resident set (``runtime``) where training runs on the host (a mesh on the CPU).
+    ``like``: the model's :func:`params_like`, if the caller has it already. ``gpu``: the plan is for GPUs
+    (``funcpar plan --gpu``), whatever device this machine traces on: the peak is a GPU's, with no host process in
+    it (``runtime`` 0).
+
+    A step whose gradient ``compile="auto"`` compiles (a CUDA mesh of data axes only) is traced with its eager
+    gradient, and ``eager_trace`` is True: inductor plans the compiled graph's buffers itself, so the figure is the
+    eager step's, an estimate for the compiled one (docs/GPU.md has how far apart the two were on one GPU).
+
+    ``documents``: the batches carry packed documents' ``position_ids`` (default: where the model takes them, as
+    ``funcpar train`` packs); the trace then runs the layers' document path (its position tables included)."""
+    like = params_like(model, cfg) if like is None else like
+    ids = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+    if model.documents if documents is None else documents:
+        batch["position_ids"] = ids
+    if step.compiled is True:
+        raise ValueError("a compile=True step cannot be traced on meta tensors: plan it with compile='auto' or False")
+    compiled, was = step.compiled == "auto", step.compiled
+    step.compiled = False  # (auto_compiled's own switch: the eager gradient, for this trace only)
+    try:
+        out = trace_step(step, local_params(like, step.specs, step.mesh), batch)
+    finally:
+        step.compiled = was
+    out["eager_trace"] = compiled
+    out["runtime"] = runtime_bytes() if step.mesh.device.type == "cpu" and not gpu else 0
+    return out
+
+
+def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int, estimate=None,
+               documents: bool | None = None) -> None:
+    """Print what ``funcpar plan`` shows: the parameter count, the sharding table, and per rank the memory of the
+    parameters, gradients and optimizer state, the activations and the peak of a step (traced), and the traffic;
+    with ``estimate(row, step)`` (:func:`estimate_time`'s dict: a plan for GPUs, its peak without the host
+    process), the step's estimated time."""
+    from funcpar.tree import leaves_with_path
+
+    mesh = step.mesh
+    like, specs = params_like(model, cfg), step.specs
+    print(f"{cfg.model_type} on {mesh!r}: {sum(x.numel() for _, x in leaves_with_path(like)):,} parameters")
+    print(sharding_table(like, specs, mesh))
+    if vocab_note(cfg):
+        print(vocab_note(cfg))
+    if step.pipe is not None:  # this rank's stage
+        print(step.pipe.plan.describe())
+        print(f"{step.pipe.plan.schedule.name} over {step.accum_steps} micro-batches: planned bubble "
+              f"{step.pipe.plan.schedule.simulate()['bubble']:.1%}; memory below for pp rank 0")
+    stage = like if step.pipe is None else step.pipe.plan.select(like)
+    mem = memory_plan(stage, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
+    print(f"per rank (zero={zero}, {optimizer}): params {mem['params']:.2f} MiB, grads "
+          f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
+    t = trace_plan(model, cfg, step, rows, seq_len, like, gpu=estimate is not None, documents=documents)
+    host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
+    acts = f"activations {_mib(t['activations'])} per micro-batch; " if step.pipe is None else ""
+    how = (" (the eager step's trace: compile='auto' compiles this step's gradient and inductor plans its buffers)"
+           if t["eager_trace"] else "")
+    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): {acts}peak "
+          f"{_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])} per rank{how}; "
+          f"sends {_traffic(t['traffic'])} per step; {t['flops'] / 1e12:,.3f} TFLOP per step per rank")
+    if estimate is not None:
+        e = estimate(t, step)
+        comm = ", ".join(f"{a} {seconds(s)}" for a, s in e["comm"].items()) or "none"
+        print(f"estimated step: {seconds(e['step'])} (compute {seconds(e['compute'])}, communication {comm}); "
+              f"{rows * seq_len * step.accum_steps / e['step']:,.0f} tokens/s per rank. Assumed: {e['assumptions']}")
+
+
+def candidate_meshes(devices: int, context: bool = False) -> list[dict[str, int]]:
+    """Every ``dp x tp`` factorisation of ``devices`` (pipeline stages aside); with ``context``, every ``dp x cp x
+    tp`` one (a cp axis only where it has more than one rank)."""
+    out = []
+    for tp in (n for n in range(1, devices + 1) if devices % n == 0):
+        for cp in (n for n in range(1, devices // tp + 1) if devices // tp % n == 0 and (context or n == 1)):
+            out.append({"dp": devices // tp // cp, **({"cp": cp} if cp > 1 else {}), "tp": tp})
+    return out
+
+
+def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False,
+                estimate=None, documents: bool | None = None) -> list[dict[str, Any]]:
+    """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too: :func:`candidate_meshes`) at
+    each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows, seq_len)`` or raises ``ValueError``
+    naming why that mesh cannot run. The ones whose peak (with the runtime, on the CPU) fits in ``memory`` bytes
+    come first: fastest first by ``estimate(row, axes, step)`` (:func:`estimate_time`'s dict, kept as
+    ``row["time"]``; a plan for GPUs: the peaks without the host process) when given, else fewest bytes sent per
+    step first (then lowest peak)."""
+    out = []
+    for axes in candidate_meshes(devices, context):
+        for zero in zeros:
+            row: dict[str, Any] = {"axes": axes, "zero": zero}
+            try:
+                model, cfg, step, rows, seq_len = build(axes, zero)
+                row |= trace_plan(model, cfg, step, rows, seq_len, gpu=estimate is not None, documents=documents)
+                row["need"] = row["peak"] + row["runtime"]
+                row["fits"] = row["need"] <= memory
+                if estimate is not None:
+                    row["time"] = estimate(row, axes, step)
+            except ValueError as e:
+                row |= {"fits": False, "why": str(e)}
+            out.append(row)
+    return sorted(out, key=lambda r: (not r["fits"], "why" in r, r["time"]["step"] if "time" in r else 0,
+                                      sum(r.get("traffic", {}).values()), r.get("need", 0)))
+
+
+# ------------------------------------------------------------------------------------ a step's time on paper
+# Datasheet matmul rates (dense, FLOP/s) and memory. fp32 is the CUDA cores' rate: torch leaves TF32 off for matmuls.
+GPUS = {
+    "h100": {"name": "NVIDIA H100 SXM", "bf16": 989e12, "fp32": 67e12, "memory": 80 * 2**30},
+    "h200": {"name": "NVIDIA H200 SXM", "bf16": 989e12, "fp32": 67e12, "memory": 141e9},
+    "a100": {"name": "NVIDIA A100 SXM", "bf16": 312e12, "fp32": 19.5e12, "memory": 80 * 2**30},
+}
+# Bytes per second one GPU sends over a link in a collective: what NCCL reaches (its bus bandwidth), not the
+# datasheet (NVLink 4: 450 GB/s a direction, ~360 GB/s reached; a 400 Gb/s NIC per GPU: 50 GB/s, ~45 reached).
+LINKS = {"nvlink": 360e9, "nvlink3": 240e9, "ib400": 45e9, "ib200": 22e9, "eth100": 11e9}
+# funcpar's compiled step on one H100 at the Llama-3.2-1B shape (issue 44: 0.156 s for 4 x 2048 tokens, bf16):
+# its traced FLOPs over that time, as a fraction of the datasheet's bf16 rate (benchmarks/multi_gpu_estimate.py).
+MEASURED_EFFICIENCY = 0.42
+
+
+def estimate_time(row: dict[str, Any], axes: dict[str, int], gpu: str, links: tuple[str, str],
+                  gpus_per_node: int = 8, dtype: torch.dtype | None = None,
+                  efficiency: float = MEASURED_EFFICIENCY) -> dict[str, Any]:
+    """A step's seconds on a mesh of GPUs of kind ``gpu`` (:data:`GPUS`), from a plan ``row`` (:func:`trace_plan`:
+    this rank's ``flops`` and the bytes each axis sends, ``traffic``): the FLOPs at ``efficiency`` of the datasheet
+    rate for ``dtype`` (bf16/fp16: the tensor cores'; else fp32's), plus each axis's bytes over the link it crosses
+    (``links``: within a node, between nodes; an axis is within a node when it and the axes inside it, in the mesh's
+    order, span at most ``gpus_per_node`` ranks), with no overlap of the two (funcpar overlaps only tp's backward
+    all-reduce with the weight gradients). Returns ``compute`` and ``comm`` (by axis) seconds, their sum ``step``, and
+    the assumptions in words (``assumptions``)."""
+    kind = GPUS[gpu]
+    rate = kind["bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"] * efficiency
+    order = [a for a in ("pp", "dp", *[a for a in axes if a not in STANDARD_AXES], "tp") if a in axes]
+    comm = {}
+    for i, a in enumerate(order):
+        span = math.prod(axes[b] for b in order[i:])
+        link = links[0] if span <= gpus_per_node else links[1]
+        if row["traffic"].get(a):
+            comm[a] = (row["traffic"][a] / LINKS[link], link)
+    compute = row["flops"] / rate
+    step = compute + sum(t for t, _ in comm.values())
+    said = (f"{kind['name']}: {rate / 1e12:.0f} TFLOP/s ({efficiency:.0%} of {rate / efficiency / 1e12:.0f}), "
+            + ", ".join(f"{a} over {link} at {LINKS[link] / 1e9:.0f} GB/s" for a, (_, link) in comm.items())
+            + f"; {gpus_per_node} GPUs a node; no overlap of compute and communication")
+    return {"compute": compute, "comm": {a: t for a, (t, _) in comm.items()}, "step": step, "assumptions": said}
+
+
+def seconds(s: float) -> str:
+    """A duration with three significant figures: ``1.23 s``, ``0.156 s``, ``12.3 ms``, ``45.6 µs``."""
+    if s >= 0.1 or s <= 0:
+        return f"{s:.3g} s" if s < 100 else f"{s:,.0f} s"
+    return f"{s * 1e3:.3g} ms" if s >= 1e-4 else f"{s * 1e6:.3g} µs"
+
+
+def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float) -> None:
+    timed = any("time" in r for r in rows)
+    order = "then fastest by the estimate" if timed else "then fewest bytes sent"
+    print(f"meshes of {devices} devices with {memory / 2**30:g} GiB each (fits first, {order}):")
+    print(f"{'mesh':<16} {'zero':>4} {'peak/rank':>12} {'activations':>12}  {'sends per step':<30} fits"
+          + ("  est. step" if timed else ""))
+    for r in rows:
+        mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
+        if "why" in r:
+            print(f"{mesh:<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why']}")
+            continue
+        need = ("~" if r["eager_trace"] else "") + _mib(r["need"])  # (a compiled step: its eager trace's figure)
+        est = f"  {seconds(r['time']['step'])}" if "time" in r else ""
+        print(f"{mesh:<16} {r['zero']:>4} {need:>12} {_mib(r['activations']):>12}  "
+              f"{_traffic(r['traffic']):<30} {'yes' if r['fits'] else 'no '}{est}")
+    if timed:
+        print("the estimate, for the first mesh: " + next(r["time"]["assumptions"] for r in rows if "time" in r))
+
+
+# ------------------------------------------------------------------------------------------ tracing a step on meta
+
+
+class MemoryTrace(TorchDispatchMode):
+    """Live bytes of the tensors on ``device`` (default ``meta``) created while active, and their peak, per phase.
+
+    Every operator's outputs are registered by storage (views share it) and counted until the storage is freed,
+    so the trace follows what the real run allocates and frees. A value read back to the host from a meta tensor
+    (``.item()``: one; ``.cpu()``: zeros) is a stand-in: the plan is about shapes, not numbers.
+
+    On a real gloo mesh a collective's buffer is sometimes released by gloo's worker thread, a moment after the wait
+    for it returned (the thread drops its reference after it marks the work done), so by then the step may have
+    allocated its next tensor: the real peak can hold one such buffer more than the plan, depending on timing.
+    ``late`` is the largest storage freed on a thread other than the one tracing: the most that timing can add.
+    """
+
+    def __init__(self, device: str = "meta"):
+        super().__init__()
+        self.device = torch.device(device).type
+        self.live = self.peak = self.late = 0
+        self.phase, self.peaks, self.flops = "setup", {}, {}
+        self._seen: set[int] = set()
+        self._lock, self._thread = threading.RLock(), threading.get_ident()  # frees come from gloo's threads too
+
+    def mark(self, phase: str) -> None:
+        with self._lock:
+            self.phase = phase
+            self.peaks[phase] = max(self.peaks.get(phase, 0), self.live)
+
+    def _free(self, key: int, n: int) -> None:
+        with self._lock:
+            self._seen.discard(key)
+            self.live -= n
+            if threading.get_ident() != self._thread:
+                self.late = max(self.late, n)
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        with self._lock:
+            key = id(st)
+            if key in self._seen:
+                return
+            self._seen.add(key)
+            n = st.nbytes()
+            self.live += n
+            weakref.finalize(st, self._free, key, n)
+            if self.live > self.peaks.get(self.phase, 0):
+                self.peaks[self.phase] = self.live
+                self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if src is not None and src.is_meta:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return True if src.dtype == torch.bool else 1
+            to = kwargs.get("device")
+            if func is torch.ops.aten._to_copy.default and to is not None and torch.device(to).type != "meta":
+                return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device=to)
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                self._track(t)
+        self.flops[self.phase] = self.flops.get(self.phase, 0) + _flops(func, args, kwargs, out)
+        return out
+
+
+def _flops(func, args, kwargs, out) -> float:
+    """The floating-point operations of one operator call: torch's count (:mod:`torch.utils.flop_counter`: matmuls,
+    convolutions, CUDA attention kernels), and torch's CPU flash attention (forward 4·B·H·Tq·Tk·D, half of it when
+    causal: the kernel skips the masked blocks; backward 2.5x the forward, as torch counts flash's)."""
+    packet = func.overloadpacket
+    if packet in _CPU_FLASH:
+        q, k = args[1:3] if packet is _CPU_FLASH[1] else args[:2]
+        causal = (args[7] if packet is _CPU_FLASH[1] else (args[4] if len(args) > 4 else kwargs.get("is_causal")))
+        B, H, Tq, D = q.shape
+        fwd = 4 * B * H * Tq * k.shape[-2] * D * (0.5 if causal and Tq == k.shape[-2] else 1)
+        return fwd * (2.5 if packet is _CPU_FLASH[1] else 1)
+    count = flop_registry.get(packet)
+    if count is None and str(packet).endswith("_"):  # an in-place variant (addmm_, baddbmm_): its out-of-place count
+        count = flop_registry.get(getattr(torch.ops.aten, str(packet).split(".")[-1][:-1], None))
+    return float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
+
+
+_CPU_FLASH = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dict[str, Any]:
+    """Rank 0's memory for ``step`` built over :meth:`funcpar.Mesh.abstract`: ``step.init(params)`` and ``steps``
+    calls on ``batch`` (this rank's), run on meta tensors under a :class:`MemoryTrace`. ``params``: this rank's
+    leaves (:func:`local_params`). Returns bytes: ``state`` (parameters and optimizer state between steps),
+    ``activations`` (what the forward of one micro-batch keeps for the backward), ``step_peak`` (the most live at
+    any point of a step, transients included), ``peak`` (the same over ``init`` too: the parameters and their copy
+    into the step's buffers), ``traffic`` (bytes this rank sends per step, by mesh axis) and ``late``
+    (:class:`MemoryTrace`: on a real mesh, the largest buffer the transport's own thread released; 0 on meta);
+    and ``flops``, the floating-point operations of one step on this rank (:func:`_flops`).
+
+    ``device="cpu"`` traces a real step on a real mesh the same way (params and batch real): what the tests compare
+    the plan with."""
+    mesh = step.mesh
+    if (device == "meta") != mesh.simulated:
+        raise ValueError(f"trace_step traces meta tensors over an abstract mesh (fp.Mesh.abstract(...)), or real "
+                         f"ones over a real mesh; not device={device!r} over {mesh!r}")
+    rows = next(x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)).shape[0]
+    with MemoryTrace(device) as tr, _fused_attention_on_meta(mesh.device.type):
+        state = step.init(optree.tree_map(lambda x: x.clone(), params))  # fresh: the trace sees them allocated
+        gc.collect()  # what init let go of is gone by now in the real run too: count no cycle that holds it
+        held = tr.live
+        micro = optree.tree_map(lambda x: x[: rows // step.accum_steps] if isinstance(x, torch.Tensor) else x, batch)
+        tr.mark("probe")  # (a measurement of the plan's, not of the run: its peak is left out of "peak")
+        loss = step.loss(state, micro, requires_grad=True)
+        activations = tr.live - held
+        del loss
+        traffic = getattr(mesh, "traffic", {})
+        traffic.clear()
+        tr.mark("step")
+        for _ in range(steps):
+            state, _ = step(state, batch)
+        peak = max(v for phase, v in tr.peaks.items() if phase != "probe")
+        return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": peak,
+                "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late,
+                "flops": tr.flops.get("step", 0.0) / steps}
+
+
+class _fused_attention_on_meta:
+    """While tracing, attention on meta tensors runs the fused kernel CPU and CUDA run (it keeps the output and a
+    log-sum-exp for the backward, not the T x T scores): on meta, ``F.scaled_dot_product_attention`` would take the
+    unfused math path and the plan would count scores the real run never holds. Meta tensors stand for
+    ``device``'s (:data:`funcpar.nn.attention.META_DEVICE`): a context-parallel chunk takes that device's path."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self):
+        self.sdpa, self.meta_device = F.scaled_dot_product_attention, A.META_DEVICE
+        F.scaled_dot_product_attention, A.META_DEVICE = self._attention, self.device
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention, A.META_DEVICE = self.sdpa, self.meta_device
+
+    def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not q.is_meta:
+            return self.sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                             enable_gqa=enable_gqa)
+        if isinstance(attn_mask, CausalBias):  # CUDA's lower-right causal bias: a kernel flag, no mask kept
+            attn_mask, is_causal = None, True
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the kernel takes it: additive, q's dtype
+            attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device),
+                                    torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=q.device))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                          attn_mask=attn_mask, scale=scale)[0]
+
+
+_RUNTIME: list[int] = []
+
+
+def runtime_bytes() -> int:
+    """The resident set of a process that has imported python, torch and funcpar and built nothing: what a rank
+    holds on the host before its first tensor (measured once, in a fresh interpreter); with the compiled element-wise
+    kernels on (:mod:`funcpar.nn.pointwise`, not ``FUNCPAR_FUSE=off``), after running one (torch.compile's machinery:
+    about 90 MB more)."""
+    if not _RUNTIME:
+        import subprocess
+        import sys
+
+        from funcpar.nn import pointwise
+
+        fuse = ("import torch; from funcpar import pointwise as p; p.FUSE = 'on'; torch.set_grad_enabled(False); "
+                "p.exp_and_sum(torch.zeros(2, 3), torch.zeros(2)); ") if pointwise.FUSE != "off" else ""
+        code = ("import resource, funcpar; " + fuse +
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        _RUNTIME.append(int(out.stdout.split()[-1]))
+    return _RUNTIME[0]

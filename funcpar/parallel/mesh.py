@@ -1,0 +1,476 @@
+"""The named device mesh: ``Mesh(tp=4, dp=2)``, any axis names, over the ranks of a torch.distributed job.
+
+Every mesh has the axes ``pp``, ``dp`` and ``tp`` (size 1 unless given) and any others a caller names
+(``Mesh(dp=2, ep=2, tp=2)``). Axis order, outermost first: ``pp``, ``dp``, the other named axes in the order given,
+``tp`` innermost, so a tp group is a run of consecutive ranks (one node's GPUs, where the traffic is heaviest). For
+``Mesh(tp=4, dp=2)`` the tp groups are {0,1,2,3} {4,5,6,7} and the dp groups {0,4} {1,5} {2,6} {3,7}.
+
+A mesh of size 1 (``Mesh()``) needs no torch.distributed at all: every collective over it is the identity, so the
+same model code is the single-device program. A larger mesh joins the job it runs in (torchrun sets the
+environment; gloo on CPUs, NCCL on CUDA) and must cover the whole world.
+
+The mesh in scope: ``with mesh:`` makes ``mesh`` the one :meth:`Mesh.current` returns (as JAX's ``with mesh:``);
+outside any ``with``, it is the only multi-process mesh this process built, or ``Mesh()`` in a one-process program.
+APIs that take ``mesh=None`` use it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import faulthandler
+import gc
+import contextvars
+import datetime
+import importlib
+import math
+import os
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from funcpar.parallel import lifeline
+
+__all__ = ["Mesh", "AbstractMesh", "MeshError", "STANDARD_AXES", "CONTEXT_LAYOUTS", "DEVICES", "default_timeout",
+           "resolve_device"]
+
+STANDARD_AXES = ("pp", "dp", "tp")  # present on every mesh; pp outermost, tp innermost
+CONTEXT_LAYOUTS = ("zigzag", "contiguous")  # how a cp axis splits each sequence (Mesh.context_layout)
+_SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("funcpar_mesh_scope", default=())
+_BUILT: "weakref.WeakSet[Mesh]" = weakref.WeakSet()
+
+
+class MeshError(RuntimeError):
+    """A mesh that cannot be built in this process or world."""
+
+
+def default_timeout() -> datetime.timedelta:
+    """How long a collective may wait for a peer: ``$FUNCPAR_TIMEOUT`` seconds, else 600 s."""
+    return datetime.timedelta(seconds=float(os.environ.get("FUNCPAR_TIMEOUT", "600")))
+
+
+def _as_timedelta(t: float | datetime.timedelta | None) -> datetime.timedelta:
+    if t is None:
+        return default_timeout()
+    if isinstance(t, datetime.timedelta):
+        return t
+    return datetime.timedelta(seconds=float(t))
+
+
+DEVICES = ("auto", "cpu", "cuda")  # the choices of --device; Mesh(device=) also takes "cuda:N" or a torch.device
+
+
+def _local_ranks() -> tuple[int, int]:
+    """This process's rank on its node and the number of ranks there (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE;
+    one rank alone when they are unset)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank, max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
+
+
+def _default_backend(device: torch.device) -> str:
+    """torch.distributed's backend for ranks on ``device``: NCCL for CUDA tensors (gloo beside it for host ones)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def _too_few_gpus(local_world: int, gpus: int) -> str:
+    n, seen = max(gpus, 1), os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f"CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else "torch.cuda.device_count()"
+    example = "1" if n == 1 else f"dp={n}"
+    return (f"{local_world} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible ({where}): run at "
+            f"most {n} rank{'s' if n > 1 else ''} per node (a mesh of {n} here, e.g. --mesh {example}; "
+            f"under torchrun --nproc-per-node {n}), or run the ranks on the CPU (--device cpu; "
+            f"Mesh(device='cpu') in Python)")
+
+
+def resolve_device(device: "str | torch.device | None" = None, *, local_rank: int | None = None,
+                   local_world: int | None = None) -> tuple[torch.device, str | None]:
+    """Where this rank's tensors live, and why it is not the GPU where ``auto`` chose the CPU beside a GPU.
+
+    ``"cpu"``; ``"cuda"``: ``cuda:$LOCAL_RANK`` (the rank on its node, never the global rank: a two-node job's rank
+    5 on 4-GPU nodes is ``cuda:1``), refused (:class:`MeshError`, both numbers and the ways out) when the node's
+    ranks outnumber its visible GPUs, since NCCL refuses two ranks on one GPU; ``"cuda:N"`` as given; ``"auto"`` or
+    ``None``: ``cuda`` when every rank of the node has a GPU of its own, else ``cpu`` (with the reason returned, for
+    a warning). The same answer on every rank of a node: it reads only the node's environment."""
+    lr, lw = _local_ranks()
+    local_rank = lr if local_rank is None else local_rank
+    local_world = lw if local_world is None else local_world
+    choice = "auto" if device is None else device
+    if isinstance(choice, str) and choice not in ("auto", "cuda"):
+        try:
+            choice = torch.device(choice)
+        except RuntimeError:
+            raise MeshError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}, 'cuda:N' or a "
+                            f"torch.device") from None
+    if isinstance(choice, torch.device) and choice.type != "cuda":
+        return choice, None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "auto":
+        if gpus and gpus >= local_world:
+            return torch.device("cuda", local_rank), None
+        why = _too_few_gpus(local_world, gpus) if gpus else None
+        return torch.device("cpu"), why
+    if not gpus:
+        raise MeshError(f"device {str(device)!r} asked for, but no GPU is visible here (torch {torch.__version__}, "
+                        f"CUDA {'built in' if torch.backends.cuda.is_built() else 'not built in'}): use "
+                        f"device 'cpu' or 'auto', or a CUDA build of torch on a machine with a GPU")
+    if choice == "cuda":
+        if local_world > gpus:
+            raise MeshError(_too_few_gpus(local_world, gpus))
+        return torch.device("cuda", local_rank), None
+    index = choice.index if choice.index is not None else local_rank
+    if index >= gpus:
+        raise MeshError(f"device 'cuda:{index}' asked for, but only {gpus} GPU{'s' if gpus != 1 else ''} visible: "
+                        f"use cuda:0 .. cuda:{gpus - 1}, or device 'cuda' (cuda:$LOCAL_RANK)")
+    return torch.device("cuda", index), None
+
+
+def _destroy_process_groups() -> None:
+    """At exit, tear down the process groups funcpar created while the interpreter is still whole: destroy them, drop
+    the meshes' handles to them and collect, so that gloo's worker threads are joined here. Left to interpreter
+    finalization (a handle outliving ``destroy_process_group`` keeps a group and its threads alive), those threads
+    can still hold work whose tensors need the GIL, and the rank dies with SIGABRT ("terminate called without an
+    active exception"; pytorch/pytorch#190489, #179291)."""
+    lifeline.stop()  # first: the peers stop watching this rank
+    for mesh in list(_BUILT):
+        mesh._groups, mesh._lanes = {}, {}
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; nothing to report to
+            pass
+    gc.collect()
+
+
+def _report_fatal_signals() -> None:
+    """A rank that dies of a signal (SIGABRT from a C++ ``terminate``, SIGSEGV, ...) prints the Python stack of each
+    thread to stderr before it goes, so the launcher's "exitcode -6" comes with the line that was running. Left alone
+    if the program (or ``python -X faulthandler``) set it up already."""
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable(all_threads=True)
+        except (ValueError, OSError, AttributeError, RuntimeError):  # no usable stderr (closed, None): nothing to do
+            pass
+
+
+def _axis_sizes(axes: dict[str, Any]) -> dict[str, int]:
+    for name, n in axes.items():
+        if not name.isidentifier():
+            raise MeshError(f"mesh axis name {name!r} is not an identifier")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise MeshError(f"Mesh axis '{name}' must be a positive int, got {n!r}")
+    others = [a for a in axes if a not in STANDARD_AXES]
+    order = ["pp", "dp", *others, "tp"]
+    return {a: axes.get(a, 1) for a in order}
+
+
+class Mesh:
+    """A named mesh over the processes of a torch.distributed job.
+
+    Collectives, specs and the train step name axes of a mesh rather than process groups. A mesh of size 1 needs no
+    torch.distributed; a larger one joins the job it runs in (starting torch.distributed if it is not yet started)
+    and builds a process group for every group along each axis.
+
+    Args:
+        timeout: seconds (or a ``timedelta``) any collective of this mesh may wait for a peer before it raises
+            instead of hanging; default ``$FUNCPAR_TIMEOUT`` or 600 s.
+        device: where tensors live: ``"auto"`` (the default: ``cuda:$LOCAL_RANK`` when this node has a GPU for each
+            of its ranks, else ``cpu`` with a warning), ``"cpu"``, ``"cuda"`` (refused when the node's ranks
+            outnumber its GPUs), ``"cuda:N"`` or a ``torch.device`` (:func:`resolve_device`).
+        heartbeat: on a mesh of more than one process, seconds without progress after which a peer reports a
+            stopped or hung rank and ends the job (:mod:`funcpar.parallel.lifeline`); default ``$FUNCPAR_HEARTBEAT`` or
+            60 s; 0 turns it off.
+        backend: torch.distributed's backend when this mesh starts the job (unused if it is already started);
+            default ``gloo`` on the CPU and ``cpu:gloo,cuda:nccl`` on CUDA.
+        **axes: axis sizes by name (identifiers, positive ints), e.g. ``tp=4, dp=2``; ``pp``, ``dp`` and ``tp``
+            default to 1. Their product must equal the world size, unless it is 1. Order, outermost first: ``pp``,
+            ``dp``, the other axes as given, ``tp``.
+
+    Raises:
+        MeshError: an axis name or size that is not valid; a mesh of more than one process outside a
+            torch.distributed job (``RANK``/``WORLD_SIZE`` unset) or of another size than its world; a device
+            that is unknown or not available here (:func:`resolve_device`).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        device: str | torch.device | None = None,
+        heartbeat: float | None = None,
+        backend: str | None = None,
+        **axes: int,
+    ):
+        self._sizes = _axis_sizes(axes)
+        self.size = math.prod(self._sizes.values())
+        self.timeout = _as_timedelta(timeout)
+        self.device, why_not_gpu = resolve_device(device, local_world=None if self.size > 1 else 1)
+        if why_not_gpu:
+            warnings.warn(f"funcpar: the ranks run on the CPU: {why_not_gpu}", stacklevel=2)
+        self.backend = backend or _default_backend(self.device)
+        # bytes this rank has sent by axis (ring count; funcpar.parallel.collectives)
+        self.traffic: dict[str, float] = {}
+        self._groups: dict[str, Any] = {}
+        self._lanes: dict[tuple, Any] = {}  # (axis, k) -> extra groups over an axis, built on first use (see lane)
+        self._group_ranks: dict[str, list[int]] = {}
+
+        if self.size == 1:
+            # A process-local mesh: valid with or without a distributed world around it.
+            self.rank = 0
+            self._coords = {a: 0 for a in self._sizes}
+            self._group_ranks = {a: [0] for a in self._sizes}
+            return
+
+        self._join_world()
+        world = dist.get_world_size()
+        if world != self.size:
+            raise MeshError(
+                f"{self!r} has {self.size} ranks but the torch.distributed world has {world} processes: "
+                f"choose {'*'.join(self._sizes)} = {world} or launch with torchrun --nproc-per-node {self.size}"
+            )
+        self.rank = dist.get_rank()
+        self._coords = self.coords_of(self.rank)
+        self._build_groups()
+        _BUILT.add(self)
+        lifeline.start(self.rank, self.size, heartbeat)  # the process ends with its launcher; stuck peers reported
+
+    simulated = False  # (AbstractMesh: collectives simulated, no processes)
+    # Megatron's sequence parallelism on the tp axis: between tp regions a model's hidden state is this rank's block
+    # of the sequence (funcpar.nn.layers reads it: column_parallel gathers the sequence, row-parallel outputs are
+    # reduce-scattered along it). Set on a view of the mesh: with_sequence_parallel.
+    sequence_parallel = False
+
+    def with_sequence_parallel(self, on: bool = True) -> "Mesh":
+        """This mesh with sequence parallelism on its ``tp`` axis (see ``sequence_parallel``): the same processes,
+        groups and traffic counts, a different way for a model to lay out its activations."""
+        view = copy.copy(self)
+        view.sequence_parallel = bool(on)
+        return view
+
+    # How a cp axis lays out each sequence (funcpar.nn.layers.context_chunk reads it): "zigzag", the default, gives cp
+    # rank c pieces c and 2cp-1-c of 2cp (every rank then attends over as many keys as every other: causal
+    # attention's work per rank is balanced); "contiguous" gives it chunk c of cp (the last rank attends over all
+    # the keys, the first over its own). Set on a view of the mesh: with_context_layout.
+    context_layout = "zigzag"
+
+    def with_context_layout(self, layout: str) -> "Mesh":
+        """This mesh with each sequence laid out over ``cp`` as ``layout`` (``"zigzag"`` or ``"contiguous"``; see
+        ``context_layout``): the same processes and groups."""
+        if layout not in CONTEXT_LAYOUTS:
+            raise MeshError(f"context layout {layout!r} is not one of {', '.join(CONTEXT_LAYOUTS)}")
+        view = copy.copy(self)
+        view.context_layout = layout
+        return view
+
+    # The documents of the batch being computed (a funcpar.nn.documents.Documents), when its rows are packed samples
+    # that each attend only to themselves; None: every row is one sequence. Set on a view: with_documents.
+    documents = None
+
+    def with_documents(self, documents) -> "Mesh":
+        """This mesh carrying a batch's packed ``documents`` (a :class:`funcpar.nn.documents.Documents`), for a
+        model's layers: itself when None."""
+        if documents is None:
+            return self
+        view = copy.copy(self)
+        view.documents = documents
+        return view
+
+    @staticmethod
+    def abstract(device: str | torch.device | None = None, **axes: int) -> "AbstractMesh":
+        """``AbstractMesh(device, **axes)``: a mesh's sizes without processes, for planning."""
+        return AbstractMesh(device, **axes)
+
+    # ------------------------------------------------------------------ scope
+    def __enter__(self) -> "Mesh":
+        self._tokens = getattr(self, "_tokens", []) + [_SCOPE.set(_SCOPE.get() + (self,))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _SCOPE.reset(self._tokens.pop())
+
+    @staticmethod
+    def current() -> "Mesh":
+        """The mesh in scope: the innermost ``with mesh:``, else the only multi-process mesh built in this process,
+        else ``Mesh()`` when this process is not part of a larger torch.distributed world."""
+        scope = _SCOPE.get()
+        if scope:
+            return scope[-1]
+        built = list(_BUILT)
+        if len(built) == 1:
+            return built[0]
+        if len(built) > 1:
+            raise MeshError(
+                f"several meshes exist in this process ({', '.join(map(repr, built))}): say which one with "
+                f"`with mesh:` or pass mesh="
+            )
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise MeshError(
+                f"no mesh in scope in a {dist.get_world_size()}-process job: build one (e.g. Mesh(tp=2, dp=2)) "
+                f"and use `with mesh:` or pass mesh="
+            )
+        return Mesh()
+
+    # ------------------------------------------------------------------ set-up
+    def _join_world(self) -> None:
+        if dist.is_initialized():
+            return
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            raise MeshError(
+                f"{self!r} needs {self.size} processes, but this process is not part of a torch.distributed job "
+                f"(RANK/WORLD_SIZE are unset): launch it with torchrun --nproc-per-node {self.size} ..., "
+                f"or use Mesh() for a single process"
+            )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # torch._dynamo (imported by the first torch.func.grad) keeps references to the default group when it is
+        # imported after the group exists; they outlive destroy_process_group and keep gloo's threads running into
+        # interpreter finalization, where they abort the rank (issue 16). Imported first, it holds none. (Not an
+        # `import torch._dynamo` statement: that would make `torch` a local name of this whole function, unbound
+        # at the set_device above: issue 40.)
+        importlib.import_module("torch._dynamo")
+
+        store = _attempt_store(self.timeout)
+        if store is None:
+            dist.init_process_group(backend=self.backend, timeout=self.timeout)
+        else:
+            dist.init_process_group(backend=self.backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=self.timeout)
+        atexit.register(_destroy_process_groups)
+        _report_fatal_signals()
+
+    def _lines(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along ``axis`` (each in coordinate order), in one order on every rank."""
+        ranks = torch.arange(self.size).reshape(*self._sizes.values())
+        i = self.axis_names.index(axis)
+        return ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist()
+
+    def _build_groups(self) -> None:
+        for axis in self.axis_names:
+            # every rank takes part in creating every group of this axis, in the same order
+            mine = None
+            for line in self._lines(axis):
+                g = dist.new_group(line, timeout=self.timeout)
+                if self.rank in line:
+                    mine, self._group_ranks[axis] = g, line
+            self._groups[axis] = mine
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The axis names, outermost first (``pp``, ``dp``, others, ``tp``)."""
+        return tuple(self._sizes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis sizes by name, outermost first."""
+        return dict(self._sizes)
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in self._sizes:
+            raise MeshError(f"unknown mesh axis {axis!r}: the axes are {', '.join(self._sizes)}")
+
+    def axis_size(self, axis: str) -> int:
+        self._check_axis(axis)
+        return self._sizes[axis]
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        self._check_axis(axis)
+        return self._coords[axis]
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return dict(self._coords)
+
+    def group(self, axis: str):
+        """This rank's ProcessGroup along ``axis`` (``None`` on a process-local mesh)."""
+        self._check_axis(axis)
+        return self._groups.get(axis)
+
+    def lane(self, axis: str, k: int = 0):
+        """The ``k``-th extra ProcessGroup over this rank's ``axis`` group: another communicator over the same
+        ranks, for messages that must not share an order with the axis's own (the pipeline's wrap-around streams,
+        :mod:`funcpar.parallel.p2p`'s channels). Built on first use, by every rank of the mesh, collectively: call it
+        on all ranks at the same point of the program."""
+        self._check_axis(axis)
+        if (axis, k) not in self._lanes and self._groups:
+            for j in range(k + 1):  # (lanes before k first, so every rank builds them in one order)
+                if (axis, j) in self._lanes:
+                    continue
+                for line in self._lines(axis):
+                    g = dist.new_group(line, timeout=self.timeout)
+                    if self.rank in line:
+                        self._lanes[(axis, j)] = g
+        return self._lanes.get((axis, k))
+
+    def group_ranks(self, axis: str) -> list[int]:
+        """The global ranks of this rank's group along ``axis``, in coordinate order."""
+        self._check_axis(axis)
+        return list(self._group_ranks[axis])
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        out = {}
+        for axis in reversed(self.axis_names):
+            rank, out[axis] = divmod(rank, self._sizes[axis])
+        return {a: out[a] for a in self.axis_names}
+
+    def rank_of(self, **coords: int) -> int:
+        for a in coords:
+            self._check_axis(a)
+        rank = 0
+        for axis in self.axis_names:
+            rank = rank * self._sizes[axis] + coords.get(axis, 0)
+        return rank
+
+    def __repr__(self) -> str:
+        extra = [a for a in self._sizes if a not in STANDARD_AXES]
+        shown = ["pp", "dp", *extra, "tp"]
+        sp = ", sequence_parallel" if self.sequence_parallel else ""
+        if self.context_layout != "zigzag" and self._sizes.get("cp", 1) > 1:
+            sp += f", context_layout={self.context_layout!r}"
+        return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + sp + ")"
+
+
+def _attempt_store(timeout):
+    """After torchrun restarted the workers (``TORCHELASTIC_RESTART_COUNT`` > 0, its agent hosting the store): the
+    job's store under this attempt's prefix, else None (torch's own ``env://`` rendezvous). The agent keeps one
+    store across restarts, and the previous attempt's ranks' addresses are still in it under the same keys: a
+    restarted rank reading one before its peer overwrote it would connect to a dead port (gloo: "Connection
+    refused"), so every restart failed the same way."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"funcpar/attempt_{attempt}", store)
+
+
+class AbstractMesh(Mesh):
+    """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). Its collectives are
+    simulated as if every rank held rank 0's values: shapes, dtypes and allocations are the real run's, the numbers
+    are not (with ``device="meta"`` a whole train step runs on shapes alone; see
+    :func:`funcpar.cli.planning.trace_step`). ``mesh.traffic`` counts the bytes each axis would send.
+
+    Args:
+        device: as :class:`Mesh` takes it, unchecked (``"cuda"`` is ``cuda:0``; a plan for a GPU needs none here
+            unless the step makes real tensors on it); the default ``"auto"`` is what one rank here would get.
+        **axes: axis sizes by name, as for :class:`Mesh`.
+    """
+
+    simulated = True
+
+    def __init__(self, device: str | torch.device | None = None, **axes: int):  # (no job joined: no super().__init__)
+        self._sizes = _axis_sizes(axes)
+        self.size = math.prod(self._sizes.values())
+        self.timeout = default_timeout()
+        if device in (None, "auto"):
+            self.device = resolve_device("auto", local_rank=0, local_world=1)[0]
+        else:
+            self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        self.backend = _default_backend(self.device)
+        self.rank, self._coords = 0, {a: 0 for a in self._sizes}
+        self._group_ranks = {a: [self.rank_of(**{a: i}) for i in range(n)] for a, n in self._sizes.items()}
+        self.traffic: dict[str, float] = {}
+        self._groups, self._lanes = {}, {}
