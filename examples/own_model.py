@@ -10,7 +10,7 @@ import os
 import torch
 
 import funcpar as fp
-from funcpar.parallel import collectives as C
+from funcpar import collectives as C
 
 mesh = fp.Mesh(tp=int(os.environ.get("WORLD_SIZE", "1")))       # every rank of the job on tp
 torch.manual_seed(0)                                          # global leaves, the same on every rank:

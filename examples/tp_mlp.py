@@ -19,7 +19,7 @@ import sys
 import torch
 
 import funcpar as fp
-from funcpar.parallel import collectives as C
+from funcpar import collectives as C
 
 
 def mlp_init(d: int, h: int, seed: int = 0) -> dict[str, torch.Tensor]:

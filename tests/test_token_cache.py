@@ -135,7 +135,7 @@ def test_ranks_that_start_together_build_one_entry(tmp_path):
     """Two processes asking for the same uncached source at once: one tokenizes, the other waits and reads it."""
     src = tmp_path / "corpus.txt"
     _corpus(src, 3000)
-    code = ("import sys; from funcpar import tokencache; from funcpar.data import ByteTokenizer; "
+    code = ("import sys; from funcpar.data import cache as tokencache; from funcpar.data import ByteTokenizer; "
             f"s = tokencache.stream({str(src)!r}, ByteTokenizer(), {str(tmp_path / 'cache')!r}); print(s.tokens)")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]

@@ -442,7 +442,7 @@ def runtime_bytes() -> int:
 
         from funcpar.nn import pointwise
 
-        fuse = ("import torch; from funcpar import pointwise as p; p.FUSE = 'on'; torch.set_grad_enabled(False); "
+        fuse = ("import torch; from funcpar.nn import pointwise as p; p.FUSE = 'on'; torch.set_grad_enabled(False); "
                 "p.exp_and_sum(torch.zeros(2, 3), torch.zeros(2)); ") if pointwise.FUSE != "off" else ""
         code = ("import resource, funcpar; " + fuse +
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")

@@ -13,6 +13,8 @@ from pathlib import Path
 class DataError(ValueError):
     """A malformed sample or data file (the message names the file and line)."""
 
+    __module__ = "funcpar.data"  # (public as funcpar.data.DataError, where a traceback names it)
+
 
 def _byte_chars() -> dict[int, str]:
     """The byte-level alphabet of GPT-2's tokenizers: each byte as a printable character (how ``tokenizers``'
