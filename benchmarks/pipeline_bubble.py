@@ -32,7 +32,7 @@ SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb", None), 
 
 class _Busy(torch.autograd.Function):
     """Holds its rank for ``BUSY_S`` forward and twice that backward (half for the input's gradient, half for the
-    weight's, a zero: :func:`funcpar.nn.splitgrad.wanted`), as a block's compute would."""
+    weight's, a zero: each pass of a split backward narrows ``needs_input_grad``), as a block's compute would."""
 
     @staticmethod
     def forward(x, w):
@@ -45,7 +45,7 @@ class _Busy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        need = fp.splitgrad.wanted(ctx, (True, True))
+        need = ctx.needs_input_grad
         time.sleep(BUSY_S * sum(need))
         return g if need[0] else None, g.new_zeros(ctx.w_shape) if need[1] else None
 

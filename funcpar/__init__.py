@@ -15,7 +15,7 @@ from funcpar.train import lora as lora
 from funcpar import optim as optim
 from funcpar.parallel import p2p as p2p
 from funcpar import pipeline as pipeline
-from funcpar.nn import splitgrad as splitgrad
+from funcpar.pipeline import splitgrad as splitgrad
 from funcpar import tree as tree
 from funcpar.parallel.collectives import CollectiveError as CollectiveError
 from funcpar.parallel.layout import ZeroLayout as ZeroLayout

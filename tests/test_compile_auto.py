@@ -12,7 +12,7 @@ import torch
 import funcpar as fp
 import funcpar.train.step as S
 from funcpar.models import llama
-from funcpar.train.options import auto_compiled, resolve_compile
+from funcpar.train.options import Gradient, resolve_compile
 
 
 def _mesh(device="cuda", **axes):
@@ -62,14 +62,13 @@ def test_a_compiler_failure_warns_once_and_the_eager_gradient_takes_over():
         calls["eager"] += 1
         return x * 2
 
-    step = types.SimpleNamespace(compiled="auto", compile_reason="auto: compiled (a CUDA mesh)")
-    grad = auto_compiled(step, breaks, eager)
+    grad = Gradient("auto", breaks, eager, "auto: compiled (a CUDA mesh)")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert torch.equal(grad(torch.ones(3)), torch.full((3,), 2.0))
         assert torch.equal(grad(torch.ones(3)), torch.full((3,), 2.0))
-    assert calls["eager"] == 2 and step.compiled is False
-    assert step.compile_reason.startswith("auto: eager after a compiler failure (")
+    assert calls["eager"] == 2 and grad.compiled is False
+    assert grad.reason.startswith("auto: eager after a compiler failure (")
     assert len([x for x in w if "torch.compile of the gradient failed" in str(x.message)]) == 1
 
 
@@ -77,10 +76,10 @@ def test_an_error_of_the_computation_itself_is_raised_not_hidden():
     def bad(x):
         return x @ torch.ones(5, 5)  # a shape error: the eager gradient would raise it too
 
-    step = types.SimpleNamespace(compiled="auto", compile_reason="")
+    grad = Gradient("auto", bad, bad)
     with pytest.raises(RuntimeError, match="shape|size"):
-        auto_compiled(step, bad, bad)(torch.ones(3))
-    assert step.compiled == "auto"
+        grad(torch.ones(3))
+    assert grad.compiled == "auto"
 
 
 def _cfg():

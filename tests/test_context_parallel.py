@@ -27,7 +27,7 @@ def _train(name, sizes, micro=1, layout="zigzag"):
     step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, optimizer=fp.optim.adamw(1e-3, weight_decay=0.1),
                            clip_norm=1.0, data_axes=data_axes, accum_steps=micro)
     params = fp.shard(model.init(cfg, seed=5), specs, mesh)
-    state = step.init(step.pipe.plan.select(params) if step.pipe is not None else params)
+    state = step.init(step.executor.plan.select(params) if step.executor is not None else params)
     losses = []
     for b in harness.token_batches(3, cfg.vocab_size, B, T, seed=41, masked=5):
         state, m = step(state, harness.dp_share(b, mesh))  # every cp rank: the same rows, the whole sequence

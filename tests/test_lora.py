@@ -90,13 +90,13 @@ def _counting_gradients(step):
     """The bytes of the gradients ``step``'s gradient function returns, one entry per micro-batch (this rank's)."""
     import optree
 
-    seen, grad = [], step._grad
+    seen, grad = [], step.mode.grad
 
     def counted(*args, **kwargs):
         grads, out = grad(*args, **kwargs)
         seen.append(sum(g.numel() * g.element_size() for g in optree.tree_leaves(grads)))
         return grads, out
-    step._grad = counted
+    step.mode.grad = counted
     return seen
 
 

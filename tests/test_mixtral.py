@@ -383,7 +383,7 @@ def _staged_train(path, sizes, data_axes, **options):
     specs = mixtral.specs(cfg, mesh)
     step = fp.compile_step(mixtral.MODEL.loss_fn(cfg, mesh), specs, mesh=mesh, data_axes=data_axes,
                            optimizer=fp.optim.adamw(1e-3, weight_decay=0.1), accum_steps=2, **options)
-    state = step.init(step.pipe.plan.select(params) if step.pipe is not None else params)
+    state = step.init(step.executor.plan.select(params) if step.executor is not None else params)
     losses = []
     for b in batches():
         state, m = step(state, rows(b, mesh))

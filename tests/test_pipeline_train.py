@@ -192,20 +192,20 @@ def test_stage_plans_name_the_numbers_that_do_not_fit():
     with pytest.raises(fp.StepError, match=r"pipeline='zb' .* zero=3 recomputes each block"):
         make("llama", mesh, 4, zero=3, pipeline="zb")
     step, *_ = make("llama", fp.Mesh.abstract(pp=4), 4, parts=[1, 1, 1, 5])
-    assert step.pipe.plan.describe().splitlines() == [
+    assert step.executor.plan.describe().splitlines() == [
         "pp rank 0: stage 0: embed + layer 0", "pp rank 1: stage 1: layer 1", "pp rank 2: stage 2: layer 2",
         "pp rank 3: stage 3: layers 3-7 + head"]
     step, *_ = make("llama", fp.Mesh.abstract(pp=2), 4, pipeline="interleaved", chunks=2, parts=[1.5, 3, 0.5, 3])
-    assert step.pipe.plan.describe().splitlines() == [
+    assert step.executor.plan.describe().splitlines() == [
         "pp rank 0: stage 0: embed + layer 0 + layer 1 attention; stage 2: layer 4 mlp",
         "pp rank 1: stage 1: layer 1 mlp + layers 2-3 + layer 4 attention; stage 3: layers 5-7 + head"]
     # a lone half runs alone (with only its leaves); both halves of a layer run as one block
-    assert step.pipe.plan.pieces(range(1, 5)) == [(0, 1), (1, None), (2, 0)]
+    assert step.executor.plan.pieces(range(1, 5)) == [(0, 1), (1, None), (2, 0)]
     st = fp.get_model("llama").stages
     with pytest.raises(fp.ModelError, match="give halves and first_leaves together"):
         dataclasses.replace(st, first_leaves=None)
     meta = fp.get_model("llama").init(config("llama"), device="meta")
-    held = {p for p, _ in fp.tree.leaves_with_path(step.pipe.plan.select(meta))}  # pp rank 0's
+    held = {p for p, _ in fp.tree.leaves_with_path(step.executor.plan.select(meta))}  # pp rank 0's
     assert {"layers.1.wq", "layers.1.attn_norm", "layers.4.w_down", "layers.0.w_up"} <= held
     assert not {"layers.1.w_up", "layers.1.mlp_norm", "layers.4.wo", "layers.2.wq"} & held
 

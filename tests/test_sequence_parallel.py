@@ -31,7 +31,7 @@ def _train(name, sizes, sequence_parallel, zero=1, micro=1):
     step = fp.compile_step(loss, specs, mesh=mesh, optimizer=fp.optim.adamw(1e-3, weight_decay=0.1), clip_norm=1.0,
                            zero=zero, accum_steps=micro)
     params = fp.shard(model.init(cfg, seed=3), specs, mesh)
-    state = step.init(step.pipe.plan.select(params) if step.pipe is not None else params)
+    state = step.init(step.executor.plan.select(params) if step.executor is not None else params)
     losses = []
     for b in _batches(cfg.vocab_size):
         state, m = step(state, harness.dp_share(b, mesh))

@@ -1,7 +1,7 @@
-"""A backward split into the inputs' gradients now and the weights' later (funcpar/nn/splitgrad.py), on one process.
+"""A backward split into the inputs' gradients now and the weights' later (funcpar/pipeline/splitgrad.py), on one process.
 
 Each test runs a function's backward whole and split, and compares every gradient bit for bit; and checks the
-split's two passes each do only their part (custom Functions ask :func:`wanted`).
+split's two passes each do only their part (a custom Function's ``needs_input_grad`` narrowed to each pass's).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from funcpar.nn import splitgrad
+from funcpar.pipeline import splitgrad
 from funcpar.nn.pointwise import rms_norm
 
 D = 16
@@ -113,7 +113,7 @@ class _Recorder(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        need = splitgrad.wanted(ctx, (True, False, True))
+        need = tuple(ctx.needs_input_grad)
         _Recorder.calls.append(need)
         return g @ w if need[0] else None, None, g.t() @ x if need[2] else None
 
@@ -133,7 +133,7 @@ def test_tensor_hooks_run_once_and_first_gradients_are_copies():
     assert p["b1"].grad.data_ptr() != p["b2"].grad.data_ptr()  # summed into separately by the next micro-batch
 
 
-def test_custom_functions_asking_wanted_form_only_each_passes_part():
+def test_custom_functions_reading_needs_input_grad_form_only_each_passes_part():
     w = torch.randn(D, D, requires_grad=True)
     x = torch.randn(3, D, requires_grad=True)
     _Recorder.calls.clear()

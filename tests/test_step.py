@@ -458,4 +458,4 @@ def test_options_in_groups_and_as_keywords_are_one_thing():
         fp.StepOptions(precision={"param_dtype": torch.bfloat16})
     step = fp.compile_step(lambda p, b: p["w"].sum(), {"w": fp.P()}, fp.StepOptions(guards=fp.Guards(check=False)),
                            mesh=fp.Mesh(), clip_norm=1.0)
-    assert step.options.guards.check is False and step.clip_norm == 1.0 and step.zero == 1
+    assert step.options.guards.check is False and step.options.clip_norm == 1.0 and step.options.parallel.zero == 1

@@ -295,8 +295,8 @@ def _announce(run: _Run) -> None:
     note = vocab_note(run.cfg, tok.vocab_size)
     if note:
         print(note, flush=True)
-    if run.step.pipe is not None:
-        print(run.step.pipe.plan.describe(), flush=True)
+    if run.step.executor is not None:
+        print(run.step.executor.plan.describe(), flush=True)
 
 
 def _evaluate(run: _Run, data, global_batch) -> tuple[float, dict[str, float]]:
@@ -326,7 +326,7 @@ def _held_out_sums(run: _Run, data, global_batch) -> torch.Tensor:
             total += run.step.held_out(run.state, {k: v.to(mesh.device) for k, v in b.items()})
     if not gb and c:
         total.zero_()
-    return fp.collectives.all_reduce(total, mesh, run.step.data_axes)
+    return fp.collectives.all_reduce(total, mesh, run.step.options.parallel.data_axes)
 
 
 def _metrics_row(run: _Run, m: dict) -> dict:

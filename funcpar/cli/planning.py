@@ -122,12 +122,13 @@ def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None, gpu:
         batch["position_ids"] = ids
     if step.compiled is True:
         raise ValueError("a compile=True step cannot be traced on meta tensors: plan it with compile='auto' or False")
-    compiled, was = step.compiled == "auto", step.compiled
-    step.compiled = False  # (auto_compiled's own switch: the eager gradient, for this trace only)
+    gradient = step.mode.gradient
+    compiled, was = gradient.compiled == "auto", gradient.compiled
+    gradient.compiled = False  # (the gradient's own switch: the eager gradient, for this trace only)
     try:
         out = trace_step(step, local_params(like, step.specs, step.mesh), batch)
     finally:
-        step.compiled = was
+        gradient.compiled = was
     out["eager_trace"] = compiled
     out["runtime"] = runtime_bytes() if step.mesh.device.type == "cpu" and not gpu else 0
     return out
@@ -147,27 +148,28 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     print(sharding_table(like, specs, mesh))
     if vocab_note(cfg):
         print(vocab_note(cfg))
-    if step.pipe is not None:  # this rank's stage
-        print(step.pipe.plan.describe())
-        print(f"{step.pipe.plan.schedule.name} over {step.accum_steps} micro-batches: planned bubble "
-              f"{step.pipe.plan.schedule.simulate()['bubble']:.1%}; memory below for pp rank 0")
-    stage = like if step.pipe is None else step.pipe.plan.select(like)
+    if step.executor is not None:  # this rank's stage
+        print(step.executor.plan.describe())
+        print(f"{step.executor.plan.schedule.name} over {step.options.accum_steps} micro-batches: planned bubble "
+              f"{step.executor.plan.schedule.simulate()['bubble']:.1%}; memory below for pp rank 0")
+    stage = like if step.executor is None else step.executor.plan.select(like)
     mem = memory_plan(stage, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
     print(f"per rank (zero={zero}, {optimizer}): params {mem['params']:.2f} MiB, grads "
           f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
     t = trace_plan(model, cfg, step, rows, seq_len, like, gpu=estimate is not None, documents=documents)
     host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
-    acts = f"activations {_mib(t['activations'])} per micro-batch; " if step.pipe is None else ""
+    acts = f"activations {_mib(t['activations'])} per micro-batch; " if step.executor is None else ""
     how = (" (the eager step's trace: compile='auto' compiles this step's gradient and inductor plans its buffers)"
            if t["eager_trace"] else "")
-    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.accum_steps} micro-batch(es): {acts}peak "
+    print(f"traced step, {rows} x {seq_len} tokens per rank in {step.options.accum_steps} micro-batch(es): {acts}peak "
           f"{_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])} per rank{how}; "
           f"sends {_traffic(t['traffic'])} per step; {t['flops'] / 1e12:,.3f} TFLOP per step per rank")
     if estimate is not None:
         e = estimate(t, step)
         comm = ", ".join(f"{a} {seconds(s)}" for a, s in e["comm"].items()) or "none"
         print(f"estimated step: {seconds(e['step'])} (compute {seconds(e['compute'])}, communication {comm}); "
-              f"{rows * seq_len * step.accum_steps / e['step']:,.0f} tokens/s per rank. Assumed: {e['assumptions']}")
+              f"{rows * seq_len * step.options.accum_steps / e['step']:,.0f} tokens/s per rank. "
+              f"Assumed: {e['assumptions']}")
 
 
 def candidate_meshes(devices: int, context: bool = False) -> list[dict[str, int]]:
@@ -383,7 +385,8 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         state = step.init(optree.tree_map(lambda x: x.clone(), params))  # fresh: the trace sees them allocated
         gc.collect()  # what init let go of is gone by now in the real run too: count no cycle that holds it
         held = tr.live
-        micro = optree.tree_map(lambda x: x[: rows // step.accum_steps] if isinstance(x, torch.Tensor) else x, batch)
+        a = step.options.accum_steps
+        micro = optree.tree_map(lambda x: x[: rows // a] if isinstance(x, torch.Tensor) else x, batch)
         tr.mark("probe")  # (a measurement of the plan's, not of the run: its peak is left out of "peak")
         loss = step.loss(state, micro, requires_grad=True)
         activations = tr.live - held

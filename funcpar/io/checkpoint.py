@@ -212,7 +212,7 @@ def _param_pieces(state: TrainState, layout: ZeroLayout, mesh: Mesh, fname: str,
     for i, (p, x, spec) in enumerate(zip(layout.paths, leaves, layout.specs, strict=True)):
         gshape = list(global_shape(spec, layout.shapes[i], mesh))
         meta.append({"path": p, "shape": gshape, "dtype": _dtype_name(x.dtype), "spec": list(spec.dims)})
-        a, z, copies = parts[i] if layout.zero == 3 else (0, x.numel(), tuple(a for a in mesh.axis_names
+        a, z, copies = parts[i] if layout.holds_parts else (0, x.numel(), tuple(a for a in mesh.axis_names
                                                                               if a not in spec.axes + ("pp",)))
         if z > a and _owner(mesh, copies) and not (elsewhere and elsewhere[i]):
             key, t = f"param/{p}", x.detach().reshape(-1).contiguous().cpu()

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from funcpar.parallel import collectives as C
 from funcpar.nn import pointwise
 from funcpar.nn.pointwise import functorch_wrapped, rms_norm, rotary, swiglu
-from funcpar.nn.splitgrad import wanted
 
 if TYPE_CHECKING:  # pragma: no cover
     from funcpar.parallel.mesh import Mesh
@@ -356,13 +355,12 @@ class _ColumnParallel(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, mesh, axis, k, *wb = inputs
         ctx.mesh, ctx.axis, ctx.k = mesh, axis, k
-        ctx.tensors = tuple(isinstance(t, torch.Tensor) for t in inputs)
         ctx.save_for_backward(x, *wb[:k])
 
     @staticmethod
     def backward(ctx, *gs):
         x, *ws = ctx.saved_tensors
-        need, k, (mesh, axis) = wanted(ctx, ctx.tensors), ctx.k, (ctx.mesh, ctx.axis)  # (a split pass: part)
+        need, k, (mesh, axis) = ctx.needs_input_grad, ctx.k, (ctx.mesh, ctx.axis)
         g2 = [g.reshape(-1, g.shape[-1]) for g in gs]  # (N, out_i/tp)
         done = None
         if need[0]:

@@ -31,7 +31,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from funcpar.nn.splitgrad import wanted
 
 __all__ = ["rms_norm", "rotary", "swiglu", "exp_and_sum", "fusable", "FUSE", "MIN_NUMEL"]
 
@@ -199,7 +198,7 @@ class _RMSNorm(torch.autograd.Function):
         x, w, r = ctx.saved_tensors
         again = torch.is_grad_enabled() or functorch_wrapped(g)  # differentiated again: out of place, r of x
         r = _rstd(x, ctx.eps) if again else r
-        need_x, need_w, rows = *wanted(ctx, (True, True, False))[:2], tuple(range(g.ndim - 1))  # (split: part)
+        need_x, need_w, rows = *ctx.needs_input_grad[:2], tuple(range(g.ndim - 1))
         fused = not again and fusable(x, w, r, g)
         if not need_x:  # the weight's alone (a split backward's weight pass): the same products and sum as below
             if not need_w:

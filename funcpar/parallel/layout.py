@@ -95,6 +95,12 @@ class ZeroLayout:
         return cls(mesh, zero, tuple(data_axes), optree.tree_structure(params), tuple(p for p, _, _ in matched),
                    tuple(s for _, s, _ in matched), tuple(tuple(x.shape) for _, _, x in matched), tuple(buckets))
 
+    @property
+    def holds_parts(self) -> bool:
+        """Whether a state on this layout holds only this rank's part of each leaf (ZeRO-3: the parameters
+        partitioned over the data axes, gathered unit by unit) rather than whole local leaves."""
+        return self.zero == 3
+
     # ------------------------------------------------------------------------------------ leaf <-> bucket parts
     def leaf_parts(self) -> list[tuple[int, int, tuple[str, ...]]]:
         """Per leaf: this rank's ZeRO part as a flat range ``[a, z)`` of the local leaf, and the axes the part is

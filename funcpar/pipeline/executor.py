@@ -15,7 +15,7 @@ it receives the output's gradient (or starts from the weighted loss), runs the c
 ``.grad`` accumulates over micro-batches; the saved activations are freed as they are used; a split ``B`` keeps them
 until its ``W``), and sends the input's gradient back (virtual stage 0's blocks start from a detached copy of the
 embedding's output, whose backward follows). Where ``W(m, c)`` follows, ``B`` forms only the input's gradient and
-``W`` the weights' and the embedding's (:mod:`funcpar.nn.splitgrad`). Gradients are those of ``sum_m w_m
+``W`` the weights' and the embedding's (:mod:`funcpar.pipeline.splitgrad`). Gradients are those of ``sum_m w_m
 loss_m``, as the unpipelined step computes them. Sends are asynchronous and every message is tagged
 (:mod:`funcpar.parallel.p2p`); a rank waits only where its next action needs data. Activations and gradients travel on
 two channels (communicators): each stream is posted in the same order by sender and receiver (every rank walks the same
@@ -34,7 +34,7 @@ import torch
 
 from funcpar.parallel import collectives as C
 from funcpar.parallel import p2p
-from funcpar.nn import splitgrad
+from funcpar.pipeline import splitgrad
 from funcpar.pipeline.schedule import Schedule, assign_units
 from funcpar.nn.documents import documents_of
 from funcpar.nn.remat import remat

@@ -41,10 +41,11 @@ class StateBuffers:
 
     # --------------------------------------------------------------------------------------------- owning
     def own_params(self, leaves: list[torch.Tensor], whole: bool = True) -> None:
-        """Copy local leaves into fresh parameter buffers (in the compute dtype). With ``zero=3`` the buffers hold
-        only this rank's parts (``whole``: the leaves given are whole local leaves, else their 1-D parts)."""
+        """Copy local leaves into fresh parameter buffers (in the compute dtype). Where the layout holds parts
+        (ZeRO-3) the buffers hold only this rank's parts (``whole``: the leaves given are whole local leaves, else
+        their 1-D parts)."""
         lay = self.layout
-        if lay.zero == 3:  # (the parts in the compute dtype: a mixed layout's buckets are its fp32 masters')
+        if lay.holds_parts:  # (the parts in the compute dtype: a mixed layout's buckets are its fp32 masters')
             parts = lay.param_slices(leaves) if whole else lay.slices_of(leaves)
             self.params = [p.to(self.compute_dtype) for p in parts] if self.compute_dtype else parts
             self.views = lay.views(self.params)
@@ -96,7 +97,7 @@ class StateBuffers:
         if not donate:
             opt_state = optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, opt_state)
         if not (donate and live):
-            self.own_params(leaves, whole=self.layout.zero != 3)
+            self.own_params(leaves, whole=not self.layout.holds_parts)
         if self.mixed:
             masters = self.layout.treedef.flatten_up_to(opt_state.master)
             mine = {m.untyped_storage().data_ptr() for m in self.masters}
@@ -110,14 +111,14 @@ class StateBuffers:
         """Per bucket, this rank's part of the weights the optimizer updates (views, updated in place)."""
         if self.mixed:
             return self.masters
-        if self.layout.zero == 3:
+        if self.layout.holds_parts:
             return self.params
         return [buf[b.lo : b.hi] for b, buf in zip(self.layout.buckets, self.params, strict=True)]
 
     def publish(self) -> None:
         """After the update: the new parameters in every rank's buffers (compute copies of the masters, gathered)."""
         lay = self.layout
-        if lay.zero == 3:  # the parts are the parameters, gathered block by block inside the loss: only new copies
+        if lay.holds_parts:  # the parts are the parameters, gathered block by block inside the loss: only new copies
             for buf, master in zip(self.params, self.masters if self.mixed else (), strict=False):
                 buf.copy_(master)
             return

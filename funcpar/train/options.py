@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from funcpar.parallel.mesh import Mesh
 from funcpar.model import Loss
-from funcpar.optim.loss_scale import loss_scale
+from funcpar.nn.remat import grad_and_value
+from funcpar.optim import GradientTransformation, chain, clip_by_global_norm
+from funcpar.optim.loss_scale import apply_if_finite
 from funcpar.pipeline.executor import Executor, StagePlan
 from funcpar.pipeline.schedule import PipelineError, make_schedule
 from funcpar.state import StepError
-from funcpar.train.config import Guards, Pipelining
+from funcpar.train.config import Guards, Pipelining, Precision
 
 
 def check_zero3(loss: Loss, zero: int) -> None:
@@ -57,6 +59,18 @@ def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compil
     return Executor(plan, remat_blocks=remat)
 
 
+def wrapped_optimizer(optimizer: GradientTransformation, clip_norm: float | None, precision: Precision) \
+        -> GradientTransformation:
+    """``optimizer`` as the step runs it: after clipping by the global norm (``clip_norm``), and under loss scaling
+    skipping the update where the gradients overflow (``precision.scaling``: ``"dynamic"`` adapts the scale)."""
+    opt = chain(clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
+    scaling = precision.scaling
+    if scaling is not None:
+        dynamic = scaling == "dynamic"
+        opt = apply_if_finite(opt, 2.0**16 if dynamic else float(scaling), dynamic, precision.growth_interval)
+    return opt
+
+
 def check_data_axes(mesh: Mesh, data_axes: tuple[str, ...]) -> None:
     """Refuse a ``data_axes`` name that is not a data axis of ``mesh`` (the other checks need no mesh:
     :mod:`funcpar.train.config`)."""
@@ -71,39 +85,45 @@ def check_data_axes(mesh: Mesh, data_axes: tuple[str, ...]) -> None:
 class NonfinitePolicy:
     """What a step does when its loss or gradient norm is not finite, decided alike on every rank (the values are
     global): it updates nothing, and by default (``nonfinite="error"``) raises, the state before it kept as the
-    error's ``.state``; ``"skip"`` skips it, and so does loss scaling when it overflows, up to ``max_skips`` in a
-    row. ``skips`` counts the steps skipped in a row (the step resets it after an update)."""
+    error's ``.state``; ``"skip"`` skips it, and so does loss scaling (``scaled``) when it overflows, up to
+    ``max_skips`` in a row. ``skips`` counts the steps skipped in a row (:meth:`updated` resets it)."""
 
-    def __init__(self, guards: Guards):
-        self.mode, self.max_skips, self.skips = guards.nonfinite, guards.max_skips, 0
+    def __init__(self, guards: Guards, scaled: bool):
+        self.mode, self.max_skips, self.scaled, self.skips = guards.nonfinite, guards.max_skips, scaled, 0
 
-    def check(self, step, state, inner, loss: float, norm: float, finite: bool):
-        """For ``step`` (a :class:`funcpar.train.step.Step`) about to update ``state`` (``inner``: its optimizer state):
-        ``(state, metrics)`` of a skipped step, or ``None`` to go on; raises where training must stop."""
-        lr = step.schedule(state.step) if step.schedule else 0.0
+    def updated(self) -> None:
+        """A step updated the weights: the skips in a row start again from 0."""
+        self.skips = 0
+
+    def check(self, step: int, lr, loss: float, norm: float, finite: bool, kept: Callable[[], Any],
+              scale: Callable[[], float]):
+        """Step ``step`` (0-based), about to update with learning rate ``lr``, its global ``loss`` and gradient
+        ``norm``, ``finite`` False where the gradients overflow: ``(state, metrics)`` of a skipped step, or ``None``
+        to go on; raises where training must stop. ``kept()``: the state before the step; ``scale()``: the loss
+        scale (for the message)."""
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):  # before the update touches anything
-            e = StepError(f"step {state.step + 1}: the learning rate schedule gives {lr!r}, not a finite number >= 0; "
+            e = StepError(f"step {step + 1}: the learning rate schedule gives {lr!r}, not a finite number >= 0; "
                           f"nothing was updated")
-            e.state = step.buffers.state(inner, state.step)
+            e.state = kept()
             raise e
         bad = "loss" if not math.isfinite(loss) else "gradient norm" if not math.isfinite(norm) else None
         if bad is None and finite:
             return None
         self.skips += 1
-        kept = step.buffers.state(inner, state.step)
+        state = kept()
         what = f"the {bad} is {loss if bad == 'loss' else norm}" if bad else "the gradients overflow"
-        if step.loss_scale is None and self.mode == "error" or self.skips > self.max_skips:
+        if not self.scaled and self.mode == "error" or self.skips > self.max_skips:
             why = (f"{self.skips} steps in a row skipped (max_skips={self.max_skips}"
-                   + (f", loss scale now {loss_scale(inner).item():g})" if step.loss_scale is not None else ")")
+                   + (f", loss scale now {scale():g})" if self.scaled else ")")
                    if self.skips > 1 or self.mode == "skip" else "nonfinite='error'")
-            e = StepError(f"step {state.step + 1}: {what}; nothing was updated and training stops ({why}): lower "
+            e = StepError(f"step {step + 1}: {what}; nothing was updated and training stops ({why}): lower "
                           f"the learning rate, check the data and the weights, or resume from the last checkpoint")
-            e.state = kept
+            e.state = state
             raise e
-        if step.loss_scale is not None:
+        if self.scaled:
             return None  # the loss-scaling wrapper skips the update and adapts the scale
-        return kept, {"loss": loss, "step": state.step, "grad_norm": norm, "lr": float("nan"), "tokens": 0,
-                      "tokens_per_s": 0.0, "skipped": True}
+        return state, {"loss": loss, "step": step, "grad_norm": norm, "lr": float("nan"), "tokens": 0,
+                       "tokens_per_s": 0.0, "skipped": True}
 
 
 def resolve_compile(compile, mesh: Mesh, zero, offload, loss: Loss, data_axes=("dp",)) -> tuple:
@@ -127,41 +147,45 @@ def resolve_compile(compile, mesh: Mesh, zero, offload, loss: Loss, data_axes=("
     return (False, f"auto: eager ({why})") if why else ("auto", "auto: compiled (a CUDA mesh)")
 
 
-def gradient_of(step, compile, objective: Callable, eager: Callable) -> Callable:
-    """The per-micro-batch gradient ``step`` runs: ``eager`` (:func:`funcpar.nn.remat.grad_and_value`: each activation
-    freed once the backward used it) when ``compile`` is False; else ``torch.func.grad_and_value(objective)`` through
-    ``torch.compile`` (one graph for forward and backward; collectives stay custom Functions), under ``"auto"`` with
-    ``eager`` taking over on a compiler failure (:func:`auto_compiled`)."""
-    if not compile:
-        return eager
-    whole = torch.func.grad_and_value(objective, has_aux=True)
-    return auto_compiled(step, whole, eager) if compile == "auto" else torch.compile(whole)
+class Gradient:
+    """The per-micro-batch gradient of ``objective`` a step runs, ``grad(params, batch, scale) -> (grads, (loss,
+    aux))``: the eager one (:func:`funcpar.nn.remat.grad_and_value`: each activation freed once the backward used
+    it) when ``compile`` is False; else ``torch.func.grad_and_value(objective)`` through ``torch.compile`` (one graph
+    for forward and backward; collectives stay custom Functions). Under ``"auto"`` the compiled gradient is built
+    with ``fullgraph=True`` at its first call (a graph break is a compiler failure, found while tracing, before any
+    of the call's work or collectives run), and a compiler failure (no C++ compiler, a lowering error, the recompile
+    limit, an unsupported construct: :func:`funcpar.nn.pointwise.compile_error`) warns once, sets :attr:`compiled`
+    to False and :attr:`reason` to what failed, and the eager gradient runs that call and every later one. Any
+    other error is raised."""
 
+    def __init__(self, compile, whole: Callable | None, eager: Callable, reason: str = ""):
+        """``whole``: the gradient to compile (``None`` where ``compile`` is False); ``eager``: the one to run
+        otherwise."""
+        self.compiled, self.reason, self.eager = compile, reason, eager  # what runs now, and why
+        self._compiled = (None if not compile else torch.compile(whole, fullgraph=True) if compile == "auto"
+                          else torch.compile(whole))
 
-def auto_compiled(step, fn: Callable, eager: Callable) -> Callable:
-    """``compile="auto"``'s gradient: ``fn`` through ``torch.compile(fullgraph=True)``, compiled at its first call
-    (a graph break is a compiler failure, found while tracing, before any of the call's work or collectives run). A
-    compiler failure (no C++ compiler, a lowering error, the recompile limit, an unsupported construct:
-    :func:`funcpar.nn.pointwise.compile_error`) warns once, sets ``step.compiled`` to False and ``step.compile_reason``
-    to what failed, and the eager gradient ``eager`` runs that call and every later one. Any other error is raised."""
-    from funcpar.nn.pointwise import compile_error, compile_error_text
+    @classmethod
+    def of(cls, compile, objective: Callable) -> "Gradient":
+        """The gradient of ``objective(params, batch, scale) -> (loss, (value, aux))``."""
+        whole = torch.func.grad_and_value(objective, has_aux=True) if compile else None
+        return cls(compile, whole, grad_and_value(objective))
 
-    compiled = torch.compile(fn, fullgraph=True)
+    def __call__(self, *args):
+        if self.compiled is False:
+            return self.eager(*args)
+        if self.compiled is True:
+            return self._compiled(*args)
+        from funcpar.nn.pointwise import compile_error, compile_error_text
 
-    def grad(*args):
-        if step.compiled is False:
-            return eager(*args)
         try:
-            return compiled(*args)
+            return self._compiled(*args)
         except Exception as e:
             cause = compile_error(e)
             if cause is None:
                 raise
             what = compile_error_text(cause)
-            step.compiled = False
-            step.compile_reason = f"auto: eager after a compiler failure ({what})"
+            self.compiled, self.reason = False, f"auto: eager after a compiler failure ({what})"
             warnings.warn(f"compile_step(compile='auto'): torch.compile of the gradient failed ({what}); running "
                           "the eager gradient from now on (compile=False skips the attempt)", stacklevel=3)
-            return eager(*args)
-
-    return grad
+            return self.eager(*args)

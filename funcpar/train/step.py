@@ -10,18 +10,18 @@ A step reads as accumulate -> reduce -> update -> gather:
   function carries, e.g. a language model's target-token count, else rows), so the result is exactly the loss of the
   global batch as one process would compute it;
 - **reduce**: per ZeRO bucket (:mod:`funcpar.parallel.layout`), the sum over the data axes; the global gradient norm
-over
-  every shard, each element counted once;
+  over every shard, each element counted once;
 - **update**: the optimizer (clipping, loss scaling as wrappers) on this rank's part, fused where it can be (AdamW);
 - **gather**: the updated parts all-gathered back into whole local leaves.
 
-The gradient phase is one implementation per mode (:mod:`funcpar.train.modes`, chosen once at ``init``):
+The step's branches live in its mode (:mod:`funcpar.train.modes`, chosen once when the step is built), one class each:
 ``Plain`` for ``zero`` 0-2 (``zero=0``: all-reduce over the data axes, every rank updates its whole local leaves;
 ``zero=1``: micro-batch gradients accumulated locally, then one reduce-scatter per bucket; ``zero=2``:
 reduce-scatter after every micro-batch, only the local part kept), ``Zero3`` (the parts gathered unit by unit,
-:mod:`funcpar.train.zero3`) and ``Pipelined`` (a ``pp`` mesh, :mod:`funcpar.pipeline.executor`). Each returns the same
-bucket parts, so reduce, update and gather read every mode alike. The non-finite policy is
-:class:`funcpar.train.options.NonfinitePolicy`, which owns its count of skipped steps.
+:mod:`funcpar.train.zero3`), ``Pipelined`` (a ``pp`` mesh, :mod:`funcpar.pipeline.executor`) and ``StagedZero3``.
+Each returns the same bucket parts, so reduce, update and gather read every mode alike; each phase returns what the
+next one reads. The non-finite policy is :class:`funcpar.train.options.NonfinitePolicy`, which takes values and owns
+its count of skipped steps.
 """
 
 from __future__ import annotations
@@ -29,32 +29,28 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
 
 from funcpar.io import checkpoint
-from funcpar.train import hostmem
-from funcpar.parallel import collectives as C
-from funcpar.train.batching import batch_drift, batch_items, check_consistency, drifted, rows as _rows, split as _split
-from funcpar.train.buffers import StateBuffers
 from funcpar.io.atomic import agree
+from funcpar.model import Loss
+from funcpar.optim import EVERYTHING, GradientTransformation, adamw, update_with
+from funcpar.optim.loss_scale import loss_scale
+from funcpar.optim.transforms import sums_of_squares
+from funcpar.parallel import collectives as C
 from funcpar.parallel.layout import ZeroLayout
 from funcpar.parallel.mesh import Mesh
-from funcpar.model import Loss
-from funcpar.nn.remat import grad_and_value
-from funcpar.optim import EVERYTHING, GradientTransformation, adamw, chain, clip_by_global_norm, update_with
-from funcpar.optim.loss_scale import apply_if_finite, loss_scale
-from funcpar.optim.transforms import sums_of_squares
-from funcpar.spec import broadcast_specs
 from funcpar.state import MixedState, StepError, TrainState
-from funcpar.tree import leaves_with_path
-from funcpar.train.modes import Mode, Pipelined, Plain, StagedZero3, Zero3
+from funcpar.train import hostmem
+from funcpar.train.batching import batch_drift, batch_items, check_consistency, drifted, rows as _rows, split as _split
+from funcpar.train.buffers import StateBuffers
 from funcpar.train.config import StepOptions
-from funcpar.train.options import (NonfinitePolicy, check_data_axes, check_zero3, gradient_of, pipeline_executor,
-                           resolve_compile)
-from funcpar.train.zero3 import StageGather, Zero3Loss, gather_params, stage_units, units_of
+from funcpar.train.modes import choose
+from funcpar.train.options import NonfinitePolicy, check_data_axes, resolve_compile, wrapped_optimizer
+from funcpar.train.zero3 import gather_params
 
 __all__ = ["compile_step", "Step", "TrainState", "MixedState", "StepError", "default_optimizer"]
 
@@ -65,60 +61,67 @@ def default_optimizer() -> GradientTransformation:
     return adamw(1e-3, weight_decay=0.01)
 
 
+class Statistics(NamedTuple):
+    """What the reduce phase knows of a step, alike on every rank: the global gradient norm, the global loss,
+    whether every gradient is finite, the pipeline's bubble (the mean over ranks), and whether a model-axis group's
+    batches differ."""
+
+    norm: torch.Tensor
+    loss: float
+    finite: bool
+    bubble: float
+    drifted: bool
+
+
 class Step:
     """A compiled train step: ``state = step.init(params)``, ``state, metrics = step(state, batch)``.
 
     A call consumes the state it is given (``donate=True``, the default: its buffers are updated in place, and the
     consumed state passed again raises) and returns the new one; ``donate=False`` copies the state first and leaves
-    the old one valid. See :func:`compile_step` for the options.
+    the old one valid. See :func:`compile_step` for the options, kept as :attr:`options`.
     """
 
     def __init__(self, loss_fn: Callable, specs: Any, options: StepOptions | None = None):
         o = self.options = options if options is not None else StepOptions()
-        par, pipe, prec = o.parallel, o.pipelining, o.precision
         self.mesh = mesh = o.mesh if o.mesh is not None else Mesh.current()
         self.loss_fn = loss = Loss.of(loss_fn)  # what the loss carries (model, remat, batch weight, check), as fields
-        compile, self.compile_reason = resolve_compile(o.compile, mesh, par.zero, par.offload, loss, par.data_axes)
-        self.compiled = compile  # what "auto" chose (a compiler failure under "auto" sets it to False)
-        self.nonfinite = NonfinitePolicy(o.guards)
+        self.specs = specs
+        par = o.parallel
         check_data_axes(mesh, par.data_axes)
-        self.specs, self.zero, self.offload, self.data_axes = specs, par.zero, par.offload, par.data_axes
-        self.accum_steps, self.clip_norm, self.has_aux, self.donate = o.accum_steps, o.clip_norm, o.has_aux, o.donate
-        self.check, self.check_every = o.guards.check, o.guards.check_every
+        compile, reason = resolve_compile(o.compile, mesh, par.zero, par.offload, loss, par.data_axes)
+        self.nonfinite = NonfinitePolicy(o.guards, scaled=o.precision.scaling is not None)
         self.weight_fn = o.weight_fn if o.weight_fn is not None else loss.batch_weight
-        self.check_batch = loss.check_batch  # a model's range checks, on every batch
-        self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in self.data_axes)
-        self.bucket_bytes = int(par.bucket_mb * 2**20)
-        self.param_dtype, self.loss_scale = prec.param_dtype, prec.scaling
-        opt = o.optimizer if o.optimizer is not None else default_optimizer()
-        self.schedule = opt.schedule
-        opt = chain(clip_by_global_norm(o.clip_norm), opt) if o.clip_norm else opt
-        if self.loss_scale is not None:
-            dynamic = self.loss_scale == "dynamic"
-            opt = apply_if_finite(opt, 2.0**16 if dynamic else float(self.loss_scale), dynamic, prec.growth_interval)
-        self.optimizer = opt
-        self._grad = gradient_of(self, compile, self._scaled_loss, grad_and_value(self._scaled_loss))
+        self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in par.data_axes)
+        base = o.optimizer if o.optimizer is not None else default_optimizer()
+        self.schedule = base.schedule  # (the learning rate the metrics report)
+        self.optimizer = wrapped_optimizer(base, o.clip_norm, o.precision)
+        self.mode = choose(loss, mesh, o, compile)  # the one dispatch on the mode: every branch on it lives there
+        self.mode.gradient.reason = reason
         self.layout: ZeroLayout | None = None
         self.buffers: StateBuffers | None = None
-        self.mode: Mode | None = None  # the gradient phase of this step's mode (funcpar.train.modes), at init
-        self._objective = loss.fn  # what is differentiated: zero=3 replaces it with the gathering loss at init
-        check_zero3(loss, par.zero)
-        self.pipe = pipeline_executor(loss, mesh, par.zero, o.accum_steps, o.has_aux, compile, pipe)
-        self._checked = False
-        self._drift = self._last_batch = None  # the batch check riding on the statistics' all-reduce (_check_batch)
+        self._checks_values = not mesh.simulated  # (a plan's meta batch holds no values to check)
+        self._checked = False  # the first step's consistency check done
         self.run_id: str | None = None  # the run its checkpoints belong to (see funcpar.io.checkpoint.save)
         # on the CPU, the memory a step frees is kept for the next one (funcpar.train.hostmem): process-wide, so only
         # once every option has been accepted
         self.host_malloc = hostmem.keep_freed_memory() if o.host_malloc == "keep" and mesh.device.type == "cpu" \
             else "system"
 
-    def _scaled_loss(self, params, batch, scale):
-        out = self._objective(params, batch)
-        loss, aux = out if self.has_aux else (out, None)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise StepError(f"loss_fn must return a scalar tensor (use .mean() or .sum()); it returned {shape}")
-        return loss * scale, ((loss.detach(), aux) if self.has_aux else loss.detach())
+    @property
+    def compiled(self):
+        """Whether the gradient is compiled: True, False, or ``"auto"`` while compiled under ``compile="auto"``
+        (False after a compiler failure)."""
+        return self.mode.gradient.compiled
+
+    @property
+    def compile_reason(self) -> str:
+        """Why :attr:`compiled` is what it is."""
+        return self.mode.gradient.reason
+
+    @property
+    def executor(self):
+        """The pipeline executor of this rank's stage on a ``pp`` mesh, else ``None``."""
+        return self.mode.executor
 
     # ----------------------------------------------------------------------------------------------- API
     def save(self, path, state: TrainState, extra: Any = None, keep: int | None = None, overwrite: bool = False,
@@ -126,52 +129,34 @@ class Step:
         """:func:`funcpar.io.checkpoint.save` of a state of this step: its layout, its run (a new id on the first save
         of a run not loaded from a checkpoint) and, on a pipeline stage, the tied leaves another stage writes."""
         self.run_id = self.run_id or uuid.uuid4().hex
-        uncounted = self.pipe.uncounted(state.params) if self.pipe is not None else None
-        checkpoint.save(path, state, self.layout, run=self.run_id, extra=extra, uncounted=uncounted, keep=keep,
-                        overwrite=overwrite, latest=latest)
+        checkpoint.save(path, state, self.layout, run=self.run_id, extra=extra,
+                        uncounted=self.mode.uncounted(state.params), keep=keep, overwrite=overwrite, latest=latest)
 
     def load(self, path, restore_rng: bool = True, stats: dict | None = None) -> tuple[TrainState, Any]:
         """:func:`funcpar.io.checkpoint.load` onto this step's mesh and layout (call :meth:`init` first); returns
         ``(state, extra)``, and saving on continues the checkpoint's run."""
-        known = [p for p, _ in leaves_with_path(self.pipe.plan.shapes)] if self.pipe is not None else None
-        state, extra, self.run_id = checkpoint.load(path, self.layout, self.init, known=known,
+        state, extra, self.run_id = checkpoint.load(path, self.layout, self.init, known=self.mode.known_paths(),
                                                     restore_rng=restore_rng, stats=stats)
         return state, extra
 
     def init(self, params: Any) -> TrainState:
         """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts.
         The parameters are copied into the step's flat buffers (see :mod:`funcpar.train.buffers`)."""
-        mixed = self.param_dtype is not None
-        units = None
-        model, cfg, mesh = self.loss_fn.model, self.loss_fn.cfg, self.loss_fn.mesh
-        if self.pipe is not None:  # this pp rank's stage tree: None for the leaves other stages hold
-            params = self.pipe.plan.select(params)
-        if self.zero == 3:  # the layout's units are the model's blocks (on a pipeline stage, those it holds)
-            paths = [p for p, _, _ in broadcast_specs(self.specs, params)]
-            units, shape = (stage_units(paths, model.stages, cfg, self.pipe.plan.tied) if self.pipe is not None
-                            else units_of(paths, model.stages, cfg))
-        self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=self.zero, data_axes=self.data_axes,
-                                             bucket_bytes=self.bucket_bytes,
-                                             master_dtype=torch.float32 if mixed else None, units=units)
-        # the one dispatch on the mode: its gradient phase, and how it evaluates, gathers and counts
-        if self.pipe is not None and units is not None:  # shape: the units' roles
-            self.pipe.zero3 = StageGather(lay, model.stages, cfg, mesh, self.data_axes, shape, self.param_dtype)
-            self.mode = StagedZero3(lay, self._objective, self.pipe, self.has_aux)
-        elif self.pipe is not None:
-            self.mode = Pipelined(lay, self._objective, self.pipe, self.has_aux)
-        elif units is not None:  # shape: the number of blocks
-            self._objective = Zero3Loss(lay, model.stages, cfg, mesh, self.data_axes, shape, self.param_dtype)
-            self.mode = Zero3(lay, self._objective, self._grad, self.has_aux)
-        else:  # reduce each bucket once full under ZeRO-2, and under ZeRO-1 with one micro-batch
-            eager = self.zero == 2 or (self.zero == 1 and self.accum_steps == 1)
-            self.mode = Plain(lay, self._objective, self._grad, self.has_aux, eager)
+        o, mode = self.options, self.mode
+        mixed = o.precision.param_dtype is not None
+        params = mode.select(params)
+        self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=o.parallel.zero,
+                                             data_axes=o.parallel.data_axes,
+                                             bucket_bytes=int(o.parallel.bucket_mb * 2**20),
+                                             master_dtype=torch.float32 if mixed else None,
+                                             units=mode.units(params, self.specs))
+        mode.bind(lay)
         # the fp32 masters live where the parameters do (the host under offload)
         first = next((x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
-        masters_on = torch.device("cpu") if self.offload else (first.device if mixed and first is not None else None)
-        self._counted = [all(self.mesh.coord(a) == 0 for a in copies) for _, _, copies in lay.leaf_parts()]
-        if self.pipe is not None:  # a tied leaf's gradient is counted on the first stage only
-            self._counted = [c and not u for c, u in zip(self._counted, self.pipe.uncounted(params), strict=True)]
-        self.buffers = bufs = StateBuffers(lay, self.param_dtype, masters_on)
+        masters_on = (torch.device("cpu") if o.parallel.offload else
+                      (first.device if mixed and first is not None else None))
+        self._counted = mode.counted(params)
+        self.buffers = bufs = StateBuffers(lay, o.precision.param_dtype, masters_on)
         tree, masters = bufs.init(params)
         del params, first  # copied into the buffers: the caller's leaves may go before the optimizer state comes
         opt_state = self.optimizer.init(masters if bufs.mixed else lay.unflatten(lay.views(bufs.part_slices())))
@@ -179,88 +164,91 @@ class Step:
         return bufs.live
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        """One step: returns ``(new state, metrics)``. ``state`` is consumed (donated) unless ``donate=False``."""
+        """One step: returns ``(new state, metrics)``. ``state`` is consumed (donated) unless ``donate=False``.
+        accumulate -> reduce -> update -> gather, in that order (see the module docstring)."""
         t0 = time.perf_counter()
         if self.layout is None:
             raise StepError("call step.init(params) before the first step")
-        self._drift = None
-        rows = self._check_batch(state, batch)
-        self._last_batch = batch if self._drift is not None else None
-        inner = self.buffers.take(state, self.donate)
+        o = self.options
+        rows, drift = self._check_batch(state, batch)
+        inner = self.buffers.take(state, o.donate)
         scale = loss_scale(inner)
+        # accumulate
         parts, loss_sum, auxes = self._accumulate(self.mode.params(self.buffers), batch, scale)
-        if self.loss_scale is not None:
+        if o.precision.scaling is not None:
             parts = [p.div_(scale.to(p.device)) for p in parts]
-        grad_norm, loss_value, finite = self._statistics(parts, loss_sum)
-        skip = self.nonfinite.check(self, state, inner, loss_value, grad_norm.item(), finite)
+        # reduce
+        stats = self._statistics(parts, loss_sum, drift)
+        if stats.drifted:  # a group's batches differ (every rank is here): name it, and every rank stops
+            self._drift_error(batch)
+        lr = self.schedule(state.step) if self.schedule else 0.0
+        skip = self.nonfinite.check(state.step, lr, stats.loss, stats.norm.item(), stats.finite,
+                                    kept=lambda: self.buffers.state(inner, state.step),
+                                    scale=lambda: loss_scale(inner).item())
         if skip is not None:
             return skip
-        lay, slices = self.layout, self.buffers.part_slices()
-        parts = [p.to(s.device) for p, s in zip(parts, slices, strict=True)]  # offload: the gradient parts to the host
-        g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
-        extra, fused = {"global_norm": grad_norm.to(parts[0].device)}, self.optimizer.fused
-        extra |= {"finite": finite} if self.loss_scale is not None else {}
-        fused = fused if fused is not None and fused.can(g_views, p_views) else None  # written into the params
-        updates, inner = ((None, fused.apply(g_views, inner, p_views, **extra)) if fused is not None else
-                          update_with(self.optimizer, g_views, inner, p_views, inplace=EVERYTHING, **extra))
-        del parts, g_views
-        metrics = {"loss": loss_value, "step": state.step}
-        if not finite:  # an overflow anywhere: no update anywhere (the wrapper adapted the scale)
+        # update
+        inner = self._update(parts, stats, inner)
+        del parts
+        metrics = {"loss": stats.loss, "step": state.step}
+        if not stats.finite:  # an overflow anywhere: no update anywhere (the wrapper adapted the scale)
             metrics |= {"grad_norm": float("inf"), "lr": float("nan"), "tokens": 0, "tokens_per_s": 0.0,
                         "skipped": True, "loss_scale": loss_scale(inner).item()}
             return self.buffers.state(inner, state.step), metrics
-        self.nonfinite.skips = 0
-        self._apply(slices, updates)
-        del updates
+        self.nonfinite.updated()
+        # gather
         self.buffers.publish()
         tokens = self._tokens(batch, rows)
         elapsed = time.perf_counter() - t0
-        metrics |= {"grad_norm": grad_norm.item(), "lr": self.schedule(state.step) if self.schedule else float("nan"),
+        metrics |= {"grad_norm": stats.norm.item(), "lr": lr if self.schedule else float("nan"),
                     "tokens": tokens, "tokens_per_s": tokens / elapsed if elapsed > 0 else float("inf"),
                     "step": state.step + 1}
-        if self.param_dtype is not None:
+        if o.precision.param_dtype is not None:
             metrics["loss_scale"] = float(loss_scale(inner))
-        if self.offload:
-            metrics["offload"] = self.offload
-        if self.pipe is not None:  # the share of rank-time spent waiting for a peer; micro-batches held at once
-            metrics |= {"bubble": self._bubble, "in_flight": self.pipe.metrics["in_flight"]}
-        if self.has_aux:
+        if o.parallel.offload:
+            metrics["offload"] = o.parallel.offload
+        metrics |= self.mode.metrics(stats.bubble)
+        if o.has_aux:
             metrics["aux"] = auxes
         return self.buffers.state(inner, state.step + 1), metrics
 
-    # --------------------------------------------------------------------------------------------- parts
+    # --------------------------------------------------------------------------------------------- phases
     def _data_size(self) -> int:
-        return math.prod(self.mesh.axis_size(a) for a in self.data_axes)
+        return math.prod(self.mesh.axis_size(a) for a in self.options.parallel.data_axes)
 
-    def _check_batch(self, state: TrainState, batch: Any) -> int:
-        rows, A, dp = _rows(batch), self.accum_steps, self._data_size()
+    def _check_batch(self, state: TrainState, batch: Any) -> tuple[int, torch.Tensor | None]:
+        """This rank's rows, checked against the micro-batches, and the batch's checksums to compare in the
+        statistics' all-reduce on the steps the consistency check runs (``None`` on the others)."""
+        o = self.options
+        rows, A, dp = _rows(batch), o.accum_steps, self._data_size()
         if rows % A:
-            d = "x".join(self.data_axes)
+            d = "x".join(o.parallel.data_axes)
             raise StepError(
                 f"the global batch of {rows * dp} rows ({rows} on this {d} rank x {d}={dp}) is not divisible by "
                 f"{d} x accum_steps = {dp * A}: make it a multiple of {dp * A}"
             )
-        if self.check and not self.mesh.simulated:  # (a plan's meta batch holds no values)
-            pp = ("pp",) if self.pipe is not None else ()
-            if not self._checked:  # the first step: the batch and the replicated leaves
-                check_consistency(self.mesh, self.specs, self.mode.replicated(state), batch, self.model_axes + pp,
-                                  self.model_axes + self.data_axes)
-                self._checked = True
-            elif self.check_every and state.step % self.check_every == 0:  # then the batch, in the statistics'
-                self._drift = batch_drift(self.mesh, batch, self.model_axes + pp)  # all-reduce (no collective more)
-        return rows
+        if not (o.guards.check and self._checks_values):
+            return rows, None
+        same = self.model_axes + self.mode.batch_axes
+        if not self._checked:  # the first step: the batch and the replicated leaves
+            check_consistency(self.mesh, self.specs, self.mode.replicated(state), batch, same,
+                              self.model_axes + o.parallel.data_axes)
+            self._checked = True
+        elif o.guards.check_every and state.step % o.guards.check_every == 0:  # then the batch, in the statistics'
+            return rows, batch_drift(self.mesh, batch, same)  # all-reduce (no collective more)
+        return rows, None
 
     def _accumulate(self, params: Any, batch: Any, scale: torch.Tensor):
         """Accumulate: this rank's bucket gradients over the micro-batches, each weighted by its share of the
         global batch's weight (checked here, on every data rank alike), in the step's mode."""
-        mesh = self.mesh
-        micro = _split(batch, self.accum_steps)
+        micro = _split(batch, self.options.accum_steps)
         w = torch.tensor([self.weight_fn(mb) if self.weight_fn else float(_rows(mb)) for mb in micro],
                          dtype=torch.float64)
-        problems = self.check_batch(batch) if self.check_batch and not mesh.simulated else []
+        check = self.loss_fn.check_batch
+        problems = check(batch) if check and self._checks_values else []
         # the batch's problems ride on the weights' all-reduce: every data rank hears of any
         total, bad = C.all_reduce(torch.stack([w.sum(), torch.tensor(float(len(problems)), dtype=torch.float64)]),
-                                  mesh, self.data_axes).tolist()
+                                  self.mesh, self.options.parallel.data_axes).tolist()
         if bad:
             raise StepError(problems[0] if problems else f"{int(bad)} problem(s) in another data-parallel rank's "
                             f"batch (its error names them)")
@@ -268,40 +256,53 @@ class Step:
             raise StepError("the global batch has no targets to train on (every label is -100 or masked)")
         return self.mode.accumulate(params, micro, [wm / total for wm in w.tolist()], scale)
 
-    def _statistics(self, parts: list[torch.Tensor], loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
-        """Reduce: the global gradient norm (every element once), the global loss and whether all is finite."""
-        mesh, buckets = self.mesh, self.layout.buckets
+    def _statistics(self, parts: list[torch.Tensor], loss_sum: torch.Tensor, drift: torch.Tensor | None) \
+            -> Statistics:
+        """Reduce: the global gradient norm (every element once), the global loss, whether all is finite, the
+        pipeline's bubble and, with ``drift``, whether the batch checksums differ: one all-reduce."""
+        mesh, lay = self.mesh, self.layout
         if self.mode.per_leaf_norm:  # (see the mode: a leaf counted on one rank only)
-            sq = sums_of_squares([v for v, c in zip(self.layout.views(parts), self._counted, strict=True) if c]).sum()
+            sq = sums_of_squares([v for v, c in zip(lay.views(parts), self._counted, strict=True) if c]).sum()
         else:  # (float64 on the host, one device sync)
-            sq = sums_of_squares([p for b, p in zip(buckets, parts, strict=True) if b.counted]).sum()
+            sq = sums_of_squares([p for b, p in zip(lay.buckets, parts, strict=True) if b.counted]).sum()
         # the loss is replicated over the model axes: count it on one rank of each
         loss_owner = all(mesh.coord(a) == 0 for a in self.model_axes) and mesh.coord("pp") == mesh.axis_size("pp") - 1
         # the finiteness check only under loss scaling (it costs a pass over the gradients)
         overflow = (torch.stack([(~torch.isfinite(p)).any() for p in parts]).any().double().cpu()
-                    if self.loss_scale is not None else torch.zeros((), dtype=torch.float64))
-        bubble = torch.tensor(self.pipe.metrics["bubble"] if self.pipe else 0.0, dtype=torch.float64)
+                    if self.options.precision.scaling is not None else torch.zeros((), dtype=torch.float64))
+        bubble = torch.tensor(self.mode.bubble(), dtype=torch.float64)
         stats = torch.stack([sq.double().cpu(), loss_sum if loss_owner else torch.zeros((), dtype=torch.float64),
                              overflow, bubble])
-        drift, self._drift = self._drift, None
         stats = torch.cat([stats.to(mesh.device)] + ([drift.to(mesh.device)] if drift is not None else []))
-        stats = C.all_reduce(stats, mesh, self.data_axes + self.model_axes + ("pp",)).cpu()
-        self._bubble = stats[3].item() / mesh.size  # the pipeline's measured bubble, the mean over ranks
-        if drift is not None and drifted(stats[4:]):  # a group's batches differ (every rank is here): name it,
-            self._drift_error()  # and every rank stops, before any update
-        return stats[0].sqrt().float(), stats[1].item(), not stats[2].item() > 0
+        stats = C.all_reduce(stats, mesh, self.options.parallel.data_axes + self.model_axes + ("pp",)).cpu()
+        return Statistics(stats[0].sqrt().float(), stats[1].item(), not stats[2].item() > 0,
+                          stats[3].item() / mesh.size, drift is not None and drifted(stats[4:]))
 
-    def _drift_error(self) -> None:
+    def _drift_error(self, batch: Any) -> None:
         """Raise on every rank the first failing rank's message of the precise batch check (collective)."""
         error = None
         try:
-            check_consistency(self.mesh, self.specs, None, self._last_batch,
-                              self.model_axes + (("pp",) if self.pipe else ()), ())
+            check_consistency(self.mesh, self.specs, None, batch, self.model_axes + self.mode.batch_axes, ())
         except StepError as e:
             error = e
         said = agree(error, self.mesh)
         raise StepError(said or "the batch's checksums differ across a model axis of the mesh though no group's "
                                 "batches did when compared: feed every rank of a tp or pp group the same batch")
+
+    def _update(self, parts: list[torch.Tensor], stats: Statistics, inner: Any) -> Any:
+        """Update: the optimizer on this rank's parts, in place in the step's buffers (the fused kernel where the
+        optimizer has one that takes these leaves); returns the new optimizer state."""
+        lay, slices = self.layout, self.buffers.part_slices()
+        parts = [p.to(s.device) for p, s in zip(parts, slices, strict=True)]  # offload: the gradient parts to the host
+        g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
+        extra, fused = {"global_norm": stats.norm.to(parts[0].device)}, self.optimizer.fused
+        extra |= {"finite": stats.finite} if self.options.precision.scaling is not None else {}
+        if fused is not None and fused.can(g_views, p_views):  # written into the params
+            return fused.apply(g_views, inner, p_views, **extra)
+        updates, inner = update_with(self.optimizer, g_views, inner, p_views, inplace=EVERYTHING, **extra)
+        if stats.finite:
+            self._apply(slices, updates)
+        return inner
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
         """Update: this rank's parts += updates, in place in the step's buffers (``None``: a fused optimizer did)."""
@@ -321,7 +322,7 @@ class Step:
     def held_out(self, state: TrainState, batch: Any) -> torch.Tensor:
         """``[weighted loss, weight]`` (float64, on the host) of this rank's ``batch`` on ``state``'s parameters, for
         a held-out mean: :meth:`loss` times the batch's weight (``batch_weight``: this rank's targets, on a cp mesh
-        those of its pieces of each sequence; else rows). Summed over :attr:`data_axes` (every rank of a data axis
+        those of its pieces of each sequence; else rows). Summed over the data axes (every rank of a data axis
         fed its own rows; every cp rank the same rows, its pieces), the two give the global mean exactly as one
         process computes it, on every mesh, mode and pipeline."""
         weight = float(self.weight_fn(batch)) if self.weight_fn else float(_rows(batch))
@@ -331,7 +332,7 @@ class Step:
     def holds(self, path: str) -> bool:
         """Whether this rank holds the parameter at ``path`` (a pipeline stage holds its layers' only; for
         ``fp.hf.load(..., keep=step.holds)``)."""
-        return self.pipe is None or self.pipe.plan.holds_path(path)
+        return self.mode.holds(path)
 
     def gather_params(self, state: TrainState) -> Any:
         """Whole local leaves of ``state``'s parameters: ``state.params`` itself, except at ``zero=3``, where they are
@@ -357,7 +358,7 @@ class Step:
         """Elements of the global batch's first tensor (B x T for token batches): this rank's over the data axes
         that split the rows (every ``cp`` rank is fed the same rows, its pieces of each)."""
         first = batch_items(batch)[0][1]
-        splitting = math.prod(self.mesh.axis_size(a) for a in self.data_axes if a != "cp")
+        splitting = math.prod(self.mesh.axis_size(a) for a in self.options.parallel.data_axes if a != "cp")
         return rows * splitting * (first.numel() // max(1, first.shape[0]) if first.ndim > 1 else 1)
 
 

@@ -12,7 +12,8 @@ only, keeping the graph, and records the gradient arriving at each split node. :
 the engine at the split nodes with those gradients, towards the weights only, and accumulates them into ``.grad``.
 The engine computes a node's outputs only where a requested edge needs them, so the two passes together do the
 work of one backward: the input-gradient matmuls in the first, the weight-gradient matmuls in the second. (A custom
-``autograd.Function`` computes what ``ctx.needs_input_grad`` says in both passes unless it asks :func:`wanted`.)
+``autograd.Function`` computes what ``ctx.needs_input_grad`` says: each pass narrows it, on every such Function of the
+graph, to what that pass reaches, :func:`_narrowing`.)
 The gradients are the single backward's: the same ops on the same operands.
 """
 
@@ -22,42 +23,64 @@ from collections import defaultdict
 from typing import Sequence
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["Deferred", "backward_input", "wanted"]
+__all__ = ["Deferred", "backward_input"]
 
 
 # the leaves' accumulator nodes the running split pass computes gradients for: a module-level stack, not a
 # thread-local, since on CUDA the engine runs a custom Function's backward on its device thread, not the caller's. So
-# one split pass at a time per process, and no other backward through a Function asking `wanted` while it runs
-# (funcpar's ranks are processes, each walking its schedule on one thread)
+# one split pass at a time per process (funcpar's ranks are processes, each walking its schedule on one thread)
 _REQUESTED: list[set[Node]] = []
 
 
-def wanted(ctx, tensors: Sequence[bool]) -> tuple[bool, ...]:
-    """``ctx.needs_input_grad`` narrowed, inside a split pass, to the inputs that pass reaches: for a custom
-    Function's ``backward``, which of its inputs' gradients the engine will use (the input pass wants no weight's,
-    the weight pass no activation's). ``tensors``: per input of the Function's forward, whether it was a tensor
-    (those have an edge in ``ctx.next_functions``). Outside a split pass, ``needs_input_grad`` itself."""
-    if not _REQUESTED:
-        return tuple(ctx.needs_input_grad)
-    edges, out = iter(ctx.next_functions), []
-    for need, is_tensor in zip(ctx.needs_input_grad, tensors, strict=True):
-        node = next(edges)[0] if is_tensor else None
-        if not need or node is None:
-            out.append(bool(need) and node is not None)
-        elif type(node).__name__ == "AccumulateGrad":  # a leaf: the engine cannot say during autograd.grad
-            out.append(node in _REQUESTED[-1])
+def _narrowed(node: Node, need: tuple[bool, ...]) -> tuple[bool, ...]:
+    """A custom Function node's ``needs_input_grad`` (``need``, as its forward set it) narrowed to the inputs the
+    running split pass reaches. The inputs that need a gradient are the tensors that require one, and those are,
+    in order, the node's edges to another node (its other inputs have none), so the k-th True of ``need`` is the
+    k-th such edge."""
+    nodes = iter(n for n, _ in node.next_functions if n is not None)
+    out = []
+    for x in need:
+        if not x:
+            out.append(False)
+            continue
+        child = next(nodes)
+        if type(child).__name__ == "AccumulateGrad":  # a leaf: the engine cannot say during autograd.grad
+            out.append(child in _REQUESTED[-1])
         else:
-            out.append(torch._C._will_engine_execute_node(node))
+            out.append(torch._C._will_engine_execute_node(child))
     return tuple(out)
 
 
+class _Narrow:
+    """A pre-hook setting a custom Function node's ``needs_input_grad`` to what the running pass reaches
+    (:func:`_narrowed`), from the value its forward set (put back by :meth:`restore`)."""
+
+    def __init__(self, node: Node):
+        self.node, self.need = node, tuple(node.needs_input_grad)
+
+    def __call__(self, _grads) -> None:
+        self.node.needs_input_grad = _narrowed(self.node, self.need)
+
+    def restore(self) -> None:
+        self.node.needs_input_grad = self.need
+
+
+def _narrowing(parents: dict[Node, list[Node]]) -> list[tuple[Node, _Narrow]]:
+    """Pre-hooks for every custom Function node of the graph ``parents`` (:func:`_parents`) that narrow its
+    ``needs_input_grad`` just before its backward runs: a Function's backward forms only the gradients it is asked
+    for, so each pass does only its part of the work, while the Functions read ``ctx.needs_input_grad`` as in any
+    backward (the split is the pipeline's business, not theirs)."""
+    return [(node, _Narrow(node)) for node in parents if isinstance(node, BackwardCFunction)]
+
+
 def _backward(outputs, inputs, grad_outputs, prehooks=()) -> None:
-    """``torch.autograd.backward`` into ``inputs`` only (graph kept), with ``inputs``' leaves known to :func:`wanted`
-    and ``prehooks`` ((node, hook) pairs) registered for the call only. The leaves' own accumulator nodes add to
-    ``.grad`` as in any backward: a fresh gradient is taken as it is, one the engine holds elsewhere (the same tensor
-    for two leaves, the gradient it was given) copied first."""
+    """``torch.autograd.backward`` into ``inputs`` only (graph kept), with ``inputs``' leaves known to
+    :func:`_narrowed` and ``prehooks`` ((node, hook) pairs) registered for the call only. The leaves' own
+    accumulator nodes add to ``.grad`` as in any backward: a fresh gradient is taken as it is, one the engine holds
+    elsewhere (the same tensor for two leaves, the gradient it was given) copied first."""
     _REQUESTED.append({get_gradient_edge(x).node if isinstance(x, torch.Tensor) else x.node for x in inputs})
     handles = [node.register_prehook(hook) for node, hook in prehooks]
     try:
@@ -98,8 +121,9 @@ def _above(start: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
 class Deferred:
     """The weight-gradient half of a split backward (see the module docstring): ``run()`` once."""
 
-    def __init__(self, groups: list[tuple[list[torch.Tensor], list[Node]]], grads: dict[Node, tuple]):
-        self.groups, self.grads = groups, grads
+    def __init__(self, groups: list[tuple[list[torch.Tensor], list[Node]]], grads: dict[Node, tuple],
+                 narrowing: list[tuple[Node, _Narrow]]):
+        self.groups, self.grads, self.narrowing = groups, grads, narrowing
 
     def run(self) -> None:
         """Each group's weights' gradients from the gradients recorded at its split nodes, added to ``.grad``."""
@@ -115,8 +139,10 @@ class Deferred:
             # each split node gets its record as it is: tensor hooks ran on it in the input pass and would run again
             # on what the engine is given, and a split node below another would also get what arrives from above
             clamps = [(n, lambda _g, rec=self.grads[n]: rec) for n in nodes if n in self.grads]
-            _backward(edges, weights, outs, clamps)
-        self.groups, self.grads = [], {}
+            _backward(edges, weights, outs, clamps + self.narrowing)
+        for _, hook in self.narrowing:
+            hook.restore()
+        self.groups, self.grads, self.narrowing = [], {}, []
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -155,5 +181,6 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         by_nodes[frozenset(split)].append(w)
     recorded: dict[Node, tuple] = {}
     records = [(n, lambda g, n=n: recorded.__setitem__(n, g)) for nodes in by_nodes for n in nodes]
-    _backward(list(outputs), list(inputs), list(grads), records)
-    return Deferred([(ws, list(nodes)) for nodes, ws in by_nodes.items()], recorded)
+    narrowing = _narrowing(parents)
+    _backward(list(outputs), list(inputs), list(grads), records + narrowing)
+    return Deferred([(ws, list(nodes)) for nodes, ws in by_nodes.items()], recorded, narrowing)
