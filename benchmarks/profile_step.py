@@ -127,10 +127,10 @@ def mark_funcpar(run) -> None:
     _wrap(S.Step, "_apply", "phase:optimizer")
     _wrap(B.StateBuffers, "publish", "phase:gather")
     step = run.step
-    _wrap(step, "_grad", "phase:forward+backward")
+    _wrap(step.mode, "grad", "phase:forward+backward")
     if step.executor is not None:  # a pipeline's micro-batches, forward and backward, with the stages' sends
         _wrap(step.executor, "run", "phase:forward+backward")
-    opt = step.optimizer  # a NamedTuple of functions: a copy with the update wrapped
+    opt = step.optimizer  # an InPlaceTransformation of functions: a copy with the update wrapped
     box = type("Box", (), {"update": opt.update, "apply": opt.fused.apply if opt.fused else None})
     _wrap(box, "update", "phase:optimizer")
     if opt.fused is not None:  # AdamW's fused update, written into the parameters

@@ -21,7 +21,10 @@ from funcpar.parallel.collectives import CollectiveError as CollectiveError
 from funcpar.parallel.layout import ZeroLayout as ZeroLayout
 from funcpar.parallel.mesh import AbstractMesh as AbstractMesh
 from funcpar.parallel.mesh import Mesh as Mesh
+from funcpar.parallel.mesh import MeshBase as MeshBase
 from funcpar.parallel.mesh import MeshError as MeshError
+from funcpar.parallel.mesh import init_distributed as init_distributed
+from funcpar.model import DECODER_CONFIG_TYPES as DECODER_CONFIG_TYPES
 from funcpar.model import HFNames as HFNames
 from funcpar.model import ModelError as ModelError
 from funcpar.model import Loss as Loss

@@ -5,16 +5,22 @@ inside a model module; everything it needs is named here:
 
 =================  =====================================================================================
 ``name``           a short name (``"llama"``), used in messages
-``model_types``    the HF ``config.json`` ``model_type`` values it implements (``("llama", "mistral")``)
-``Config``         a class with ``from_hf(dict) -> cfg``, ``cfg.to_hf() -> dict``, ``cfg.with_mesh(mesh) -> cfg``
-                   (padding a vocabulary tp does not divide: :class:`funcpar.nn.layers.VocabPadding` provides it)
-                   and ``cfg.model_type``
 ``init``           ``init(cfg, seed=0, dtype=float32, device=None) -> params`` (global shapes; ``device="meta"``
                    gives shapes only)
 ``specs``          ``specs(cfg, mesh=None) -> tree of P`` matching ``init``'s tree
 ``forward``        ``forward(params, tokens, cfg, mesh) -> logits`` (this rank's shards in and out)
 ``loss``           ``loss(params, batch, cfg, mesh, reduction="mean", **capabilities) -> scalar``
-``hf``             an :class:`HFNames` table: HF tensor names <-> pytree paths, as data
+``Config``         its config class (``cfg.with_mesh(mesh) -> cfg``, where it has one, pads a vocabulary tp does
+                   not divide: :class:`funcpar.nn.layers.VocabPadding` provides it; without, the config is the same
+                   on every mesh)
+``hf``             optional, the HF form: an :class:`HFNames` table (HF tensor names <-> pytree paths, as data); a
+                   model with one has ``model_types`` (the HF ``config.json`` ``model_type`` values it implements,
+                   ``("llama", "mistral")``), and a ``Config`` with ``from_hf(dict) -> cfg``, ``cfg.to_hf() ->
+                   dict``, ``cfg.with_mesh(mesh)`` and ``cfg.model_type``. ``funcpar.hf`` and the command line refuse
+                   a model without one by name (train it with ``compile_step``; ``step.save`` checkpoints it)
+``config_types``   the JSON types of the ``config.json`` keys ``Config.from_hf`` reads, ``{key: (type, ...)}``
+                   (``None`` for null; an integer is a number): a key of another type is refused by name before
+                   ``from_hf`` runs. :data:`DECODER_CONFIG_TYPES` holds the keys transformers' decoders share
 ``batch_weight``   ``batch_weight(micro_batch) -> number``: a micro-batch's weight in the step's global mean
                    (:func:`funcpar.nn.layers.count_targets` for a token-mean loss); ``None`` weighs rows
 ``remat``          capability: ``loss(..., remat=True)`` recomputes each block in the backward pass
@@ -33,6 +39,10 @@ inside a model module; everything it needs is named here:
 A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
 by module name and imported on first lookup, so ``funcpar`` never imports ``funcpar.models`` (which imports
 ``funcpar``): the import graph has no cycle.
+
+A model of one's own needs none of this to train: :class:`Loss` takes its staged form and ``init`` directly
+(``fp.Loss(stages=fp.Stages(...), init=init, mesh=mesh)``), which is all ZeRO-3 and pipeline stages read
+(``examples/custom_pipeline.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +56,8 @@ from typing import Any, Callable, Mapping, Sequence
 from funcpar.nn.documents import documents_of
 from funcpar.nn.remat import remat as remat_fn
 
-__all__ = ["ModelSpec", "HFNames", "Stages", "Loss", "ModelError", "register_model", "get_model", "known_models"]
+__all__ = ["ModelSpec", "HFNames", "Stages", "Loss", "ModelError", "register_model", "get_model", "known_models",
+           "DECODER_CONFIG_TYPES"]
 
 
 class ModelError(ValueError):
@@ -141,18 +152,21 @@ class Stages:
         return self.head(params, self.hidden(params, batch, cfg, mesh, remat), batch, cfg, mesh, reduction)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A model as funcpar sees it (see the module docstring for each field)."""
+    """A model as funcpar sees it (see the module docstring for each field). Its HF form (``hf``, ``model_types``,
+    ``Config.from_hf`` / ``to_hf``, ``config_types``) is optional: without it the model trains and checkpoints as
+    any other, and only HF import and export refuse it (:meth:`check_hf`)."""
 
     name: str
-    model_types: tuple[str, ...]
-    Config: type
     init: Callable
     specs: Callable
     forward: Callable
     loss: Callable
-    hf: HFNames
+    Config: type | None = None
+    model_types: tuple[str, ...] = ()
+    hf: HFNames | None = None
+    config_types: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     batch_weight: Callable[[Any], float] | None = None
     remat: bool = False
     stages: Stages | None = None
@@ -162,19 +176,36 @@ class ModelSpec:
     documents: bool = False
 
     def __post_init__(self):
+        if isinstance(self.model_types, str):
+            raise ModelError(f"model '{self.name}': model_types must be a tuple of HF model_type names")
+        for key, kinds in self.config_types.items():
+            if not isinstance(kinds, tuple) or not kinds or any(k is not None and k not in _WANT for k in kinds):
+                raise ModelError(f"model '{self.name}': config_types['{key}'] must be a tuple of JSON types "
+                                 f"(bool, int, float, str, list, dict, None), got {kinds!r}")
+        if self.hf is None:
+            return
         for attr in ("from_hf",):
             if not callable(getattr(self.Config, attr, None)):
                 raise ModelError(f"model '{self.name}': its Config has no {attr}() (see funcpar.model)")
         for attr in ("to_hf", "with_mesh"):
             if not callable(getattr(self.Config, attr, None)):
                 raise ModelError(f"model '{self.name}': its Config has no method {attr}() (see funcpar.model)")
-        if not self.model_types or isinstance(self.model_types, str):
+        if not self.model_types:
             raise ModelError(f"model '{self.name}': model_types must be a non-empty tuple of HF model_type names")
+
+    def check_hf(self, doing: str, error: type[Exception] = ModelError) -> None:
+        """Raise ``error`` naming the model unless it has an HF form (``hf``; ``doing``: what needs it)."""
+        if self.hf is None:
+            raise error(f"model '{self.name}' has no HF form: {doing} needs its HF name table and config "
+                        f"(ModelSpec.hf, model_types, Config.from_hf / to_hf); train it with compile_step and "
+                        f"checkpoint it with step.save / step.load instead")
 
     def config(self, hf_config: Mapping[str, Any], mesh=None) -> Any:
         """The config from an HF ``config.json`` dict, padded for ``mesh`` when one is given. A key of the wrong
-        JSON type (``_HF_CONFIG_TYPES``), or one ``from_hf`` needs and the dict lacks, is refused by name."""
-        _check_hf_config(hf_config)
+        JSON type (``config_types``), or one ``from_hf`` needs and the dict lacks, is refused by name."""
+        if not callable(getattr(self.Config, "from_hf", None)):  # (a model with an HF form has it)
+            self.check_hf("reading a config.json")
+        check_config_types(hf_config, self.config_types)
         try:
             cfg = self.Config.from_hf(dict(hf_config))
         except KeyError as e:
@@ -182,7 +213,7 @@ class ModelSpec:
             if not isinstance(key, str) or key in hf_config:
                 raise
             raise ModelError(f"config key '{key}' is missing, and model '{self.name}' cannot do without it") from None
-        return cfg if mesh is None else cfg.with_mesh(mesh)
+        return cfg if mesh is None or not hasattr(cfg, "with_mesh") else cfg.with_mesh(mesh)
 
     def batch_checks(self, cfg: Any) -> Callable[[Any], list] | None:
         """``check(batch) -> [messages]`` for the step: ``check_batch`` on ``cfg``, and ``position_ids`` refused by
@@ -220,24 +251,19 @@ class ModelSpec:
                     remat=remat, batch_weight=weight, check_batch=check)
 
 
-# The JSON types of the config.json keys models read, as transformers writes them (the same in every model that
-# has the key): checked before Config.from_hf runs, so that "64" for hidden_size, or "false" for a flag (which
-# bool() would take for True), is named by its key instead of failing later or silently meaning something else.
-_INT, _INT_OR_NULL, _NUMBER, _BOOL = (int,), (int, None), (float,), (bool,)
-_HF_CONFIG_TYPES: dict[str, tuple] = {
+# The JSON types of the config.json keys transformers' decoders share, as transformers writes them: the models built
+# on them (llama, mixtral, glm, baichuan) declare ``config_types={**DECODER_CONFIG_TYPES, <their own keys>}``. Checked
+# before Config.from_hf runs, so that "64" for hidden_size, or "false" for a flag (which bool() would take for True),
+# is named by its key instead of failing later or silently meaning something else.
+DECODER_CONFIG_TYPES: Mapping[str, tuple] = types.MappingProxyType({
     **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings", "max_window_layers", "n_embd", "n_layer", "n_head", "n_positions",
-                     "num_layers", "ffn_hidden_size", "kv_channels", "multi_query_group_num", "padded_vocab_size",
-                     "seq_length", "quantization_bit"), _INT),
-    **dict.fromkeys(("num_key_value_heads", "head_dim", "sliding_window", "n_inner", "pre_seq_len"), _INT_OR_NULL),
-    **dict.fromkeys(("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "layernorm_epsilon", "rope_ratio"), _NUMBER),
-    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
-                     "scale_attn_by_inverse_layer_idx", "rmsnorm", "add_qkv_bias", "add_bias_linear",
-                     "multi_query_attention", "post_layer_norm", "original_rope", "fp32_residual_connection"), _BOOL),
+                     "max_position_embeddings"), (int,)),
+    **dict.fromkeys(("num_key_value_heads", "head_dim"), (int, None)),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), (float,)),
+    "tie_word_embeddings": (bool,),
     **dict.fromkeys(("rope_scaling", "rope_parameters"), (dict, None)),
-    "layer_types": (list, None),
-    **dict.fromkeys(("model_type", "hidden_act", "activation_function"), (str,)),
-}
+    **dict.fromkeys(("model_type", "hidden_act"), (str,)),
+})
 _KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"),
           (dict, "an object"))
 _WANT = {**dict(_KINDS), bool: "true or false", None: "null"}
@@ -254,12 +280,12 @@ def _is(v: Any, kind: type | None) -> bool:
     return isinstance(v, kind) or kind is float and isinstance(v, int)  # a JSON integer is a number
 
 
-def _check_hf_config(hf_config: Any) -> None:
+def check_config_types(hf_config: Any, config_types: Mapping[str, tuple]) -> None:
     """Raise a :class:`ModelError` naming the key, its value and the type expected, unless ``hf_config`` is a
-    mapping whose keys in ``_HF_CONFIG_TYPES`` have their JSON type."""
+    mapping whose keys in ``config_types`` (a model's :attr:`ModelSpec.config_types`) have their JSON type."""
     if not isinstance(hf_config, Mapping):
         raise ModelError(f"a model config is an object of keys (a config.json), not {json_kind(hf_config)}")
-    for key, kinds in _HF_CONFIG_TYPES.items():
+    for key, kinds in config_types.items():
         v = hf_config.get(key)
         if key in hf_config and not any(_is(v, k) for k in kinds):
             shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
@@ -271,28 +297,52 @@ def _check_hf_config(hf_config: Any) -> None:
 class Loss:
     """A loss for :func:`funcpar.compile_step`, ``loss(params, batch) -> scalar``, with what it carries as fields.
 
-    ``fn``: the function. ``model``, ``cfg``, ``mesh``: the model, config and mesh it computes (``None`` for a loss
-    that is not a registered model's); ZeRO-3 and pipeline stages run the model's staged form through them.
-    ``remat``: it recomputes each block in the backward pass. ``batch_weight``: ``weight(micro_batch) -> number``,
-    a micro-batch's weight in the step's mean (``None``: rows). ``check_batch``: ``check(batch) -> [messages]``,
-    what is wrong with a batch, run by the step on every batch (``None``: nothing checked).
+    ``fn``: the function. ``model``, ``cfg``, ``mesh``: the registered model, config and mesh it computes (``None``
+    for a loss that is not a registered model's). ``stages``, ``init``: the staged form ZeRO-3 and pipeline stages
+    run (:class:`Stages`, on ``cfg`` and ``mesh``) and ``init(cfg, device="meta") -> params`` giving the parameters'
+    shapes the pipeline's stage plan cuts; both default to the model's. ``name``: what messages call the model
+    (default the model's). ``remat``: it recomputes each block in the backward pass. ``batch_weight``:
+    ``weight(micro_batch) -> number``, a micro-batch's weight in the step's mean (``None``: rows). ``check_batch``:
+    ``check(batch) -> [messages]``, what is wrong with a batch, run by the step on every batch (``None``: nothing
+    checked).
+
+    A model of one's own needs no :class:`ModelSpec` and no registry: ``fp.Loss(stages=fp.Stages(...), init=init,
+    mesh=mesh)`` (``cfg=`` where its functions take one) is a loss for every mode, ``zero=3`` and pipeline stages
+    included; without ``fn``, the function is ``stages.loss`` on ``cfg`` and ``mesh`` (with ``remat``).
     """
 
-    fn: Callable
+    fn: Callable | None = None
     model: ModelSpec | None = None
     cfg: Any = None
     mesh: Any = None
     remat: bool = False
     batch_weight: Callable[[Any], float] | None = None
     check_batch: Callable[[Any], list] | None = None
+    stages: Stages | None = None
+    init: Callable | None = None
+    name: str | None = None
+
+    def __post_init__(self):
+        if self.model is not None:  # what the model has and the loss does not say
+            for field in ("stages", "init", "name"):
+                if getattr(self, field) is None:
+                    object.__setattr__(self, field, getattr(self.model, field))
+        if self.stages is not None and not isinstance(self.stages, Stages):
+            raise ModelError(f"Loss: stages must be a funcpar.Stages, got {type(self.stages).__name__}")
+        if self.fn is None:
+            if self.stages is None or self.mesh is None:
+                raise ModelError("Loss: give fn (loss(params, batch) -> scalar), or stages= and mesh= to compose "
+                                 "it from (stages.loss on cfg and mesh)")
+            kw = {"remat": True} if self.remat else {}
+            object.__setattr__(self, "fn", functools.partial(self.stages.loss, cfg=self.cfg, mesh=self.mesh, **kw))
 
     def __call__(self, params, batch):
         return self.fn(params, batch)
 
-    @property
-    def stages(self) -> Stages | None:
-        """The staged form of the model behind this loss (``None``: no model, or one without stages)."""
-        return None if self.model is None else self.model.stages
+    def shapes(self) -> Any:
+        """The global parameter tree on meta, ``init(cfg, device="meta")`` (``None`` without ``init``): what a
+        pipeline's stage plan cuts."""
+        return None if self.init is None else self.init(self.cfg, device="meta")
 
     @staticmethod
     def of(fn: Callable) -> "Loss":

@@ -244,4 +244,5 @@ MODEL = fp.register_model(fp.ModelSpec(
     name="baichuan", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
     sequence_parallel=True, context_parallel=True, documents=True,
+    config_types=fp.DECODER_CONFIG_TYPES,
 ))

@@ -273,9 +273,16 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat:
     return _head(params, _trunk(params, batch["input_ids"], cfg, mesh, remat), batch, cfg, mesh, reduction)
 
 
+# the JSON types of the config.json keys from_hf reads, refused by name before it runs (funcpar.ModelSpec)
+# (n_embed, an alias of hidden_size, is checked by from_hf itself)
+CONFIG_TYPES = {**dict.fromkeys(("vocab_size", "hidden_size", "n_layer", "num_hidden_layers", "n_head",
+                                 "num_attention_heads"), (int,)),
+                "layer_norm_epsilon": (float,), "tie_word_embeddings": (bool,), "model_type": (str,)}
+
 MODEL = fp.register_model(fp.ModelSpec(
     name="bloom", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True,
     stages=fp.Stages(_embed, _stage_block, _head, embed_leaves=lambda cfg: ["wte", "emb_ln_w", "emb_ln_b"],
                      head_leaves=lambda cfg: ["ln_f_w", "ln_f_b", "wte"]),
+    config_types=CONFIG_TYPES,
 ))

@@ -149,5 +149,15 @@ HF = fp.HFNames(
     export_as="glm",  # written as transformers' GLM folder
 )
 
+# the JSON types of the config.json keys from_hf reads, refused by name before it runs (funcpar.ModelSpec)
+CONFIG_TYPES = {
+    **dict.fromkeys(("padded_vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                     "kv_channels", "multi_query_group_num", "seq_length", "quantization_bit"), (int,)),
+    "pre_seq_len": (int, None), **dict.fromkeys(("layernorm_epsilon", "rope_ratio"), (float,)),
+    **dict.fromkeys(("rmsnorm", "add_qkv_bias", "add_bias_linear", "multi_query_attention", "post_layer_norm",
+                     "original_rope", "fp32_residual_connection", "tie_word_embeddings"), (bool,)),
+    "model_type": (str,),
+}
+
 MODEL = fp.register_model(dataclasses.replace(glm.MODEL, name="chatglm", model_types=MODEL_TYPES, Config=Config,
-                                               hf=HF))
+                                               hf=HF, config_types=CONFIG_TYPES))

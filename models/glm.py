@@ -238,8 +238,12 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat:
     return STAGES.loss(params, batch, cfg, mesh, reduction, remat)
 
 
+# the JSON types of the config.json keys from_hf reads, refused by name before it runs (funcpar.ModelSpec)
+CONFIG_TYPES = {**fp.DECODER_CONFIG_TYPES, "attention_bias": (bool,)}
+
 MODEL = fp.register_model(fp.ModelSpec(
     name="glm", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
     sequence_parallel=True, context_parallel=True, documents=True,
+    config_types=CONFIG_TYPES,
 ))

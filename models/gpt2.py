@@ -237,8 +237,15 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean") -> tor
     return STAGES.loss(params, batch, cfg, mesh, reduction)
 
 
+# the JSON types of the config.json keys from_hf reads, refused by name before it runs (funcpar.ModelSpec)
+CONFIG_TYPES = {**dict.fromkeys(("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"), (int,)),
+                "n_inner": (int, None), "layer_norm_epsilon": (float,),
+                **dict.fromkeys(("scale_attn_by_inverse_layer_idx", "tie_word_embeddings"), (bool,)),
+                **dict.fromkeys(("model_type", "activation_function"), (str,))}
+
 MODEL = fp.register_model(fp.ModelSpec(
     name="gpt2", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=False, stages=STAGES,
     sequence_parallel=True, documents=True,
+    config_types=CONFIG_TYPES,
 ))

@@ -285,8 +285,14 @@ def loss(params, batch: dict, cfg: Config, mesh, reduction: str = "mean", remat:
     return STAGES.loss(params, batch, cfg, mesh, reduction, remat)
 
 
+# the JSON types of the config.json keys from_hf reads, refused by name before it runs (funcpar.ModelSpec)
+CONFIG_TYPES = {**fp.DECODER_CONFIG_TYPES, "max_window_layers": (int,), "sliding_window": (int, None),
+                **dict.fromkeys(("attention_bias", "mlp_bias", "use_sliding_window"), (bool,)),
+                "layer_types": (list, None)}
+
 MODEL = fp.register_model(fp.ModelSpec(
     name="llama", model_types=MODEL_TYPES, Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
     sequence_parallel=True, context_parallel=True, documents=True,
+    config_types=CONFIG_TYPES,
 ))

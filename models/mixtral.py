@@ -369,8 +369,13 @@ STAGES = fp.Stages(_staged_embed, _staged_block, _staged_head, embed_leaves=lamb
                    halves=(_attention_half, _moe_half),  # first_leaves: the attention's; the rest, the MoE's
                    first_leaves=lambda cfg: ("attn_norm", "wq", "wk", "wv", "wo"), half_names=("attention", "moe"))
 
+# the JSON types of the config.json keys from_hf reads, refused by name before it runs (funcpar.ModelSpec)
+CONFIG_TYPES = {**fp.DECODER_CONFIG_TYPES, "sliding_window": (int, None), "num_local_experts": (int,),
+                "num_experts_per_tok": (int,), "router_aux_loss_coef": (float,), "output_router_logits": (bool,)}
+
 MODEL = fp.register_model(fp.ModelSpec(
     name="mixtral", model_types=("mixtral",), Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, stages=STAGES, sequence_parallel=True,
     documents=True,
+    config_types=CONFIG_TYPES,
 ))

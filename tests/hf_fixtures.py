@@ -1,11 +1,20 @@
 """Tiny transformers checkpoints made from configs (no hub), shared by the HF/model tests."""
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-import transformers as tf
+
+# transformers is in the test extra: without it, the tests that import this module skip. (pytest only then:
+# benchmarks/stress_jobs.py imports this module too, where pytest need not be installed.)
+try:
+    import transformers as tf
+except ImportError:
+    import pytest
+
+    pytest.skip("needs transformers (pip install -e '.[test]')", allow_module_level=True)
 
 CONFIGS = {
     # GQA (8 query heads, 4 kv heads) and llama3 rope scaling: tp = 2 and 4
@@ -46,6 +55,25 @@ CONFIGS = {
 }
 MAX_TP = {"llama": 4, "mistral": 4, "qwen2": 4, "llama_tied": 4, "gpt2": 4}
 
+# transformers' GlmForCausalLM (tests/test_glm.py, test_chatglm3.py, test_documents.py)
+GLM_PAD = 3  # the padding token of the untied checkpoint: its embedding row learns nothing from lookups
+GLM_CONFIGS = {
+    # GQA with 8 query / 2 kv heads, head_dim 16 (q wider than the hidden size), half of each head rotated,
+    # q/k/v bias and a padding token
+    "glm": lambda: tf.GlmConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=GLM_PAD,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+    ),
+    # a tied head without bias, all of each head rotated, on a vocabulary tp does not divide
+    "glm_tied": lambda: tf.GlmConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, pad_token_id=None, attention_bias=False,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+    ),
+}
+
 
 def make_checkpoint(kind: str, folder: str, seed: int = 0, **save_kwargs):
     torch.manual_seed(seed)
@@ -77,17 +105,43 @@ def folder_tensors(folder) -> dict:
     return out
 
 
+def checkpoint_tensors(folder) -> dict:
+    """Every tensor of a checkpoint, by name: the files its ``model.safetensors.index.json`` names, else its
+    ``model.safetensors`` (unlike :func:`folder_tensors`, other ``.safetensors`` files in the folder are not read)."""
+    from safetensors.torch import load_file
+
+    folder = str(folder)
+    idx = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(load_file(os.path.join(folder, name)))
+        return out
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def assert_identical(a: dict, b: dict, ignore=()):
+    """Two name -> tensor dicts hold the same names, dtypes, shapes and bytes (floats compared bit for bit)."""
+    a = {k: v for k, v in a.items() if k not in ignore}
+    b = {k: v for k, v in b.items() if k not in ignore}
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.is_floating_point else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype.is_floating_point else b[k]), k
+
+
 def config_dict(name: str) -> dict:
     """A test-sized ``config.json`` dict of a model: :data:`CONFIGS`' through transformers, and GLM's and
-    Baichuan2's as their own tests write them."""
+    Baichuan2's (:data:`GLM_CONFIGS`, tests/fixtures.py's ``baichuan_config``)."""
     if name == "glm":
-        from test_glm import CONFIGS as GLM
-
-        return GLM["glm"]().to_dict()
+        return GLM_CONFIGS["glm"]().to_dict()
     if name == "baichuan":
-        from test_baichuan import published_config
+        from fixtures import baichuan_config
 
-        return published_config()
+        return baichuan_config()
     return CONFIGS[name]().to_dict()
 
 

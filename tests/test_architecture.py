@@ -3,7 +3,8 @@
 The imports are read from the source (every ``import`` statement, function-level ones included; those under
 ``if TYPE_CHECKING:`` are not run and do not count). The packages (funcpar's folders, each entry module its own
 unit) import each other without a cycle, and so do the modules; models import only the public ``funcpar`` package,
-and the library never imports a model. No table to keep in step: the folders are the map.
+and the library never imports a model. No table to keep in step: the folders are the map. In tests/ (and
+benchmarks/), no module imports a test module: what tests share lives in helper modules.
 """
 
 from __future__ import annotations
@@ -199,4 +200,31 @@ def test_no_module_imports_another_modules_underscore_name(folder):
             if isinstance(node, ast.ImportFrom):
                 found += [f"{f.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []
+
+
+
+def imported_test_modules(tree: ast.AST) -> list[str]:
+    """The test modules (``test_*``) a source imports, function-level imports included: ``import test_x``,
+    ``from test_x import y``, ``from . import test_x``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0].startswith("test_")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module and node.module.split(".")[0].startswith("test_"):
+                found.append(node.module)
+            elif not node.module:
+                found += [a.name for a in node.names if a.name.startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    # what tests share lives in helper modules (tests/fixtures.py, hf_fixtures.py, jobs.py, harness.py), not in a
+    # test module: importing one runs its module-level code and ties its tests' edits to others'
+    src = "import test_a\nfrom test_b import c\ndef f():\n    from test_c.d import e\n    from . import test_f\n" \
+          "import harness\nfrom hf_fixtures import test_names\n"
+    assert imported_test_modules(ast.parse(src)) == ["test_a", "test_b", "test_c.d", "test_f"]
+    files = [f for folder in ("tests", "benchmarks") for f in sorted((ROOT / folder).glob("*.py"))]
+    found = [f"{f.relative_to(ROOT)}: {m}" for f in files for m in imported_test_modules(ast.parse(f.read_text()))]
     assert found == []

@@ -15,26 +15,10 @@ from safetensors.torch import load_file, save_file
 
 import funcpar as fp
 import harness
+from fixtures import baichuan_config
 
-V, D, H, INTER, LAYERS = 128, 64, 4, 96, 2
-
-
-def published_config(**edits):
-    """A Baichuan2-7B config.json, every published key, at test sizes."""
-    d = {
-        "_from_model_config": True,
-        "architectures": ["BaichuanForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_baichuan.BaichuanConfig",
-                     "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"},
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-        "hidden_act": "silu", "hidden_size": D, "initializer_range": 0.02, "intermediate_size": INTER,
-        "max_position_embeddings": 64, "model_max_length": 64, "model_type": "baichuan",
-        "num_attention_heads": H, "num_hidden_layers": LAYERS, "rms_norm_eps": 1e-06,
-        "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.29.2",
-        "use_cache": True, "vocab_size": V, "z_loss_weight": 0,
-    }
-    d.update(edits)
-    return d
+V, D, H, INTER, LAYERS = (baichuan_config()[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
+                                                           "intermediate_size", "num_hidden_layers"))
 
 
 def write_folder(folder, vocab=V, dtype=torch.float32, seed=0):
@@ -56,7 +40,7 @@ def write_folder(folder, vocab=V, dtype=torch.float32, seed=0):
     os.makedirs(folder, exist_ok=True)
     save_file({k: v.to(dtype) for k, v in sd.items()}, os.path.join(folder, "model.safetensors"),
               metadata={"format": "pt"})
-    cfg = published_config(vocab_size=vocab, torch_dtype=str(dtype).removeprefix("torch."))
+    cfg = baichuan_config(vocab_size=vocab, torch_dtype=str(dtype).removeprefix("torch."))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return sd
@@ -280,9 +264,9 @@ def test_export_from_tensor_parallel_is_byte_identical(folders, sharded):
 
 
 def test_the_published_7b_config_round_trips():
-    src = published_config(vocab_size=125696, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                           num_attention_heads=32, max_position_embeddings=4096, model_max_length=4096,
-                           torch_dtype="bfloat16")
+    src = baichuan_config(vocab_size=125696, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                          num_attention_heads=32, max_position_embeddings=4096, model_max_length=4096,
+                          torch_dtype="bfloat16")
     model = fp.get_model("baichuan")
     cfg = model.config(src, fp.Mesh())
     assert cfg.head_dim == 128 and cfg.rows == 125696 and cfg.to_hf() == src
@@ -309,7 +293,7 @@ THIRTEEN_B = dict(hidden_size=5120, intermediate_size=13696, num_hidden_layers=4
     ({"pad_token_id": 128}, r"pad_token_id=128"),
 ])
 def test_unsupported_layouts_are_refused_by_key(tmp_path, edits, match):
-    cfg = published_config(**edits)
+    cfg = baichuan_config(**edits)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(fp.hf.HFError, match=match) as e:
@@ -319,7 +303,7 @@ def test_unsupported_layouts_are_refused_by_key(tmp_path, edits, match):
 
 def test_a_tp_that_does_not_divide_the_heads_is_refused():
     model, mesh = fp.get_model("baichuan"), fp.Mesh.abstract(tp=3)
-    cfg = model.config(published_config(), mesh)  # the vocabulary padded to 384 rows: tp=3 divides them
+    cfg = model.config(baichuan_config(), mesh)  # the vocabulary padded to 384 rows: tp=3 divides them
     with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp=3: tensor parallelism splits "
                                          r"attention by whole heads \(use tp=1, 2 or 4\)"):
         model.specs(cfg, mesh)

@@ -15,13 +15,14 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers as tf
 from safetensors.torch import save_file
 
 import funcpar as fp
 import harness
 from funcpar.models import chatglm, glm
-from test_models_hf import _assert_identical, _tensors
+from hf_fixtures import assert_identical, checkpoint_tensors
+
+tf = pytest.importorskip("transformers")
 
 HEADS, GROUPS, KV, HIDDEN, FFN, LAYERS, VOCAB, RATIO = 4, 2, 8, 32, 48, 2, 100, 2.5
 DROP = "(the key left out)"
@@ -132,7 +133,7 @@ def ref(tmp_path_factory):
 
 def test_the_chatglm_folder_means_what_transformers_glm_computes(ref):
     """The test's own premise: ChatGLM3's computation on the written tensors is the GLM model's."""
-    got = chatglm_reference(_tensors(ref["path"]), chatglm_config(), ref["batch"]["input_ids"])
+    got = chatglm_reference(checkpoint_tensors(ref["path"]), chatglm_config(), ref["batch"]["input_ids"])
     assert (got - ref["logits"]).abs().max().item() <= 1e-5
 
 
@@ -167,7 +168,7 @@ def test_mesh_logits_and_loss_match_transformers(ref):
 def test_export_is_a_glm_folder_transformers_loads(ref, tmp_path):
     params, cfg = fp.hf.load(ref["path"])
     fp.hf.save(tmp_path / "out", params, chatglm.MODEL, cfg)  # written as GLM, whichever of the two is passed
-    _assert_identical(_tensors(ref["glm"]), _tensors(tmp_path / "out"))
+    assert_identical(checkpoint_tensors(ref["glm"]), checkpoint_tensors(tmp_path / "out"))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == "glm" and written["architectures"] == ["GlmForCausalLM"]
     assert "num_layers" not in written and written["pad_token_id"] is None
@@ -214,7 +215,7 @@ def test_tensor_parallel_reads_only_its_rows_and_matches_transformers(ref, tmp_p
             for name, whole in want.items():
                 n = whole.shape[0] // 2
                 assert torch.equal(lp[name], whole[rank * n:(rank + 1) * n]), (rank, i, name)
-    _assert_identical(_tensors(ref["glm"]), _tensors(export))  # exported from the mesh as GLM: the same bytes
+    assert_identical(checkpoint_tensors(ref["glm"]), checkpoint_tensors(export))  # exported from the mesh as GLM: the same bytes
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -11,8 +11,8 @@ import torch
 
 import funcpar as fp
 import harness
+from fixtures import config
 from funcpar.models import llama
-from test_step import config
 
 STEPS = 6
 
@@ -109,7 +109,7 @@ def test_resume_on_another_mesh(saved, sizes, zero):
 
 
 def test_export_to_hf_from_a_checkpoint(saved, tmp_path):
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     folder, _, _ = saved
     cfg = config()

@@ -41,7 +41,7 @@ def bare_run(tmp_path_factory):
 
 
 def test_bare_train_writes_everything_and_the_loss_falls(bare_run):
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     out, stdout = bare_run
     assert "funcpar train: llama on Mesh(pp=1, dp=2, tp=2) (4 process(es), cpu)" in stdout
@@ -126,6 +126,56 @@ def test_config_file_and_flags(tmp_path):
     assert options.parse_mesh("1") == {} == options.parse_mesh("")
 
 
+def test_every_option_is_declared_once_with_help_a_typed_default_and_its_flag_in_help(capsys):
+    """Issue 54, item 6: each option is one field of a typed group; the parsers, --help, DEFAULTS and the checks are
+    made from those fields."""
+    import dataclasses
+    import typing
+
+    fields = [(g, f) for g in options.GROUPS for f in dataclasses.fields(g)]
+    names = [f.name for _, f in fields]
+    assert len(names) == len(set(names)) == len(options.OPTIONS)  # (no option in two groups)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split("\n\n", 1)[1].split())  # (after the usage line)
+    actions = options.parser("train")._option_string_actions
+    for group, f in fields:
+        kind = typing.get_type_hints(group)[f.name]
+        assert kind in (str, int, float, bool) and type(f.default) is kind, f.name
+        assert f.metadata["help"].strip(), f.name
+        flag = "--" + f.name.replace("_", "-")
+        assert f"{group.__doc__}:" in text and flag in text, flag
+        shown = f"{flag}, --no-{f.name.replace('_', '-')}" if kind is bool else f"{flag} {kind.__name__.upper()}"
+        assert shown in text, shown
+        assert actions[flag].help.startswith(f.metadata["help"]), flag
+        assert actions[flag].help.endswith(f"(default: {f.default})") == (f.default != ""), flag
+        low, high = f.metadata["at_least"], f.metadata["at_most"]
+        assert low is None or low <= f.default <= (float("inf") if high is None else high), f.name
+        assert not f.metadata["choices"] or f.default in f.metadata["choices"], f.name
+    # the generated parser's defaults are the dataclasses' (a group built bare holds its defaults)
+    defaults = {k: v for g in options.GROUPS for k, v in dataclasses.asdict(g()).items()}
+    assert options.read_options([], "train") == defaults == dict(options.DEFAULTS)
+    assert list(defaults) == list(options.DEFAULTS) == list(options.OPTIONS)
+    assert options.read_options([], "plan") == defaults
+    plan = {a.dest for a in options.parser("plan")._actions} - {"help", "config", "debug"}
+    assert plan == {o.name for o in options.OPTIONS.values() if o.plan} and {"zero", "mesh"} <= plan
+    assert "steps" not in plan and "resume" not in plan
+    assert {a.dest for a in options.parser("train")._actions} - {"help", "config", "debug"} == set(defaults)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    synopsis = readme[readme.index("funcpar train [--config"):readme.index("funcpar plan --model")]
+    missing = [o.flag for o in options.OPTIONS.values() if o.flag not in synopsis and
+               o.flag.replace("--", "--no-", 1) not in synopsis]
+    assert not missing, f"README's `funcpar train` synopsis lacks {missing}"
+    # the declared rules are the checks: a choice, a range, a check
+    for argv, message in ((["--compile", "maybe"], "--compile 'maybe': expected one of auto, on, off"),
+                          (["--zero", "4"], "--zero 4: must be a number at least 0 and at most 3"),
+                          (["--keep", "0"], "--keep 0: must be a number at least 1"),
+                          (["--heartbeat", "1"], "--heartbeat 1.0: a rank is declared stuck")):
+        with pytest.raises(SystemExit, match="^funcpar: " + message.replace("(", r"\(")):
+            options.read_options(argv, "train")
+
+
 def test_plan_on_a_mesh_with_another_axis(capsys):
     cli.main(["plan", "--mesh", "dp=2,ep=2,tp=2", "--model", "llama-micro"])
     text = capsys.readouterr().out
@@ -146,13 +196,12 @@ def test_unknown_model_type_is_a_clear_error(tmp_path):
 
 
 def test_convert_round_trip(tmp_path):
-    from hf_fixtures import make_checkpoint
-    from test_models_hf import _assert_identical, _tensors
+    from hf_fixtures import assert_identical, checkpoint_tensors, make_checkpoint
 
     make_checkpoint("qwen2", str(tmp_path / "hf"))
     cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
     cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "back")])
-    _assert_identical(_tensors(tmp_path / "hf"), _tensors(tmp_path / "back"))
+    assert_identical(checkpoint_tensors(tmp_path / "hf"), checkpoint_tensors(tmp_path / "back"))
     # a parameters-only checkpoint starts training with a fresh optimizer
     params, cfg = fp.hf.load(tmp_path / "hf")
     model = fp.get_model(cfg.model_type)
@@ -170,7 +219,7 @@ def test_convert_round_trip(tmp_path):
 
 @pytest.mark.subprocess
 def test_examples_run_as_written(tmp_path):
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     from hf_fixtures import make_checkpoint
 
@@ -226,7 +275,7 @@ def test_precision_and_remat_flags(tmp_path):
          "--out", out])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert len(rows) == 4 and all("loss_scale" in r for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     tf.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))  # the export holds the bf16 weights
 
@@ -268,7 +317,7 @@ def test_zero3_from_the_command_line_gives_the_zero1_losses_and_exports(tmp_path
         run(["-m", "funcpar", "train", *TINY, "--mesh", "dp=2", "--steps", "3", "--zero", zero, "--out", outs[zero]])
     for a, b in zip(losses(outs["1"]), losses(outs["3"]), strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     tf.AutoModelForCausalLM.from_pretrained(os.path.join(outs["3"], "hf"))  # exported from the zero=3 parts
 
@@ -296,6 +345,10 @@ def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, 
     assert "pp rank 0: stage 0: embed + layers 0-1 + layer 2 attention\npp rank 1: stage 1: layer 2 mlp + layer 3 + head" in text
     cli.main(["plan", "--mesh", "pp=2,tp=2", "--model", "llama-tiny", "--micro-batches", "4", "--pipeline", "zb"])
     assert "zb over 4 micro-batches: planned bubble 7.7%" in capsys.readouterr().out  # traced through the split
+    # an interleaved plan: rank 0 receives carries (its second chunk's), in the plan's meta tensors
+    cli.main(["plan", "--mesh", "pp=2,tp=2", "--model", "llama-tiny", "--micro-batches", "4", "--pipeline",
+              "interleaved", "--chunks", "2"])
+    assert "interleaved over 4 micro-batches: planned bubble" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"bad --parts entry 'x': expected layer counts such as 3,5 or 2.5,1.5"):
         cli.main(["plan", "--mesh", "pp=2", "--model", "llama-tiny", "--parts", "2.5,x"])
 
@@ -305,7 +358,7 @@ def test_pipeline_stages_from_the_command_line_resume_on_another_mesh(bare_run, 
 def test_a_bf16_hf_folder_trains_from_float32_weights(tmp_path):
     """Most Hub checkpoints are bf16: `funcpar train` reads them into float32, the parameters at --precision fp32 and
     the masters under bf16 (bf16 weights and optimizer state would lose every update below bf16's resolution)."""
-    import transformers
+    transformers = pytest.importorskip("transformers")
 
     from hf_fixtures import CONFIGS
 

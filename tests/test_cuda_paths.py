@@ -1,6 +1,6 @@
 """The code paths only CUDA jobs take, driven on the CPU: ``torch.cuda`` stubbed (device count, ``set_device``), the
 backend gloo. One GPU is all a test machine ever has, so a multi-rank CUDA start-up cannot run for real anywhere
-here; these tests are what guards it (issue 40: every multi-process CUDA job died in ``Mesh._join_world``)."""
+here; these tests are what guards it (issue 40: every multi-process CUDA job died in ``Mesh._join_world``, now ``mesh._start_world``)."""
 
 import os
 import subprocess
@@ -101,7 +101,7 @@ open(os.path.join(sys.argv[1], f"rank{mesh.rank}.json"), "w").write(json.dumps(o
 @pytest.mark.subprocess
 @pytest.mark.parametrize("device", ["default", "cuda"])
 def test_a_multi_rank_mesh_on_cuda_starts_its_job(tmp_path, device):
-    # issue 40: `import torch._dynamo` inside _join_world made `torch` local there; set_device raised
+    # issue 40: `import torch._dynamo` inside _join_world (now _start_world) made `torch` local there; set_device raised
     # UnboundLocalError on every rank of every multi-process CUDA job, before the first collective
     script = tmp_path / "start.py"
     script.write_text(_START_SCRIPT)
@@ -174,7 +174,7 @@ def test_the_plan_of_a_step_auto_compiles_says_its_peak_is_the_eager_traces(caps
     cfg = model.config(BUILTIN_MODELS["llama-micro"]).with_mesh(mesh)
     plain = build_step(dict(DEFAULTS), model, cfg, mesh, model.specs(cfg, mesh))
     auto = build_step(dict(DEFAULTS), model, cfg, mesh, model.specs(cfg, mesh))
-    auto.compiled = "auto"  # what resolve_compile gives on a CUDA mesh of data axes only
+    auto.mode.gradient.compiled = "auto"  # what resolve_compile gives on a CUDA mesh of data axes only
     t_plain = planning.trace_plan(model, cfg, plain, 4, 32)
     t_auto = planning.trace_plan(model, cfg, auto, 4, 32)
     assert not t_plain["eager_trace"] and t_auto["eager_trace"] and auto.compiled == "auto"  # (left as it was)

@@ -143,6 +143,7 @@ def test_resume_continues_the_exact_order():
 
 
 def test_local_hf_tokenizer_folder(tmp_path):
+    pytest.importorskip("transformers")  # (and tokenizers with it)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

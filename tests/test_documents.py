@@ -17,8 +17,6 @@ import funcpar as fp
 from funcpar.nn.documents import Documents
 import harness
 import hf_fixtures
-from test_baichuan import published_config
-from test_glm import CONFIGS as GLM
 
 T = 32
 LENGTHS = [[10, 15, 7], [5, 27], [32], [1, 12, 19]]  # four rows: documents of 1 to 32 tokens, one row whole
@@ -29,8 +27,8 @@ CONFIGS = {
     "qwen2": lambda: hf_fixtures.CONFIGS["qwen2"]().to_dict(),
     "gpt2": lambda: hf_fixtures.CONFIGS["gpt2"]().to_dict(),  # learned positions
     "mixtral": lambda: {**hf_fixtures.CONFIGS["mixtral"]().to_dict(), "output_router_logits": False},
-    "glm": lambda: GLM["glm"]().to_dict(),  # partial rotary on interleaved pairs
-    "baichuan": lambda: published_config(),
+    "glm": lambda: hf_fixtures.config_dict("glm"),  # partial rotary on interleaved pairs
+    "baichuan": lambda: hf_fixtures.config_dict("baichuan"),
 }
 
 

@@ -15,28 +15,15 @@ import tempfile
 
 import pytest
 import torch
-import transformers as tf
 
 import funcpar as fp
 import harness
 from funcpar import P
 from funcpar.models import glm
-from test_models_hf import _assert_identical, _tensors
+from hf_fixtures import GLM_CONFIGS as CONFIGS, GLM_PAD as PAD, assert_identical, checkpoint_tensors
 
-PAD = 3  # the padding token of the untied checkpoint: its embedding row learns nothing from lookups
-CONFIGS = {
-    "glm": lambda: tf.GlmConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=PAD,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
-    ),
-    "glm_tied": lambda: tf.GlmConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, pad_token_id=None, attention_bias=False,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
-    ),
-}
+tf = pytest.importorskip("transformers")
+
 Ref = collections.namedtuple("Ref", "path logits loss grads batch")
 DROP = "(the key left out)"
 
@@ -158,7 +145,7 @@ def test_logits_loss_and_gradients_match_transformers(ckpts, tmp_path):
         grads, loss = torch.func.grad_and_value(lambda p: glm.loss(p, ref.batch, cfg, mesh))(params)
         assert rel(loss.item(), ref.loss) <= 1e-5, kind
         fp.hf.save(tmp_path / kind, grads, glm.MODEL, cfg)  # the gradients under transformers' names
-        got = _tensors(tmp_path / kind)
+        got = checkpoint_tensors(tmp_path / kind)
         assert sorted(got) == sorted(ref.grads), kind
         for name, r in ref.grads.items():
             assert (got[name] - r).abs().max().item() <= 1e-5 * r.abs().max().item() + 1e-9, (kind, name)
@@ -203,7 +190,7 @@ def test_tensor_parallel_matches_transformers_and_single_process(ckpts, tp, tmp_
         grads = results[0][2]
         close(grads, ref_grads, (kind, tp))
         assert grads["embed"][cfg.vocab_size:].abs().sum() == 0  # tp padding rows (if any) learn nothing
-        _assert_identical(_tensors(ref.path), _tensors(export))  # exported from the mesh: the same bytes
+        assert_identical(checkpoint_tensors(ref.path), checkpoint_tensors(export))  # exported from the mesh: the same bytes
 
 
 # -------------------------------------------------------------------------------------------- training
@@ -288,7 +275,7 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpts, tmp_path)
         out = tmp_path / kind
         fp.hf.save(out, params, glm.MODEL, cfg, max_shard_size="40KB")  # several files and an index
         assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1
-        _assert_identical(_tensors(ref.path), _tensors(out))
+        assert_identical(checkpoint_tensors(ref.path), checkpoint_tensors(out))
         hf_model = tf.GlmForCausalLM.from_pretrained(out).eval()
         with torch.no_grad():
             assert (hf_model(input_ids=ref.batch["input_ids"]).logits - ref.logits).abs().max().item() <= 1e-6, kind

@@ -10,19 +10,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-import transformers as tf
 from safetensors.torch import save_file
 
 import funcpar as fp
-from hf_fixtures import CONFIGS, batch, folder_tensors
+from hf_fixtures import CONFIGS, GLM_CONFIGS, batch, folder_tensors
 
+tf = pytest.importorskip("transformers")
 CONFIGS = {
     **{kind: CONFIGS[kind] for kind in ("llama", "mistral", "qwen2", "llama_tied", "gpt2", "bloom", "mixtral")},
-    "glm": lambda: tf.GlmConfig(  # partial rotary, fused gate_up_proj
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=3,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
-    ),
+    "glm": GLM_CONFIGS["glm"],  # partial rotary, fused gate_up_proj
 }
 
 

@@ -2,32 +2,17 @@
 errors before a barrier reach every rank, and the command line prints one line per reason, once."""
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from jobs import ROOT, TRAIN, Job
+
 pytestmark = pytest.mark.subprocess
-
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = [sys.executable, "-m", "funcpar", "train", "--model", "llama-micro", "--eval-every", "0", "--save-every", "0"]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -38,55 +23,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _rank_of(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
-
-
-class _Job:
-    """``funcpar train`` in the background, its merged output read line by line with the time each line came."""
-
-    def __init__(self, tmp_path, *args):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen([*TRAIN, "--out", str(tmp_path / "out"), *args], cwd=tmp_path, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put((time.monotonic(), line.rstrip("\n")))
-        self.lines.put((time.monotonic(), None))
-
-    def wait_for(self, text: str, timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                t, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.seen.append(line)
-            if text in line:
-                return t
-        raise AssertionError(f"no line with {text!r} within {timeout} s; output:\n" + "\n".join(self.seen))
-
-    def workers(self) -> dict[int, int]:
-        return {_rank_of(pid): pid for pid in _children(self.proc.pid)}
-
-    def kill_all(self):
-        for pid in [*_children(self.proc.pid), self.proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def test_killing_the_launcher_ends_every_worker_within_10_s(tmp_path):
-    job = _Job(tmp_path, "--mesh", "dp=2", "--steps", "100000", "--log-every", "1")
+    job = Job(tmp_path, "--mesh", "dp=2", "--steps", "100000", "--log-every", "1")
     try:
         job.wait_for("step     1/", timeout=120)
         workers = job.workers()
@@ -101,7 +39,7 @@ def test_killing_the_launcher_ends_every_worker_within_10_s(tmp_path):
 
 
 def test_a_stopped_rank_is_reported_within_the_heartbeat_interval(tmp_path):
-    job = _Job(tmp_path, "--mesh", "dp=2", "--steps", "100000", "--log-every", "1", "--heartbeat", "3")
+    job = Job(tmp_path, "--mesh", "dp=2", "--steps", "100000", "--log-every", "1", "--heartbeat", "3")
     try:
         job.wait_for("step     2/", timeout=120)
         stopped = job.workers()[1]

@@ -175,3 +175,119 @@ def test_a_rank_that_aborts_leaves_its_python_stack_and_the_survivor_names_the_c
     named = "all_reduce(sum) over mesh axis 'dp' of Mesh(pp=1, dp=2, tp=1) (rank 0" in out
     stopped = "Current thread" in out and "in _raw_all_reduce" in out
     assert named or stopped, out[-3000:]
+
+
+# ------------------------------------------------------------------ start-up is a call; a mesh is a value
+
+
+def test_an_abstract_mesh_is_a_sibling_of_mesh_not_one():
+    from funcpar.parallel import p2p
+    from funcpar.parallel.mesh import MeshBase
+
+    abstract, local = fp.Mesh.abstract(tp=2), fp.Mesh()
+    assert not isinstance(abstract, fp.Mesh) and isinstance(abstract, fp.AbstractMesh)
+    assert isinstance(abstract, MeshBase) and isinstance(local, MeshBase)
+    assert abstract.comm is p2p.SIMULATION and local.comm is p2p.WIRE  # the kind chooses the communication, once
+    assert abstract.group("tp") is None and abstract.lane("tp", 1) is None  # no process group, no job joined
+    assert repr(abstract.with_sequence_parallel()) == "Mesh(pp=1, dp=1, tp=2, sequence_parallel)"
+
+
+def test_collectives_and_messages_on_an_abstract_mesh_go_through_its_simulation(monkeypatch):
+    import torch.distributed as dist
+
+    from funcpar.parallel import p2p, transport
+
+    calls = []
+
+    class Spy(type(fp.Mesh.abstract().comm)):
+        def __getattribute__(self, name):
+            if not name.startswith("_"):
+                calls.append(name)
+            return super().__getattribute__(name)
+
+    for name in ("all_reduce", "all_to_all_single", "broadcast", "isend", "irecv", "batch_isend_irecv"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("an abstract mesh called torch.distributed"))
+    mesh = fp.Mesh.abstract(tp=2, pp=2)
+    mesh.comm = Spy()
+    with transport.recording() as log:
+        assert torch.equal(C.reduce_from_region(torch.ones(4), mesh, "tp"), torch.full((4,), 2.0))  # every rank's 1
+        assert torch.equal(C.all_gather(torch.arange(2.0), mesh, "tp"), torch.tensor([0.0, 1, 0, 1]))
+        assert torch.equal(C.reduce_scatter(torch.ones(4), mesh, "tp"), torch.full((2,), 2.0))
+        assert torch.equal(C.broadcast(torch.ones(2), mesh, "tp"), torch.ones(2))
+        p2p.isend(torch.ones(3), mesh, "pp", 1, tag=0).wait()
+        buf = torch.full((3,), 7.0)
+        assert p2p.irecv(buf, mesh, "pp", 1, tag=0).wait() is buf and torch.equal(buf, torch.full((3,), 7.0))
+    assert log == []  # nothing posted, nothing recorded
+    assert calls == ["all_reduce", "all_gather", "reduce_scatter", "reduce_scatter_segments", "broadcast", "isend",
+                     "irecv"]
+    assert mesh.traffic == {"tp": 2 * 16 / 2 + 16 / 2 + 16 / 2, "pp": 2 * 12 / 2}  # counted as a ring sends
+
+
+def test_starting_the_job_outside_one_is_refused(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(fp.MeshError, match=r"init_distributed: this process is not part of a torch.distributed job "
+                                           r"\(RANK/WORLD_SIZE are unset\)"):
+        fp.init_distributed()
+    with pytest.raises(fp.MeshError, match=r"Mesh\(pp=1, dp=2, tp=1\) needs 2 processes, but this process is not"):
+        fp.Mesh(dp=2)
+    assert not torch.distributed.is_initialized()
+
+
+def _start_in_a_started_world():
+    import torch.distributed as dist
+
+    from funcpar.parallel import lifeline
+
+    group = dist.distributed_c10d._get_default_group()
+    fp.init_distributed()  # the program (here the harness) started the job: kept, the lifeline added
+    watcher = lifeline._state["watcher"]
+    fp.init_distributed()  # again: nothing new
+    m = harness.mesh(dp=2)
+    same = dist.distributed_c10d._get_default_group() is group and lifeline._state["watcher"] is watcher
+    return same, watcher.is_alive(), C.all_reduce(torch.tensor([m.rank + 1.0]), m, "dp").item()
+
+
+def test_the_start_up_call_keeps_a_job_the_program_started():
+    for same, alive, total in harness.run(2, _start_in_a_started_world):
+        assert same and alive and total == 3.0
+
+
+_START_UP_SCRIPT = """
+import atexit, json, os, sys
+import torch
+import torch.distributed as dist
+
+def at_exit():  # registered first, so it runs after funcpar's own exit hook
+    out["at exit"] = "destroyed" if not dist.is_initialized() else "still initialized"
+    open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w").write(json.dumps(out))
+
+atexit.register(at_exit)
+import funcpar as fp
+from funcpar.parallel import lifeline
+
+out = {}
+if sys.argv[2] == "call first":
+    fp.init_distributed(heartbeat=7)
+    out["started"], watcher = dist.is_initialized(), lifeline._state["watcher"]
+    fp.init_distributed()
+    mesh = fp.Mesh(dp=2)  # the job started already: joined, the heartbeat kept
+    out["one lifeline"] = lifeline._state["watcher"] is watcher
+else:
+    mesh = fp.Mesh(dp=2, heartbeat=7)  # the one-liner: the mesh starts the job
+    out["started"] = out["one lifeline"] = True
+out["heartbeat"] = lifeline._state["watcher"].interval
+out["sum"] = fp.collectives.all_reduce(torch.tensor([mesh.rank + 1.0]), mesh, "dp").item()
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("how", ["call first", "mesh alone"])
+def test_a_job_starts_with_the_start_up_call_or_with_a_mesh_alone(tmp_path, how):
+    import json
+
+    p = _torchrun(tmp_path, _START_UP_SCRIPT, str(tmp_path), how)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"rank{r}.json").read_text()) == {
+            "started": True, "one lifeline": True, "heartbeat": 7.0, "sum": 3.0, "at exit": "destroyed"}

@@ -8,8 +8,8 @@ import torch
 
 import funcpar as fp
 import harness
+from fixtures import CLIP, LR, batches, config
 from funcpar.models import llama
-from test_step import CLIP, LR, batches, config
 
 
 def make(mesh, dtype, **kw):

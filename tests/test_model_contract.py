@@ -139,11 +139,62 @@ def test_a_loss_carries_its_capabilities_as_fields():
     for loss in (built, named):
         assert isinstance(loss, fp.Loss) and loss.model is llama.MODEL and loss.cfg is cfg and loss.mesh is mesh
         assert loss.remat and loss.batch_weight is fp.layers.count_targets and loss.stages is llama.MODEL.stages
+        assert loss.init is llama.MODEL.init and loss.name == "llama"  # (the model's, for a pipeline's plan)
         assert loss.check_batch({"input_ids": torch.tensor([[cfg.vocab_size]])})  # out of range: named
     assert fp.Loss.of(built) is built
     partial = fp.Loss.of(functools.partial(llama.loss, cfg=None))  # no mesh: weighs tokens, no model to stage
     assert partial.batch_weight is fp.layers.count_targets and partial.model is None and not partial.remat
     bare = fp.Loss.of(lambda p, b: 0)
     assert (bare.model, bare.remat, bare.batch_weight, bare.check_batch, bare.stages) == (None, False, None, None, None)
+    assert (bare.init, bare.name, bare.shapes()) == (None, None, None)
     with pytest.raises(fp.StepError, match="zero=3 gathers the model block by block"):
         fp.compile_step(bare, {}, mesh=mesh, zero=3)
+
+
+def _no_hf_model(**kw):
+    """tinylm without its HF form: no name table, no model_types, no Config (its config is any object)."""
+    fields = {k: v for k, v in tinylm.MODEL.__dict__.items() if k not in ("hf", "model_types", "Config")}
+    return fp.ModelSpec(**{**fields, "name": "nohf", **kw})
+
+
+def test_a_model_without_an_hf_form_trains_and_hf_refuses_it_by_name(tmp_path):
+    model = _no_hf_model()
+    assert model.hf is None and model.model_types == ()
+    mesh = fp.Mesh()
+    c = cfg().with_mesh(mesh)
+    specs = model.specs(c, mesh)
+    step = fp.compile_step(model.loss_fn(c, mesh), specs, mesh=mesh, zero=3)  # the staged form, no HF needed
+    _, metrics = step(step.init(model.init(c, seed=0)), batches(1)[0])
+    assert metrics["loss"] > 0
+    fp.register_model(model)
+    assert fp.get_model("nohf") is model and "nohf" not in fp.known_models()  # (known_models: HF model_types)
+    no_form = r"model 'nohf' has no HF form: {} needs its HF name table and config"
+    with pytest.raises(fp.hf.HFError, match=no_form.format(r"fp\.hf\.save \(a transformers folder\)")):
+        fp.hf.save(tmp_path / "out", model.init(c), model, c)
+    tinylm_folder = tmp_path / "tiny"
+    fp.hf.save(tinylm_folder, tinylm.init(c), tinylm.MODEL, c)
+    with pytest.raises(fp.hf.HFError, match=no_form.format("reading .*tiny")):
+        fp.hf.load(tinylm_folder, model)
+    with pytest.raises(fp.ModelError, match=no_form.format("reading a config.json")):
+        model.config(cfg().to_hf())
+    with pytest.raises(fp.hf.HFError, match=no_form.format("mapping its leaves to HF tensor names")):
+        fp.hf.name_plan(model, ["embed"])
+    with pytest.raises(fp.ModelError, match=r"model 'half': model_types must be a non-empty tuple"):
+        fp.ModelSpec(**{**tinylm.MODEL.__dict__, "name": "half", "model_types": ()})  # an HF table needs them
+    with pytest.raises(fp.ModelError, match=r"config_types\['d_model'\] must be a tuple of JSON types"):
+        _no_hf_model(config_types={"d_model": int})
+
+
+def test_each_model_declares_the_json_types_of_its_own_config_keys():
+    """A model's config_types check the keys it reads (its own with it: gpt2's n_embd is gpt2's, not llama's);
+    the decoders share fp.DECODER_CONFIG_TYPES."""
+    assert gpt2.MODEL.config_types["n_embd"] == (int,) and "n_embd" not in llama.MODEL.config_types
+    assert fp.get_model("chatglm").config_types["multi_query_group_num"] == (int,)
+    assert set(fp.DECODER_CONFIG_TYPES) <= set(llama.MODEL.config_types)
+    with pytest.raises(fp.ModelError, match=r"config key 'd_model' is '16' \(a string\), expected an integer"):
+        tinylm.MODEL.config({**cfg().to_hf(), "d_model": "16"})
+    with pytest.raises(fp.ModelError, match=r"config key 'n_embd' is '16' \(a string\), expected an integer"):
+        gpt2.MODEL.config(dict(model_type="gpt2", vocab_size=V, n_embd="16", n_layer=2, n_head=2))
+    llama_keys = dict(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=4)
+    assert llama.MODEL.config({**llama_keys, "n_embd": "ignored"}).hidden_size == 16  # not a llama key

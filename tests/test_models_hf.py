@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import funcpar as fp
 import harness
 from funcpar import P
-from hf_fixtures import MAX_TP, batch, make_checkpoint
+from hf_fixtures import MAX_TP, assert_identical, batch, checkpoint_tensors, make_checkpoint
 
 KINDS = ["llama", "mistral", "qwen2", "llama_tied", "gpt2"]
 
@@ -68,28 +68,6 @@ def test_logits_and_loss_match_transformers_tensor_parallel(ckpts, tp):
             assert finite
 
 
-def _tensors(folder):
-    folder = str(folder)
-    idx = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(idx):
-        files = sorted(set(json.load(open(idx))["weight_map"].values()))
-        out = {}
-        for f in files:
-            out.update(load_file(os.path.join(folder, f)))
-        return out
-    return load_file(os.path.join(folder, "model.safetensors"))
-
-
-def _assert_identical(a, b, ignore=()):
-    a = {k: v for k, v in a.items() if k not in ignore}
-    b = {k: v for k, v in b.items() if k not in ignore}
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.is_floating_point else a[k],
-                           b[k].view(torch.uint8) if b[k].dtype.is_floating_point else b[k]), k
-
-
 def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpts, tmp_path):
     import transformers as tf
 
@@ -99,14 +77,14 @@ def test_round_trip_is_byte_identical_and_loads_in_transformers(ckpts, tmp_path)
         model = fp.get_model(cfg.model_type)
         out = tmp_path / kind
         fp.hf.save(out, params, model, cfg)
-        _assert_identical(_tensors(path), _tensors(out))
+        assert_identical(checkpoint_tensors(path), checkpoint_tensors(out))
         assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], "no temporary folder left behind"
         # a sharded (multi-file) export: index + several files, same bytes, loads in transformers and in funcpar
         sharded = tmp_path / f"{kind}-sharded"
         fp.hf.save(sharded, params, model, cfg, max_shard_size="40KB")
         files = [f for f in os.listdir(sharded) if f.endswith(".safetensors")]
         assert len(files) > 2 and (sharded / "model.safetensors.index.json").exists()
-        _assert_identical(_tensors(path), _tensors(sharded))
+        assert_identical(checkpoint_tensors(path), checkpoint_tensors(sharded))
         hf_model = tf.AutoModelForCausalLM.from_pretrained(sharded).eval()
         with torch.no_grad():
             assert (hf_model(input_ids=b["input_ids"]).logits - logits_ref).abs().max().item() <= 1e-6
@@ -125,7 +103,7 @@ def test_export_from_a_tensor_parallel_mesh(ckpts, tmp_path):
     for kind in ("llama", "gpt2"):
         out = str(tmp_path / kind)
         harness.run(4, _export_from_mesh, ckpts[kind][0], out, 4)
-        _assert_identical(_tensors(ckpts[kind][0]), _tensors(out))
+        assert_identical(checkpoint_tensors(ckpts[kind][0]), checkpoint_tensors(out))
 
 
 def _rchar():
@@ -165,7 +143,7 @@ def test_each_rank_reads_only_its_slices(ckpts):
 def _copy(src, dst, edit=None, config_edit=None):
     shutil.copytree(src, dst)
     if edit:
-        t = _tensors(dst)
+        t = checkpoint_tensors(dst)
         edit(t)
         save_file(t, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     if config_edit:
@@ -245,7 +223,7 @@ def test_export_is_atomic_when_writing_fails(ckpts, tmp_path, monkeypatch):
 
     out = tmp_path / "export"
     fp.hf.save(out, params, llama, cfg)
-    before = _tensors(out)
+    before = checkpoint_tensors(out)
     import safetensors.torch as st
 
     calls = {"n": 0}
@@ -261,7 +239,7 @@ def test_export_is_atomic_when_writing_fails(ckpts, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         fp.hf.save(out, {**params, "norm": params["norm"] + 1}, llama, cfg, max_shard_size="40KB")
     monkeypatch.undo()
-    _assert_identical(before, _tensors(out))  # the previous export is untouched
+    assert_identical(before, checkpoint_tensors(out))  # the previous export is untouched
     assert sorted(os.listdir(tmp_path)) == ["export"]  # and no temporary folder is left
 
 

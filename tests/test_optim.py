@@ -1,5 +1,6 @@
 """funcpar.optim: the chained optimizers against torch.optim and plain references; composability; frozen and
-empty leaves; purity (the caller's tensors are never written); the reported schedule. Single process."""
+empty leaves; purity (the caller's tensors are never written); the reported schedule; the plain pair and its subclass
+for the step, ABSENT and WRITTEN; the step's norm kernel (funcpar.train.norms). Single process."""
 
 import optree
 import pytest
@@ -88,16 +89,19 @@ def test_adamw_with_schedule_equals_torch_adamw_lr_per_step():
 
 
 def _run_fused(opt, params, steps=STEPS, clip=None):
-    """The train step's path: ``opt.fused`` writes each update into (copies of) the params; the final params and
-    state. ``clip``: with ``clip_by_global_norm(clip)`` in front, as ``compile_step(clip_norm=)`` builds it."""
+    """The train step's path: ``update_with(..., inplace=EVERYTHING)`` writes each update into (copies of) the params
+    through ``fused_of(opt)`` and says so (``WRITTEN``); the final params and state. ``clip``: with
+    ``clip_by_global_norm(clip)`` in front, as ``compile_step(clip_norm=)`` builds it."""
     if clip is not None:
         opt = fp.optim.chain(fp.optim.clip_by_global_norm(clip), opt)
     params = {k: v.clone() for k, v in params.items()}
     state = opt.init(params)
     for k in range(steps):
         grads = _grads(params, k)
-        assert opt.fused.can(grads, params)
-        state = opt.fused.apply(grads, state, params, global_norm=fp.optim.global_norm(grads))
+        assert fp.optim.fused_of(opt).can(grads, params)
+        updates, state = fp.optim.update_with(opt, grads, state, params, inplace=fp.optim.EVERYTHING,
+                                              global_norm=fp.optim.global_norm(grads))
+        assert updates is fp.optim.WRITTEN
     return params, state
 
 
@@ -135,11 +139,12 @@ def test_fused_adamw_after_clipping_and_what_has_no_fused_path():
     chained = _run(fp.optim.chain(fp.optim.clip_by_global_norm(0.5), opt), params)
     _assert_close(clipped, chained)
     assert not torch.allclose(clipped["w"], _run_fused(opt, params)[0]["w"])  # the clipping mattered
-    assert fp.optim.lion(1e-3).fused is None and fp.optim.sgd(1e-2).fused is None
-    assert fp.optim.masked(opt, {"w": True, "b": False, "t": True}).fused is None
-    assert fp.optim.chain(opt, fp.optim.scale(0.5)).fused is None  # a stage after AdamW's: not fused
+    fused_of = fp.optim.fused_of
+    assert fused_of(fp.optim.lion(1e-3)) is None and fused_of(fp.optim.sgd(1e-2)) is None
+    assert fused_of(fp.optim.masked(opt, {"w": True, "b": False, "t": True})) is None
+    assert fused_of(fp.optim.chain(opt, fp.optim.scale(0.5))) is None  # a stage after AdamW's: not fused
     half = {k: v.half() for k, v in params.items()}
-    assert not opt.fused.can(half, half) and not opt.fused.can({}, {})
+    assert not fused_of(opt).can(half, half) and not fused_of(opt).can({}, {})
 
 
 def test_scalar_stages_fold_into_the_fused_kernel():
@@ -148,7 +153,7 @@ def test_scalar_stages_fold_into_the_fused_kernel():
     params = _params(3)
     opt = fp.optim.adamw(1e-2, weight_decay=0.1)
     folded = fp.optim.chain(fp.optim.scale(0.5), fp.optim.clip_by_global_norm(0.5), opt)
-    assert folded.fused.scales
+    assert fp.optim.fused_of(folded).scales
     seen, muls = [], []
     real_adam, real_mul = torch._fused_adamw_, torch._foreach_mul_
     torch._fused_adamw_ = lambda *a, **k: seen.append(k["grad_scale"]) or real_adam(*a, **k)
@@ -163,7 +168,7 @@ def test_scalar_stages_fold_into_the_fused_kernel():
     def shift(grads, state, params=None, *, inplace=fp.optim.NOTHING, **extra):  # not a scalar: sees them scaled
         return {k: v + 1e-3 for k, v in grads.items()}, state
 
-    mixed = fp.optim.chain(fp.optim.clip_by_global_norm(0.5), fp.optim.GradientTransformation(
+    mixed = fp.optim.chain(fp.optim.clip_by_global_norm(0.5), fp.optim.InPlaceTransformation(
         lambda p: (), shift, fresh=lambda fresh: True), fp.optim.scale(2.0), opt)
     _assert_close(_run_fused(mixed, params)[0], _run(mixed, params))
     assert not torch.allclose(_run(mixed, params)["w"], _run(folded, params)["w"])
@@ -362,33 +367,36 @@ def test_callers_grads_params_and_state_are_not_written(make):
 
 
 def test_inplace_reaches_only_stages_that_declare_it():
-    """``inplace`` is one typed argument: the train step's call (``update_with(..., inplace=EVERYTHING)``) gives it to
-    the stages that declare ``fresh`` and never to a stage written without the protocol, whose inputs stay intact;
-    the declared stages then work in place, so the step's own gradient tensors hold the update."""
+    """``inplace`` is one typed argument, given to the stages that declare ``fresh`` and never to a stage written
+    without the protocol, whose inputs stay intact; the declared stages then work in place, so the caller's own
+    gradient tensors hold the update. A plain pair gets neither ``inplace`` nor the keyword values."""
     seen = []
 
     def plain(grads, state, params=None, **extra):  # no ``fresh``: must never see ``inplace``
         seen.append(sorted(extra))
         return {k: v * 1.0 for k, v in grads.items()}, state
 
-    opt = fp.optim.chain(fp.optim.clip_by_global_norm(1e9), fp.optim.GradientTransformation(lambda p: (), plain),
-                         fp.optim.scale(-0.5))
-    assert opt.fresh is not None and opt.fresh(False) and opt.fused is None
+    own = fp.optim.InPlace(updates=True, state=True)  # the gradients and the state, not the params
+    stage = fp.optim.InPlaceTransformation(lambda p: (), plain)
+    opt = fp.optim.chain(fp.optim.clip_by_global_norm(1e9), stage, fp.optim.scale(-0.5))
+    assert opt.fresh is not None and opt.fresh(False) and fp.optim.fused_of(opt) is None
     params = _params(5)
     grads = _grads(params, 0)
     mine = optree.tree_map(torch.clone, grads)
-    updates, _ = fp.optim.update_with(opt, mine, opt.init(params), params, inplace=fp.optim.EVERYTHING,
-                                      global_norm=torch.tensor(1.0))
-    assert seen == [["global_norm"]]
+    updates, _ = fp.optim.update_with(opt, mine, opt.init(params), params, inplace=own, global_norm=torch.tensor(1.0))
+    assert seen == [["global_norm"]]  # an InPlaceTransformation without ``fresh``: the keyword values, no inplace
     assert all(torch.equal(mine[k], grads[k]) for k in grads)  # the plain stage made new tensors: nothing written
     assert all(torch.equal(updates[k], -0.5 * grads[k]) for k in grads)
+    fp.optim.chain(fp.optim.GradientTransformation(lambda p: (), plain), fp.optim.scale(1.0)).update(
+        grads, ((), fp.optim.ScaleState()), params, inplace=own, global_norm=torch.tensor(1.0))
+    assert seen[-1] == []  # a plain pair: (grads, state, params) only
     adam = fp.optim.adamw(1e-2)
-    own = optree.tree_map(torch.clone, grads)
+    mine = optree.tree_map(torch.clone, grads)
     state = adam.init(params)
     mu = optree.tree_leaves(state)[1]
-    fp.optim.update_with(adam, own, state, params, inplace=fp.optim.EVERYTHING)
-    assert not torch.equal(own["w"], grads["w"]) and mu.abs().sum() > 0  # the gradients and the moments, in place
-    fp.optim.update_with(fp.optim.GradientTransformation(lambda p: (), plain, fresh=lambda f: f), grads, (),
+    updates, _ = fp.optim.update_with(adam, mine, state, params, inplace=own)
+    assert updates["w"] is mine["w"] and mu.abs().sum() > 0  # the gradients and the moments, in place
+    fp.optim.update_with(fp.optim.InPlaceTransformation(lambda p: (), plain, fresh=lambda f: f), grads, (),
                          inplace=fp.optim.EVERYTHING)
     assert seen[-1] == ["inplace"]  # declared: given it
 
@@ -401,8 +409,10 @@ def test_schedule_is_reported_and_used_from_step_zero():
     for opt in (fp.optim.adamw(sched, weight_decay=0.1), fp.optim.lion(sched), fp.optim.sgd(sched, momentum=0.9),
                 fp.optim.chain(fp.optim.clip_by_global_norm(1.0), fp.optim.adamw(sched)),
                 fp.optim.masked(fp.optim.adamw(sched), {"w": True})):
-        assert [opt.schedule(k) for k in range(12)] == [sched(k) for k in range(12)]
-    assert fp.optim.sgd(0.25).schedule(7) == 0.25 and fp.optim.clip_by_global_norm(1.0).schedule is None
+        assert [fp.optim.schedule_of(opt)(k) for k in range(12)] == [sched(k) for k in range(12)]
+    assert fp.optim.schedule_of(fp.optim.sgd(0.25))(7) == 0.25
+    assert fp.optim.schedule_of(fp.optim.clip_by_global_norm(1.0)) is None
+    assert fp.optim.schedule_of(fp.optim.GradientTransformation(lambda p: (), lambda g, s, p=None: (g, s))) is None
     seen = []
     opt = fp.optim.scale_by_learning_rate(lambda k: seen.append(k) or 2.0)
     params = {"w": torch.ones(3)}
@@ -412,27 +422,33 @@ def test_schedule_is_reported_and_used_from_step_zero():
     assert seen == [0, 1, 2] and torch.equal(updates["w"], torch.full((3,), -2.0))
 
 
-def test_sum_of_squares_is_float64_accurate_on_host_with_its_fallbacks():
-    """Host float32: row norms summed in float64, within a float32 rounding (2.4e-7 relative) of the float64 sum,
-    and 1e-8 for millions of elements (each row's rounding averages out; a plain float32 norm is off by ~1e-4
-    there), whatever the length's remainder or stride; past float32's range (inf), below it (0) and NaN the float64
-    path answers."""
-    from funcpar.optim.transforms import sum_of_squares
+# ------------------------------------------------------------------------------------------ the norms
+
+
+def test_the_steps_sum_of_squares_is_float64_accurate_on_host_with_its_fallbacks():
+    """The step's kernel (funcpar.train.norms), host float32: row norms summed in float64, within a float32 rounding
+    (2.4e-7 relative) of the float64 sum, and 1e-8 for millions of elements (each row's rounding averages out; a plain
+    float32 norm is off by ~1e-4 there), whatever the length's remainder or stride; past float32's range (inf), below
+    it (0) and NaN the float64 path answers."""
+    from funcpar.train.norms import sums_of_squares
+
+    def one(x):
+        return sums_of_squares([x])[0]
 
     g = torch.Generator().manual_seed(0)
     for n in (1, 127, 128, 1000, 3 << 20):
         x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
         exact = (x.double() ** 2).sum()
-        got = sum_of_squares(x)
+        got = one(x)
         assert got.dtype == torch.float64 and abs(got - exact) <= (1e-8 if n > 1 << 20 else 2.4e-7) * exact, n
     assert abs((torch.linalg.vector_norm(x) ** 2).double() - exact) > 1e-6 * exact  # float32 alone is not enough
     strided = x[: 1 << 20 : 3]  # (a 1-D view with a stride: its rows are strided views too)
-    assert abs(sum_of_squares(strided) - (strided.double() ** 2).sum()) <= 2.4e-7 * (strided.double() ** 2).sum()
+    assert abs(one(strided) - (strided.double() ** 2).sum()) <= 2.4e-7 * (strided.double() ** 2).sum()
     for x in (torch.full((300,), 1e20), torch.full((300,), 1e-25)):  # float32 squares: inf, 0
-        assert sum_of_squares(x).item() == pytest.approx((x.double() ** 2).sum().item(), rel=1e-12)
-    assert sum_of_squares(torch.zeros(0)).item() == 0 and sum_of_squares(torch.zeros(500)).item() == 0
-    assert sum_of_squares(torch.tensor([1.0, float("nan")] * 200)).isnan()
-    assert sum_of_squares(torch.tensor([1.0, float("inf")] * 200)).isinf()
+        assert one(x).item() == pytest.approx((x.double() ** 2).sum().item(), rel=1e-12)
+    assert one(torch.zeros(0)).item() == 0 and one(torch.zeros(500)).item() == 0
+    assert one(torch.tensor([1.0, float("nan")] * 200)).isnan()
+    assert one(torch.tensor([1.0, float("inf")] * 200)).isinf()
 
 
 def test_sums_of_squares_batches_many_tensors_with_one_copy_to_the_host(monkeypatch):
@@ -440,7 +456,7 @@ def test_sums_of_squares_batches_many_tensors_with_one_copy_to_the_host(monkeypa
     after one device-to-host copy for the row path and one for the exact path (on a GPU one sync each: float64 chunks
     of a million elements launched ~1,700 kernels for a 0.87B model's gradients); bf16 takes the row path too, the
     out-of-range and subnormal sums the exact one, NaN stays NaN without it, empty tensors count zero."""
-    from funcpar.optim.transforms import sum_of_squares, sums_of_squares
+    from funcpar.train.norms import sums_of_squares
 
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(n, generator=g) for n in (1000, 129, 1 << 16)]
@@ -460,15 +476,127 @@ def test_sums_of_squares_batches_many_tensors_with_one_copy_to_the_host(monkeypa
             assert s.isnan()
             continue
         assert abs(s - exact) <= 2.4e-7 * exact, (x[:2], s, exact)
-        assert s == sum_of_squares(x)
+        assert s == sums_of_squares([x])[0]
     assert sums_of_squares([]).shape == (0,)
 
 
-def test_sum_of_squares_off_the_host_stays_on_its_device_without_a_sync():
-    """A bare optimizer's clipping (``global_norm``) on a non-host device: float64 chunks on that device, nothing
-    copied to the host (checked on the meta device, which refuses every copy to the host)."""
+def test_a_bare_optimizers_norm_is_plain_float64_and_stays_on_its_device():
+    """Clipping without a ``global_norm`` passed (a bare optimizer): optim's own plain kernel, float64 chunks, exact
+    to float64 rounding on the host; on a non-host device on that device, nothing copied to the host (checked on the
+    meta device, which refuses every copy to the host)."""
     from funcpar.optim.transforms import global_norm, sum_of_squares
 
+    g = torch.Generator().manual_seed(2)
+    for x in (torch.randn(3 << 20, generator=g), torch.randn(1000, generator=g).bfloat16(), torch.full((300,), 1e20),
+              torch.full((300,), 1e-25), torch.randn(7, generator=g)[::2]):
+        got = sum_of_squares(x)
+        assert got.dtype == torch.float64 and got.item() == pytest.approx((x.double() ** 2).sum().item(), rel=1e-12)
+    assert sum_of_squares(torch.zeros(0)).item() == 0
+    assert sum_of_squares(torch.tensor([1.0, float("nan")] * 200)).isnan()
     x = torch.empty(3 << 20, device="meta")
     assert sum_of_squares(x).device.type == "meta" and sum_of_squares(x).dtype == torch.float64
     assert global_norm({"a": x, "b": torch.empty(7, device="meta")}).device.type == "meta"
+
+
+# ------------------------------------------------------------------------------------------ the pair and its subclass
+
+
+def _heavy_ball(lr, beta):
+    """An optax-style pair of one's own: ``update(updates, state, params=None)``, no keyword values, no ``inplace``."""
+
+    def init(params):
+        return optree.tree_map(torch.zeros_like, params)
+
+    def update(updates, state, params=None):
+        m = optree.tree_map(lambda m, g: beta * m + g, state, updates)
+        return optree.tree_map(lambda m: -lr * m, m), m
+
+    return fp.optim.GradientTransformation(init, update)
+
+
+def test_the_pair_is_optaxs_and_what_the_step_uses_is_a_subclass():
+    pair, GT, IPT = _heavy_ball(0.1, 0.9), fp.optim.GradientTransformation, fp.optim.InPlaceTransformation
+    assert GT._fields == ("init", "update") and len(pair) == 2 and type(pair) is GT
+    adam = fp.optim.adamw(1e-2)
+    init, update = adam  # ours are still the pair, a subclass of it
+    assert isinstance(adam, IPT) and isinstance(adam, GT) and init is adam.init and len(adam) == 2
+    assert fp.optim.schedule_of(pair) is None and fp.optim.fused_of(pair) is None
+    assert fp.optim.schedule_of(adam)(0) == 1e-2 and fp.optim.fused_of(adam) is adam.fused
+    # compositions: the subclass where a part is one, the plain pair otherwise; wrappers that read the step's values
+    # (the norm, finiteness) always
+    assert type(fp.optim.chain(pair, pair)) is GT and type(fp.optim.masked(pair, {"w": True})) is GT
+    assert type(fp.optim.chain(pair, fp.optim.scale(2.0))) is IPT and type(fp.optim.masked(adam, {"w": True})) is IPT
+    assert type(fp.optim.apply_if_finite(pair)) is IPT and type(fp.optim.clip_by_global_norm(1.0)) is IPT
+    # immutable as the pair; _replace keeps the fields it is not given
+    with pytest.raises(AttributeError, match="immutable"):
+        adam.fused = None
+    bare = adam._replace(fused=None)
+    assert type(bare) is IPT and fp.optim.fused_of(bare) is None and bare.schedule is adam.schedule
+    assert bare.fresh is adam.fresh and bare.update is adam.update
+    with pytest.raises(ValueError, match="no field"):
+        adam._replace(momentum=0.9)
+    # a plain pair is called as optax calls one: (grads, state, params), whatever the caller passes besides
+    params = _params(12)
+    grads = _grads(params, 0)
+    for opt in (pair, fp.optim.chain(fp.optim.clip_by_global_norm(1e9), pair), fp.optim.apply_if_finite(pair)):
+        updates, _ = fp.optim.update_with(opt, grads, opt.init(params), params, inplace=fp.optim.EVERYTHING,
+                                          global_norm=torch.tensor(1.0), finite=True)
+        assert all(torch.equal(updates[k], -0.1 * grads[k]) for k in params)
+
+
+def test_absent_and_written_each_mean_one_thing():
+    """``ABSENT`` (``None``): no leaf here, so no update (a frozen leaf; every leaf of a skipped step). ``WRITTEN``:
+    the updates ``update_with`` already wrote into the params (a fused kernel under ``EVERYTHING``); where no kernel
+    may write them (none, or a wrapper that must see the updates), the updates themselves."""
+    ABSENT, WRITTEN = fp.optim.ABSENT, fp.optim.WRITTEN
+    assert ABSENT is None and repr(WRITTEN) == "WRITTEN"
+    params = _params(11)
+    grads = _grads(params, 0)
+    frozen = fp.optim.masked(fp.optim.sgd(0.1), {"w": True, "b": False, "t": True})
+    updates, _ = frozen.update(grads, frozen.init(params), params)
+    assert updates["b"] is ABSENT and fp.optim.apply_updates(params, updates)["b"] is params["b"]
+    skipping = fp.optim.apply_if_finite(fp.optim.sgd(0.1))
+    updates, _ = skipping.update(grads, skipping.init(params), params, finite=False)
+    assert updates == {k: ABSENT for k in params}
+    assert all(fp.optim.apply_updates(params, updates)[k] is params[k] for k in params)
+
+    adam = fp.optim.adamw(1e-2, weight_decay=0.1)
+    expected = fp.optim.apply_updates(params, adam.update(grads, adam.init(params), params)[0])
+    mine = optree.tree_map(torch.clone, params)
+    updates, _ = fp.optim.update_with(adam, optree.tree_map(torch.clone, grads), adam.init(mine), mine,
+                                      inplace=fp.optim.EVERYTHING)
+    assert updates is WRITTEN and fp.optim.apply_updates(mine, WRITTEN) is mine
+    _assert_close(mine, expected)
+    everything = {"w": True, "b": True, "t": True}
+    for opt, same in ((fp.optim.apply_if_finite(adam), True), (fp.optim.masked(adam, everything), True),
+                      (fp.optim.lion(1e-2), False)):
+        mine = optree.tree_map(torch.clone, params)
+        updates, _ = fp.optim.update_with(opt, optree.tree_map(torch.clone, grads), opt.init(mine), mine,
+                                          inplace=fp.optim.EVERYTHING, finite=True)
+        assert updates is not WRITTEN and all(torch.equal(mine[k], params[k]) for k in params)  # params untouched
+        if same:  # adamw's update, wrapped
+            _assert_close(fp.optim.apply_updates(params, updates), expected)
+
+
+def test_a_plain_pair_trains_in_compile_step_as_by_hand():
+    """An optax-style pair of one's own in the train step (its generic, out-of-place path): the parameters after
+    each step are the ones its update gives by hand, from torch.func's gradient of the same loss. Float32,
+    ``Mesh()``."""
+
+    def loss(p, b):
+        return ((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2).mean()
+
+    g = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(5, 2, generator=g), "b": torch.zeros(2)}
+    batches = [{"x": torch.randn(8, 5, generator=g), "y": torch.randn(8, 2, generator=g)} for _ in range(4)]
+    pair = _heavy_ball(0.05, 0.9)
+    step = fp.compile_step(loss, {"w": fp.P(), "b": fp.P()}, mesh=fp.Mesh(), optimizer=pair, compile=False)
+    state = step.init(optree.tree_map(torch.clone, params))
+    ref, ref_state = params, pair.init(params)
+    for b in batches:
+        state, metrics = step(state, b)
+        updates, ref_state = pair.update(torch.func.grad(loss)(ref, b), ref_state, ref)
+        ref = fp.optim.apply_updates(ref, updates)
+        assert metrics["lr"] != metrics["lr"]  # the pair reports no schedule: NaN
+        _assert_close(dict(state.params), ref, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(ref["w"], params["w"])

@@ -6,11 +6,12 @@ one that is no row is refused by name."""
 
 import pytest
 import torch
-import transformers as tf
 
 import funcpar as fp
 from funcpar.models import llama, mixtral
-from test_models_hf import _tensors
+from hf_fixtures import checkpoint_tensors
+
+tf = pytest.importorskip("transformers")
 
 V, PAD = 96, 5
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -49,7 +50,7 @@ def test_padding_row_gets_no_gradient_from_lookups_as_in_transformers(name, tmp_
         for p in model.parameters():
             p.copy_(p.grad)
     model.save_pretrained(tmp_path / "ref")
-    ref = _tensors(tmp_path / "ref")
+    ref = checkpoint_tensors(tmp_path / "ref")
 
     params, cfg = fp.hf.load(tmp_path / "ckpt")
     assert cfg.pad_token_id == row and fp.get_model(cfg.model_type) is module.MODEL
@@ -57,7 +58,7 @@ def test_padding_row_gets_no_gradient_from_lookups_as_in_transformers(name, tmp_
     grads, loss = torch.func.grad_and_value(lambda p: module.loss(p, batch, cfg, mesh))(params)
     assert abs(loss.item() - out.loss.item()) <= 1e-5 * out.loss.item(), name
     fp.hf.save(tmp_path / "grads", grads, module.MODEL, cfg)  # the gradients under transformers' names
-    got = _tensors(tmp_path / "grads")
+    got = checkpoint_tensors(tmp_path / "grads")
     assert sorted(got) == sorted(ref), name
     for n, r in ref.items():
         assert (got[n] - r).abs().max().item() <= 1e-5 * r.abs().max().item() + 1e-9, (name, n)

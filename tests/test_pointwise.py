@@ -17,7 +17,7 @@ import funcpar as fp
 import harness
 from funcpar.nn import layers as L
 from funcpar.nn import pointwise as Pw
-from hf_fixtures import batch, make_checkpoint
+from hf_fixtures import batch, checkpoint_tensors, make_checkpoint
 
 KERNELS = ("_rms_forward", "_rms_backward_kernel", "_swiglu_forward", "_swiglu_backward", "_exp_and_sum")
 
@@ -197,8 +197,7 @@ def test_a_whole_model_fused_matches_transformers(tmp_path, calls, monkeypatch):
     assert all(calls[k] > 0 for k in KERNELS), calls
     assert abs(loss.item() - out.loss.item()) <= 1e-5 * out.loss.item()
     fp.hf.save(tmp_path / "grads", fp.tree.map_with_path(lambda _, v: next(grads), params), fp.get_model("llama"), cfg)
-    from test_models_hf import _tensors
-    got = _tensors(tmp_path / "grads")
+    got = checkpoint_tensors(tmp_path / "grads")
     for n, p in model.named_parameters():
         assert (got[n] - p.grad).abs().max().item() <= 1e-5 * p.grad.abs().max().item(), n
 

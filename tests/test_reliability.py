@@ -8,14 +8,7 @@ import torch
 
 import funcpar as fp
 import harness
-from funcpar.models import gpt2, llama
-
-SMALL = {
-    "llama": lambda **kw: llama.Config(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                                 head_dim=16), **kw}),
-    "gpt2": lambda **kw: gpt2.Config(**{**dict(vocab_size=64, n_embd=32, n_layer=2, n_head=2), **kw}),
-}
+from fixtures import SMALL, tiny_step
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -67,15 +60,6 @@ def test_optimizer_hyper_parameters_are_checked_at_construction(make, message):
     assert str(e.value) == message
 
 
-def _tiny_step(mesh, **kw):
-    cfg = SMALL["llama"]()
-    model = fp.get_model("llama")
-    specs = model.specs(cfg, mesh)
-    kw.setdefault("optimizer", fp.optim.adamw(1e-3))
-    step = fp.compile_step(model.loss_fn(cfg, mesh), specs, mesh=mesh, **kw)
-    return step, step.init(fp.shard(model.init(cfg, seed=0), specs, mesh))
-
-
 def _ids(seed=0):
     return {"input_ids": torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(seed))}
 
@@ -89,7 +73,7 @@ def _poison(step, state, leaf="layers.1.w_down"):
 
 
 def test_a_non_finite_loss_stops_training_with_nothing_updated():
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     state, m = step(state, _ids(0))
     before = {p: x.clone() for p, x in fp.tree.leaves_with_path(state.params)}
     _poison(step, state)
@@ -104,7 +88,7 @@ def test_a_non_finite_loss_stops_training_with_nothing_updated():
 
 
 def test_skip_policy_and_loss_scaling_stop_after_max_skips():
-    step, state = _tiny_step(fp.Mesh(), nonfinite="skip", max_skips=2)
+    step, state = tiny_step(fp.Mesh(), nonfinite="skip", max_skips=2)
     _poison(step, state)
     for k in range(2):
         state, m = step(state, _ids(k))
@@ -112,7 +96,7 @@ def test_skip_policy_and_loss_scaling_stop_after_max_skips():
     with pytest.raises(fp.StepError, match=r"step 1: the loss is nan; nothing was updated and training stops \(3 "
                                            r"steps in a row skipped \(max_skips=2\)\)"):
         step(state, _ids(2))
-    step, state = _tiny_step(fp.Mesh(), param_dtype=torch.float16, max_skips=3)
+    step, state = tiny_step(fp.Mesh(), param_dtype=torch.float16, max_skips=3)
     _poison(step, state)
     for k in range(3):
         state, m = step(state, _ids(k))
@@ -124,7 +108,7 @@ def test_skip_policy_and_loss_scaling_stop_after_max_skips():
 
 def _one_rank_goes_bad():
     mesh = harness.mesh(dp=2)
-    step, state = _tiny_step(mesh)
+    step, state = tiny_step(mesh)
     state, _ = step(state, _ids(mesh.rank))  # the first step checks that replicas agree; after it, one goes bad
     if mesh.rank == 1:  # one replica's weights only: every rank hears of it through the statistics' all-reduce
         _poison(step, state)
@@ -140,7 +124,7 @@ def test_every_rank_stops_at_the_same_step_when_one_goes_non_finite():
 
 
 def test_a_schedule_that_goes_non_finite_stops_before_updating():
-    step, state = _tiny_step(fp.Mesh(), optimizer=fp.optim.adamw(lambda k: 1e-3 if k == 0 else float("nan")))
+    step, state = tiny_step(fp.Mesh(), optimizer=fp.optim.adamw(lambda k: 1e-3 if k == 0 else float("nan")))
     state, _ = step(state, _ids(0))
     before = [x.clone() for x in optree.tree_leaves((state.params, state.opt_state))]
     with pytest.raises(fp.StepError, match=r"step 2: the learning rate schedule gives nan, not a finite number >= 0; "
@@ -170,7 +154,7 @@ def test_the_command_line_refuses_a_non_finite_learning_rate_before_writing_anyt
 
 def _bad_token(entry, value, tp):
     mesh = harness.mesh(tp=tp, dp=2) if tp > 1 else harness.mesh(dp=2)
-    step, state = _tiny_step(mesh)
+    step, state = tiny_step(mesh)
     before = [x.clone() for x in optree.tree_leaves(state.params)]
     batch = _ids(mesh.coord("dp"))
     batch["labels"] = batch["input_ids"].clone()
@@ -203,7 +187,7 @@ def test_tp_ranks_fed_different_batches_are_caught_on_the_first_step_by_default(
 
 def _tp_mismatch():
     mesh = harness.mesh(tp=2)
-    step, state = _tiny_step(mesh)  # check is not passed: it is on for the first step by default
+    step, state = tiny_step(mesh)  # check is not passed: it is on for the first step by default
     with pytest.raises(fp.StepError) as e:
         step(state, _ids(mesh.coord("tp")))
     return str(e.value)
@@ -212,7 +196,7 @@ def _tp_mismatch():
 def _tp_drift(check_every, start):
     """tp ranks fed the same batches until step ``start``, then different ones: the step that stops (or None)."""
     mesh = harness.mesh(tp=2)
-    step, state = _tiny_step(mesh, check_every=check_every)
+    step, state = tiny_step(mesh, check_every=check_every)
     for k in range(6):
         try:
             state, _ = step(state, _ids(k if k < start else 10 * k + mesh.coord("tp")))
@@ -240,7 +224,7 @@ def test_tp_ranks_that_drift_apart_later_are_caught_at_that_step():
 
 def _one_group_drifts():
     mesh = harness.mesh(dp=2, tp=2)
-    step, state = _tiny_step(mesh)
+    step, state = tiny_step(mesh)
     for k in range(4):
         drift = k >= 2 and mesh.coord("dp") == 0
         try:
@@ -331,7 +315,7 @@ def _snapshot(root):
 def test_checkpoint_metadata_cannot_name_files_outside_the_checkpoint(tmp_path, name):
     import json
 
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     step.save(tmp_path / "run" / "step-0", state)
     (tmp_path / "outside.safetensors").write_bytes(b"not for you")
     meta_file = tmp_path / "run" / "step-0" / "meta.json"
@@ -347,7 +331,7 @@ def test_checkpoint_metadata_cannot_name_files_outside_the_checkpoint(tmp_path, 
 
 @pytest.mark.parametrize("target", ["../other-run/step-3", "/tmp", ".."])
 def test_latest_cannot_point_outside_its_folder(tmp_path, target):
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     step.save(tmp_path / "run" / "step-0", state)
     (tmp_path / "run" / "latest").write_text(target + "\n")
     before = _snapshot(tmp_path)
@@ -381,17 +365,17 @@ def test_an_hf_index_cannot_name_files_outside_the_model_folder(tmp_path, name):
 
 def test_keep_prunes_only_its_own_runs_checkpoints_and_a_resumed_run_is_the_same_run(tmp_path):
     ckpts = tmp_path / "ckpts"
-    other, other_state = _tiny_step(fp.Mesh())
+    other, other_state = tiny_step(fp.Mesh())
     other.save(ckpts / "other-1", other_state)  # another run's checkpoint beside ours
     other_files = _snapshot(ckpts / "other-1")
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     for k in range(3):
         state, _ = step(state, _ids(k))
         step.save(ckpts / f"step-{k + 1}", state, keep=2)
     names = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
     assert names == ["other-1", "step-2", "step-3"]  # ours pruned to 2; the other run's untouched
     assert _snapshot(ckpts / "other-1") == other_files
-    resumed, _ = _tiny_step(fp.Mesh())
+    resumed, _ = tiny_step(fp.Mesh())
     state, _ = resumed.load(ckpts)  # latest: step-3
     state, _ = resumed(state, _ids(3))
     resumed.save(ckpts / "step-4", state, keep=1)  # the resumed run is the same run: its older checkpoints go
@@ -412,7 +396,7 @@ _RUN: list = []  # one step, so one run: a run replaces its own checkpoint folde
 
 
 def _ckpt_save(folder, **kw):
-    _RUN[:] = _RUN or [_tiny_step(fp.Mesh())]
+    _RUN[:] = _RUN or [tiny_step(fp.Mesh())]
     step, state = _RUN[0]
     step.save(folder, state, **kw)
 
@@ -480,7 +464,7 @@ def test_a_crash_while_replacing_a_checkpoint_leaves_one_whole_checkpoint(tmp_pa
     one after the atomic exchange, the old one (put back from .NAME.old) between the fallback's two renames."""
     from funcpar.io import atomic
 
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     old = _snap_params(state)
     step.save(tmp_path / "step-1", state)
     state, _ = step(state, _ids(0))
@@ -514,9 +498,9 @@ def test_keep_does_not_take_a_folder_whose_metadata_was_edited_to_claim_the_run(
     import json
 
     ckpts = tmp_path / "ckpts"
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     step.save(ckpts / "step-1", state)
-    other, other_state = _tiny_step(fp.Mesh())
+    other, other_state = tiny_step(fp.Mesh())
     other.save(ckpts / "theirs", other_state)
     meta_file = ckpts / "theirs" / "meta.json"
     meta = json.loads(meta_file.read_text())
@@ -555,7 +539,7 @@ def test_convert_reads_only_verified_checkpoint_metadata(tmp_path):
     import subprocess
     import sys
 
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     step.save(tmp_path / "ckpt", state, extra={"model": "llama", "config": SMALL["llama"]().to_hf()})
     meta_file = tmp_path / "ckpt" / "meta.json"
     meta = json.loads(meta_file.read_text())
@@ -573,7 +557,7 @@ def _disk_fills(tmp: str, rank_full: int):
     import safetensors.torch
 
     mesh = harness.mesh(dp=2)
-    step, state = _tiny_step(mesh)
+    step, state = tiny_step(mesh)
     step.save(f"{tmp}/ck/step-0", state, keep=3)
     real = safetensors.torch.save_file
 
@@ -603,5 +587,5 @@ def test_a_full_disk_during_a_save_is_one_line_on_every_rank_and_loses_nothing(t
         " GiB free there): nothing was written and what was there is unchanged; the checkpoints before it are intact: "
         "free space, then --resume continues from the latest")
     assert not (tmp_path / "ck" / "step-1").exists() and not list((tmp_path / "ck").glob(".step-1*"))
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     step.load(tmp_path / "ck" / "step-0", state)

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import funcpar as fp
 import hf_fixtures
+from fixtures import SMALL, tiny_step
 from funcpar.io.checkpoint_source import crc
-from test_reliability import SMALL, _tiny_step
 
 
 def _snapshot(root):
@@ -26,7 +26,7 @@ def _snapshot(root):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A step and a checkpoint of it (copied by each test into its own folder)."""
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     folder = tmp_path_factory.mktemp("ckpt") / "run"
     step.save(folder / "step-0", state)
     return step, folder
@@ -339,7 +339,7 @@ def test_the_run_folders_files_are_never_written_through_a_symbolic_link(tmp_pat
                                       r"through links in its run folder; remove it"):
         open_own(run / "metrics.jsonl", "a")
     assert victim.read_text() == "mine"
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     ckpts = tmp_path / "ckpts"
     step.save(ckpts / "step-1", state)
     (ckpts / ".latest.tmp").symlink_to(victim)
@@ -373,10 +373,10 @@ def test_a_funcpar_folder_is_replaced_only_by_the_same_kind_of_write_for_the_sam
     they were, and the same run saving again (a resumed run re-saving its step) still replaces its own."""
     from funcpar.cli import main as cli
 
-    step, state = _tiny_step(fp.Mesh())
+    step, state = tiny_step(fp.Mesh())
     ckpts = tmp_path / "run" / "checkpoints"
     step.save(ckpts / "step-5", state)
-    other, other_state = _tiny_step(fp.Mesh())  # another run: another run id
+    other, other_state = tiny_step(fp.Mesh())  # another run: another run id
     fp.hf.save(tmp_path / "hf", step.gather_params(state), "llama", SMALL["llama"]())
     before = _snapshot(tmp_path)
     with pytest.raises(fp.checkpoint.CheckpointError, match=r"step-5 is a funcpar checkpoint of another run \("):

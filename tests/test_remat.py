@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcpar as fp
 import harness
+from fixtures import batches, config
 from funcpar.models import llama
-from test_step import batches, config
 
 
 def grads(mesh, remat, b):

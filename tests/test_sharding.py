@@ -3,6 +3,8 @@ Mesh(tp=4, dp=2); local shapes as spec.py predicts; gather onto one rank moves o
 
 import pytest
 import torch
+
+pytest.importorskip("hypothesis")  # (in the test extra)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

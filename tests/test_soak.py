@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_lifeline import _Job, _children, _rank_of
+from jobs import Job, children, rank_of
 
 pytestmark = [pytest.mark.soak, pytest.mark.subprocess]
 
@@ -38,7 +38,7 @@ def _step_of(line: str) -> int | None:
     return None
 
 
-def _next_step(job: _Job, at_least: int) -> tuple[int, float]:
+def _next_step(job: Job, at_least: int) -> tuple[int, float]:
     """The first logged step at or past ``at_least`` (a resumed run repeats the steps since its checkpoint), and
     when it came."""
     while True:
@@ -55,13 +55,13 @@ def test_a_run_that_loses_a_rank_twice_restarts_resumes_and_ends_bit_equal_by_it
     ref = _train(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
     kills = sorted(rng.sample(range(2, STEPS - 5), 2))
-    job = _Job(tmp_path, "--model", "llama-micro", *ARGS, "--max-restarts", "3")  # writes to tmp_path / "out"
+    job = Job(tmp_path, "--model", "llama-micro", *ARGS, "--max-restarts", "3")  # writes to tmp_path / "out"
     events, recoveries = [], []
     try:
         for k in kills:
             step, _ = _next_step(job, k)
             time.sleep(rng.uniform(0.0, 0.3))  # anywhere in the step or the save after it
-            workers = {_rank_of(p): p for p in _children(job.proc.pid)}
+            workers = {rank_of(p): p for p in children(job.proc.pid)}
             victim = rng.choice(sorted(workers))
             os.kill(workers[victim], signal.SIGKILL)
             killed = time.monotonic()

@@ -10,31 +10,10 @@ import torch
 
 import funcpar as fp
 import harness
+from fixtures import B, CLIP, LR, STEPS, T, WD, batches, config
 from funcpar.models import llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-STEPS, B, T, V = 5, 8, 16, 64
-CLIP, LR, WD = 0.5, 1e-2, 0.1
-
-
-def config(layers=2):
-    # 4 query heads, 2 kv heads: at tp=4 the k/v projections are replicated (more tp ranks than kv heads)
-    return llama.Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_windows=(None,) * layers)
-
-
-def batches():
-    out = []
-    for s in range(STEPS):
-        g = torch.Generator().manual_seed(100 + s)
-        ids = torch.randint(0, V, (B, T), generator=g)
-        labels = ids.clone()
-        labels[s % B, : 3 + s] = -100  # micro-batches and dp ranks hold different numbers of targets
-        labels[(s + 3) % B, 10:] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
 
 def make_opt(kind):
     if kind == "adamw":
@@ -80,7 +59,7 @@ def single(opt="adamw"):
 @functools.lru_cache(maxsize=None)
 def peer(opt="adamw"):
     """transformers' Llama + torch.optim + clip_grad_norm_ on the same weights and global batches."""
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     cfg = config()
     init = llama.init(cfg, seed=0)
@@ -172,7 +151,7 @@ def test_sgd_and_lion_match_single_process_and_peers():
 
 
 def lion_by_hand():
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     cfg = config()
     with tempfile.TemporaryDirectory() as d:
@@ -366,7 +345,7 @@ def test_a_consumed_state_raises_and_donation_changes_no_number(zero):
 
 
 def test_masked_freezes_leaves_and_decay_mask_matches_torch_param_groups(tmp_path):
-    import transformers as tf
+    tf = pytest.importorskip("transformers")
 
     cfg = config()
     mesh = fp.Mesh()

@@ -229,6 +229,7 @@ def test_a_datasets_folder_is_read_with_that_package_row_by_row(tmp_path, monkey
 def test_plain_text_is_encoded_in_bulk_to_the_ids_one_at_a_time_gives(tmp_path):
     """An HF fast tokenizer encodes plain-text samples BULK at a time: the stream equals encoding each sample
     alone, in order, with instruct samples between them (which go one by one)."""
+    pytest.importorskip("transformers")  # (and tokenizers with it)
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

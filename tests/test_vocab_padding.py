@@ -5,12 +5,13 @@ import functools
 
 import pytest
 import torch
-import transformers as tf
 
 import funcpar as fp
 import harness
 from funcpar.nn.layers import padded_vocab
-from test_models_hf import _assert_identical, _tensors
+from hf_fixtures import assert_identical, checkpoint_tensors
+
+tf = pytest.importorskip("transformers")
 
 V = 101
 
@@ -87,7 +88,7 @@ def test_odd_vocabulary_on_tp_2_and_4(ckpts, kind, tmp_path):
             assert (g - r).abs().max() <= 1e-5 * r.abs().max() + 1e-9, (kind, tp, name)
         table = grads["embed"] if kind == "llama" else grads["wte"]
         assert table[V:].abs().max() == 0  # padding rows learn nothing
-        _assert_identical(_tensors(path), _tensors(export))  # exports drop the padding
+        assert_identical(checkpoint_tensors(path), checkpoint_tensors(export))  # exports drop the padding
 
 
 def _train(sizes, path, steps):

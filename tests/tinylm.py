@@ -3,6 +3,8 @@
 A tiny pre-norm MLP language model: embedding -> [RMSNorm -> column-parallel fc_in -> GELU -> row-parallel fc_out,
 residual] x n -> RMSNorm -> vocab-parallel head. Its HF checkpoint names are its own ("tiny.*") and it stores
 fc_out transposed, so the name table exercises transposes. Importing this module registers model_type "tinylm".
+(Its HF form is what HF import and export need; a model without one needs no ModelSpec at all to train, on any mesh:
+examples/custom_pipeline.py.)
 """
 
 from __future__ import annotations
@@ -91,22 +93,20 @@ def _head(params, x, batch, cfg: Config, mesh, reduction="mean"):
                             cfg.vocab_size)
 
 
-def _trunk(params, tokens, cfg, mesh):
-    x = _embed(params, {"input_ids": tokens}, cfg, mesh)
-    for i, lp in enumerate(params["layers"]):
-        x = _block(lp, x, i, cfg, mesh)
-    return x
-
-
-def forward(params, tokens, cfg: Config, mesh):
-    return L.unpad_logits(_logits(params, _trunk(params, tokens, cfg, mesh), cfg, mesh), mesh, "tp", cfg.vocab_size)
+# step 4: the staged form (what ZeRO-3 and pipeline stages cut), and loss and forward composed from it
+STAGES = fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"], head_leaves=lambda cfg: ["norm", "head"])
 
 
 def loss(params, batch, cfg: Config, mesh, reduction="mean"):
-    return _head(params, _trunk(params, batch["input_ids"], cfg, mesh), batch, cfg, mesh, reduction)
+    return STAGES.loss(params, batch, cfg, mesh, reduction)
 
 
-# step 4: the HF name table, as data
+def forward(params, tokens, cfg: Config, mesh):
+    x = STAGES.hidden(params, {"input_ids": tokens}, cfg, mesh)
+    return L.unpad_logits(_logits(params, x, cfg, mesh), mesh, "tp", cfg.vocab_size)
+
+
+# step 5 (optional: a model without it trains alike, only HF import and export refuse it): the HF name table
 HF = fp.HFNames(
     [("embed", "tiny.embed.weight"), ("norm", "tiny.norm.weight"), ("head", "tiny.head.weight"),
      ("layers.{i}.norm", "tiny.h.{i}.norm.weight"), ("layers.{i}.w_in", "tiny.h.{i}.fc_in.weight"),
@@ -115,9 +115,9 @@ HF = fp.HFNames(
     vocab_padded=["embed", "head"],
 )
 
-# step 5: one ModelSpec, registered
+# step 6: one ModelSpec, registered (config_types: the JSON types of the config.json keys from_hf reads)
 MODEL = fp.register_model(fp.ModelSpec(
     name="tinylm", model_types=("tinylm",), Config=Config, init=init, specs=specs, forward=forward, loss=loss,
-    hf=HF, batch_weight=L.count_targets,
-    stages=fp.Stages(_embed, _block, _head, embed_leaves=lambda cfg: ["embed"], head_leaves=lambda cfg: ["norm", "head"]),
+    hf=HF, batch_weight=L.count_targets, stages=STAGES,
+    config_types={**dict.fromkeys(("vocab_size", "d_model", "d_hidden", "n_layers"), (int,)), "eps": (float,)},
 ))

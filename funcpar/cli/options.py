@@ -1,17 +1,24 @@
 """The options of a run and what they build: defaults, then a TOML/JSON ``--config`` file, then the command line;
 from them the model (a built-in name or an HF folder), the data, the optimizer and the train step. Shared by
 ``funcpar train`` and ``funcpar plan`` (:mod:`funcpar.cli.main`), which trace or run the same step.
+
+Each option is declared once, as a typed field of a group (:data:`GROUPS`: ``ModelOptions``, ``ParallelOptions``,
+...) with its default, help and rules (:func:`opt`); the parsers, ``--help``, :data:`DEFAULTS` and the checks are
+made from them (:data:`OPTIONS`). The rest of the CLI reads a run's options as a plain dict, ``opts["lr"]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
 import os
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -19,86 +26,200 @@ import funcpar as fp
 from funcpar.assets import ARITHMETIC
 from funcpar.parallel.mesh import CONTEXT_LAYOUTS, DEVICES
 
-DEFAULTS: dict[str, Any] = {  # in the order --help lists them
-    "model": "llama-tiny", "mesh": "tp=2,dp=2", "device": "auto", "data": "builtin:arithmetic", "tokenizer": "auto",
-    "token_cache": "auto",
-    "seq_len": 64, "pack": True, "cross_document": False, "global_batch": 32, "micro_batches": 1,
-    "optimizer": "adamw", "lr": 3e-3,
-    "pipeline": "1f1b", "chunks": 0, "parts": "", "schedule": "warmup_cosine", "warmup": 20, "weight_decay": 0.01,
-    "zero": 1, "clip": 1.0, "precision": "fp32", "remat": False, "sequence_parallel": False, "offload": False,
-    "compile": "auto", "final_lr": 0.1,
-    "cp_layout": "zigzag", "lora": "", "steps": 300,
-    "epochs": 0, "eval_every": 100, "eval_fraction": 0.05, "eval_data": "", "save_every": 100, "keep": 2,
-    "log_every": 20, "out": "out", "resume": False, "overwrite": False, "seed": 0,
-    "heartbeat": 60.0, "chat_template": "auto", "max_restarts": 0, "export_dtype": "auto",
-    "sample_prompts": "", "sample_tokens": 32, "track": "", "project": "funcpar",
-}
+# ------------------------------------------------------------------------------------------ the options
+# One field per option: its type, default, --help text and rules. From them: the parsers of ``funcpar train`` and
+# ``funcpar plan`` (``--no-x`` for booleans, a --help section per group), DEFAULTS, the checks, plan's flags.
 
-HELP = {
-    "model": "a built-in model (llama-tiny, llama-micro) or an HF folder to fine-tune",
-    "mesh": "axis sizes, e.g. tp=2,dp=2 or pp=2,dp=2 ('1': one process); the ranks start here unless under torchrun",
-    "device": "where the ranks run: cuda (one GPU per rank, refused when a node's ranks outnumber its GPUs), cpu, "
-              "or auto: cuda when every rank of the node has a GPU, else cpu with a warning",
-    "data": "a .jsonl/.txt file or a folder of them, or builtin:arithmetic (README: the formats and their text); "
-            "several mixed by weight: a.jsonl:0.7,b.txt:0.3 (each batch draws those shares of its rows)",
-    "token_cache": "where sources are tokenized once and read by every later run and rank: auto (sources "
-                   "of 256 MiB or more, under $FUNCPAR_TOKEN_CACHE or ~/.cache/funcpar/tokens), a folder (every "
-                   "source), or off (tokenize in memory each run)",
-    "tokenizer": "auto (the --model folder's own tokenizer; byte for a built-in model), byte, or a folder with an "
-                 "HF tokenizer", "seq_len": "tokens per row",
-    "pack": "pack samples into rows (--no-pack: one sample per row, padded)",
-    "cross_document": "let a packed sample attend to the samples before it in its row, at the row's positions (the "
-                      "default keeps each sample to itself, positions from 0, as if run alone; models without "
-                      "document support always pack this way)",
-    "global_batch": "rows per optimizer step, over all dp ranks and micro-batches",
-    "micro_batches": "micro-batches accumulated per step (the pipeline's micro-batches with pp)",
-    "optimizer": "adamw, lion or sgd", "lr": "peak learning rate",
-    "pipeline": "schedule with pp > 1: 1f1b, gpipe, interleaved or zb (zero bubble)",
-    "chunks": "virtual stages per pp rank (interleaved, zb)",
-    "parts": "layers per pipeline stage, e.g. 3,5 or 2.5,1.5 (default: balanced by weight, head included)",
-    "schedule": "warmup_cosine, warmup_linear or constant", "warmup": "warmup steps",
-    "weight_decay": "decoupled weight decay (not on norms and biases)", "zero": "ZeRO stage: 0, 1, 2 or 3",
-    "clip": "clip the global gradient norm to this (0: off)", "precision": "fp32, bf16 or fp16 (with loss scaling)",
-    "remat": "recompute activations in the backward pass (less memory)",
-    "offload": "keep the optimizer state and the master weights in host memory (GPU memory for larger models; the "
-               "update runs on the host)",
-    "compile": "torch.compile the gradient: auto (on a GPU, where it pays), on or off",
-    "final_lr": "the learning rate the warmup_cosine schedule ends at, as a fraction of --lr",
-    "sequence_parallel": "between tp regions each tp rank keeps its block of the sequence (less activation memory; "
-                         "--seq-len a multiple of tp; llama-family and gpt2)", "steps": "optimizer steps to train",
-    "cp_layout": "how --mesh cp=N splits each sequence: zigzag (rank c: pieces c and 2N-1-c of 2N, balanced "
-                 "attention work; --seq-len a multiple of 2N) or contiguous (rank c: chunk c of N)",
-    "lora": "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports the merged "
-            "model to hf/ and a PEFT adapter folder to adapter/",
-    "eval_every": "held-out loss every N steps and at the end (0: never)",
-    "eval_fraction": "share of each source's rows held out for evaluation, at most 2000 rows each (without "
-                     "--eval-data)",
-    "eval_data": "held-out data (a file or folder, --data's formats): the held-out loss is computed on it, and every "
-                 "row of --data trains",
-    "epochs": "passes over the training rows: sets --steps to epochs x (rows // --global-batch); not together with "
-              "--steps (0: --steps decides)",
-    "save_every": "checkpoint every N steps (0: only at the end)",
-    "keep": "checkpoints of this run to keep", "log_every": "a log line every N steps",
-    "out": "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/",
-    "resume": "continue the run in --out from its latest checkpoint",
-    "overwrite": "replace an earlier run in --out, or folders funcpar did not write",
-    "seed": "initialisation, data order and split",
-    "heartbeat": "seconds without progress after which a stuck rank is reported and the job ends (0: off)",
-    "chat_template": "conversations through the HF tokenizer's chat_template when it has one (auto), or "
-                     "funcpar's User:/Assistant: template (builtin)",
-    "sample_prompts": "a .txt file of prompts (one a line; \\n for a newline) or .jsonl of {\"prompt\": text or "
-                      "messages} or {\"messages\": [...]} (through the chat template): at each evaluation their "
-                      "greedy continuations by the model in training are printed and written to samples.jsonl (not "
-                      "with pp or cp)",
-    "sample_tokens": "tokens generated per prompt for --sample-prompts",
-    "track": "experiment trackers besides TensorBoard, when installed: wandb, mlflow or wandb,mlflow (the run's "
-             "options and every metrics row; a resumed run continues the same tracked run)",
-    "project": "the wandb project or MLflow experiment of --track",
-    "export_dtype": "the dtype of hf/'s weights: auto (the training dtype: --precision bf16 exports bf16), fp32 (with "
-                    "bf16/fp16 the float32 master weights, not their roundings), bf16 or fp16",
-    "max_restarts": "when a rank dies, restart every rank up to this many times (torchrun's restarts); restarted "
-                    "ranks resume from the run's last complete checkpoint",
-}
+MIN_HEARTBEAT = 2.0  # seconds: below it a slow collective or a checkpoint write reads as a stuck rank
+
+
+def opt(default, help: str, *, choices: tuple[str, ...] = (), at_least=None, at_most=None, plan: bool = False,
+        check: Callable[[Any, str], str | None] | None = None):
+    """One option, as a field of its group: its ``default``, its ``--help`` text and its rules: ``choices`` (the
+    values taken), ``at_least``/``at_most`` (a number's range), ``check(value, where)`` (a message for a value it
+    refuses, else None); ``plan``: ``funcpar plan`` takes it too (it shapes the step's memory)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, choices=tuple(choices), at_least=at_least,
+                                                            at_most=at_most, plan=plan, check=check))
+
+
+def _stuck_after(v, where: str) -> str | None:
+    if 0 < v < MIN_HEARTBEAT:
+        return (f"funcpar: --heartbeat {v!r}{where}: a rank is declared stuck after this many seconds without "
+                f"progress; use 0 (off) or at least {MIN_HEARTBEAT:g} (a healthy step's collectives and checkpoints "
+                f"take longer than {v!r} s)")
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """model and tokenizer"""
+
+    model: str = opt("llama-tiny", "a built-in model (llama-tiny, llama-micro) or an HF folder to fine-tune",
+                     plan=True)
+    tokenizer: str = opt("auto", "auto (the --model folder's own tokenizer; byte for a built-in model), byte, or a "
+                                 "folder with an HF tokenizer")
+    chat_template: str = opt("auto", "conversations through the HF tokenizer's chat_template when it has one (auto), "
+                                     "or funcpar's User:/Assistant: template (builtin)")
+    lora: str = opt("", "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports "
+                        "the merged model to hf/ and a PEFT adapter folder to adapter/")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelOptions:
+    """mesh and parallelism"""
+
+    mesh: str = opt("tp=2,dp=2", "axis sizes, e.g. tp=2,dp=2 or pp=2,dp=2 ('1': one process); the ranks start here "
+                                 "unless under torchrun", plan=True)
+    device: str = opt("auto", "where the ranks run: cuda (one GPU per rank, refused when a node's ranks outnumber its "
+                              "GPUs), cpu, or auto: cuda when every rank of the node has a GPU, else cpu with a "
+                              "warning", choices=DEVICES, plan=True)
+    zero: int = opt(1, "ZeRO stage: 0, 1, 2 or 3", at_least=0, at_most=3, plan=True)
+    pipeline: str = opt("1f1b", "schedule with pp > 1: 1f1b, gpipe, interleaved or zb (zero bubble)", plan=True)
+    chunks: int = opt(0, "virtual stages per pp rank (interleaved, zb)", at_least=0, plan=True)
+    parts: str = opt("", "layers per pipeline stage, e.g. 3,5 or 2.5,1.5 (default: balanced by weight, head "
+                         "included)", plan=True)
+    sequence_parallel: bool = opt(False, "between tp regions each tp rank keeps its block of the sequence (less "
+                                         "activation memory; --seq-len a multiple of tp; llama-family and gpt2)",
+                                  plan=True)
+    cp_layout: str = opt("zigzag", "how --mesh cp=N splits each sequence: zigzag (rank c: pieces c and 2N-1-c of 2N, "
+                                   "balanced attention work; --seq-len a multiple of 2N) or contiguous (rank c: chunk "
+                                   "c of N)", plan=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataOptions:
+    """data and batches"""
+
+    data: str = opt("builtin:arithmetic", "a .jsonl/.txt file or a folder of them, or builtin:arithmetic (README: the "
+                                          "formats and their text); several mixed by weight: a.jsonl:0.7,b.txt:0.3 "
+                                          "(each batch draws those shares of its rows)")
+    token_cache: str = opt("auto", "where sources are tokenized once and read by every later run and rank: auto "
+                                   "(sources of 256 MiB or more, under $FUNCPAR_TOKEN_CACHE or "
+                                   "~/.cache/funcpar/tokens), a folder (every source), or off (tokenize in memory "
+                                   "each run)")
+    seq_len: int = opt(64, "tokens per row", at_least=1, plan=True)
+    pack: bool = opt(True, "pack samples into rows (--no-pack: one sample per row, padded)")
+    cross_document: bool = opt(False, "let a packed sample attend to the samples before it in its row, at the row's "
+                                      "positions (the default keeps each sample to itself, positions from 0, as if "
+                                      "run alone; models without document support always pack this way)", plan=True)
+    global_batch: int = opt(32, "rows per optimizer step, over all dp ranks and micro-batches", at_least=1, plan=True)
+    micro_batches: int = opt(1, "micro-batches accumulated per step (the pipeline's micro-batches with pp)",
+                             at_least=1, plan=True)
+    eval_data: str = opt("", "held-out data (a file or folder, --data's formats): the held-out loss is computed on "
+                             "it, and every row of --data trains")
+    eval_fraction: float = opt(0.05, "share of each source's rows held out for evaluation, at most 2000 rows each "
+                                     "(without --eval-data)", at_least=0, at_most=0.5)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerOptions:
+    """optimizer and schedule"""
+
+    optimizer: str = opt("adamw", "adamw, lion or sgd", plan=True)
+    lr: float = opt(3e-3, "peak learning rate", at_least=0)
+    schedule: str = opt("warmup_cosine", "warmup_cosine, warmup_linear or constant")
+    warmup: int = opt(20, "warmup steps", at_least=0)
+    final_lr: float = opt(0.1, "the learning rate the warmup_cosine schedule ends at, as a fraction of --lr",
+                          at_least=0, at_most=1)
+    weight_decay: float = opt(0.01, "decoupled weight decay (not on norms and biases)", at_least=0)
+    clip: float = opt(1.0, "clip the global gradient norm to this (0: off)", at_least=0)
+    steps: int = opt(300, "optimizer steps to train", at_least=0)
+    epochs: int = opt(0, "passes over the training rows: sets --steps to epochs x (rows // --global-batch); not "
+                         "together with --steps (0: --steps decides)", at_least=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    """precision, memory and compilation"""
+
+    precision: str = opt("fp32", "fp32, bf16 or fp16 (with loss scaling)", plan=True)
+    remat: bool = opt(False, "recompute activations in the backward pass (less memory)", plan=True)
+    offload: bool = opt(False, "keep the optimizer state and the master weights in host memory (GPU memory for larger "
+                               "models; the update runs on the host)", plan=True)
+    compile: str = opt("auto", "torch.compile the gradient: auto (on a GPU, where it pays), on or off",
+                       choices=("auto", "on", "off"), plan=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalOptions:
+    """evaluation and samples"""
+
+    eval_every: int = opt(100, "held-out loss every N steps and at the end (0: never)", at_least=0)
+    sample_prompts: str = opt("", "a .txt file of prompts (one a line; \\n for a newline) or .jsonl of {\"prompt\": "
+                                  "text or messages} or {\"messages\": [...]} (through the chat template): at each "
+                                  "evaluation their greedy continuations by the model in training are printed and "
+                                  "written to samples.jsonl (not with pp or cp)")
+    sample_tokens: int = opt(32, "tokens generated per prompt for --sample-prompts", at_least=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunFolderOptions:
+    """run folder, checkpoints and restarts"""
+
+    out: str = opt("out", "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/")
+    resume: bool = opt(False, "continue the run in --out from its latest checkpoint")
+    overwrite: bool = opt(False, "replace an earlier run in --out, or folders funcpar did not write")
+    save_every: int = opt(100, "checkpoint every N steps (0: only at the end)", at_least=0)
+    keep: int = opt(2, "checkpoints of this run to keep", at_least=1)
+    log_every: int = opt(20, "a log line every N steps", at_least=1)
+    export_dtype: str = opt("auto", "the dtype of hf/'s weights: auto (the training dtype: --precision bf16 exports "
+                                    "bf16), fp32 (with bf16/fp16 the float32 master weights, not their roundings), "
+                                    "bf16 or fp16", choices=("auto", "fp32", "bf16", "fp16"))
+    seed: int = opt(0, "initialisation, data order and split")
+    heartbeat: float = opt(60.0, "seconds without progress after which a stuck rank is reported and the job ends (0: "
+                                 "off)", at_least=0, check=_stuck_after)
+    max_restarts: int = opt(0, "when a rank dies, restart every rank up to this many times (torchrun's restarts); "
+                               "restarted ranks resume from the run's last complete checkpoint", at_least=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrackingOptions:
+    """experiment tracking"""
+
+    track: str = opt("", "experiment trackers besides TensorBoard, when installed: wandb, mlflow or wandb,mlflow (the "
+                         "run's options and every metrics row; a resumed run continues the same tracked run)")
+    project: str = opt("funcpar", "the wandb project or MLflow experiment of --track")
+
+
+GROUPS = (ModelOptions, ParallelOptions, DataOptions, OptimizerOptions, MemoryOptions, EvalOptions, RunFolderOptions,
+          TrackingOptions)  # in the order --help lists them
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option as the parsers and checks read it: a field of a group in :data:`GROUPS`."""
+
+    name: str
+    kind: type  # the field's declared type: str, int, float or bool
+    default: Any
+    group: type
+    help: str
+    choices: tuple[str, ...]
+    at_least: Any
+    at_most: Any
+    plan: bool
+    check: Callable[[Any, str], str | None] | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _options() -> dict[str, Option]:
+    out = {}
+    for group in GROUPS:
+        kinds = typing.get_type_hints(group)
+        for f in dataclasses.fields(group):
+            if f.name in out or type(f.default) is not kinds[f.name]:  # (a mistake in a declaration: said at import)
+                raise TypeError(f"option {f.name} of {group.__name__}: declared twice, or its default "
+                                f"{f.default!r} is not of its type {kinds[f.name]}")
+            out[f.name] = Option(f.name, kinds[f.name], f.default, group, **f.metadata)
+    return out
+
+
+OPTIONS = _options()  # name -> Option, in --help's order
+DEFAULTS = types.MappingProxyType({name: o.default for name, o in OPTIONS.items()})  # (read only: opts copy it)
+
 
 _LLAMA_TINY = dict(vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -179,46 +300,60 @@ def _read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
-# what shapes the step's memory; the rest: defaults
-_PLAN_FLAGS = ("model", "mesh", "device", "seq_len", "global_batch", "micro_batches", "optimizer", "pipeline",
-               "chunks", "parts", "zero", "precision", "remat", "sequence_parallel", "cp_layout", "offload", "compile",
-               "cross_document")
 _ABOUT = {"train": "Train a model on a mesh, evaluate and checkpoint it as it goes, then export a transformers folder.",
           "plan": "Print the sharding table and the traced per-rank memory of the train step, without processes."}
+
+
+def taken(command: str) -> list[Option]:
+    """The options ``funcpar train`` takes (all), or ``funcpar plan`` (those that shape the step's memory; the rest
+    keep their defaults there)."""
+    return [o for o in OPTIONS.values() if command != "plan" or o.plan]
+
+
+def _add(ap, o: Option, typed: bool = False, **kw) -> None:
+    """``o``'s flag on ``ap`` (a parser or a group of one): ``--x``/``--no-x`` for a boolean, else ``--x VALUE``
+    (``typed``: converted to the option's type, ``--x INT``); ``None`` where the command line does not give it."""
+    if o.kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif typed:
+        kw.update(type=o.kind, metavar=o.kind.__name__.upper())
+    ap.add_argument(o.flag, dest=o.name, default=None, **kw)
+
+
+def parser(command: str, epilog: str | None = None, parents=()) -> argparse.ArgumentParser:
+    """The parser of ``funcpar train`` or ``funcpar plan`` (:func:`read_options`), a --help section per group."""
+    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=_ABOUT[command], epilog=epilog,
+                                 parents=list(parents), allow_abbrev=not parents)
+    ap.add_argument("--config", help="a TOML or JSON file of options (command-line flags override it; a run's "
+                                     "--out/config.json is one)")
+    ap.add_argument("--debug", action="store_true", help="tracebacks and torchrun's own logs on errors")
+    sections = {}
+    for o in taken(command):
+        if o.group not in sections:
+            sections[o.group] = ap.add_argument_group(o.group.__doc__)
+        text = o.help + (f" (default: {o.default})" if o.default != "" else "")
+        _add(sections[o.group], o, typed=True, help=text)
+    return ap
 
 
 def read_options(argv: list[str], command: str, epilog: str | None = None, parents=()) -> dict[str, Any]:
     """The options of ``funcpar train`` or ``funcpar plan`` (its flags: those that shape the step). ``parents``:
     parsers of the command's own flags (``add_help=False``), parsed by the caller: listed in the usage line and
     ``--help``, never taken here (abbreviations are then off: ``--mem`` is not ``--memory``)."""
-    ap = argparse.ArgumentParser(prog=f"funcpar {command}", description=_ABOUT[command], epilog=epilog,
-                                 parents=list(parents), allow_abbrev=not parents)
-    ap.add_argument("--config", help="a TOML or JSON file of options (command-line flags override it; a run's "
-                                     "--out/config.json is one)")
-    ap.add_argument("--debug", action="store_true", help="tracebacks and torchrun's own logs on errors")
-    for key, default in DEFAULTS.items():
-        if command == "plan" and key not in _PLAN_FLAGS:
-            continue
-        flag, text = "--" + key.replace("_", "-"), HELP[key] + (f" (default: {default})" if default != "" else "")
-        if isinstance(default, bool):
-            ap.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            ap.add_argument(flag, dest=key, type=type(default), default=None, help=text,
-                            metavar=type(default).__name__.upper())
+    ap = parser(command, epilog, parents)
     args, unknown = ap.parse_known_args(argv)
     if unknown:
-        flags = ["--config", "--debug"] + ["--" + k.replace("_", "-") for k in DEFAULTS
-                                           if command != "plan" or k in _PLAN_FLAGS]
+        flags = ["--config", "--debug"] + [o.flag for o in taken(command)]
         flags += [f for p in parents for f in p._option_string_actions if f.startswith("--")]
         raise SystemExit(_unknown_flag(unknown[0], ap.prog, flags))
     opts = dict(DEFAULTS)
     if args.config:
         cfg = _read_config(args.config)
-        unknown = sorted(set(cfg) - set(DEFAULTS))
+        unknown = sorted(set(cfg) - set(OPTIONS))
         if unknown:
             raise SystemExit(f"funcpar: unknown option(s) in {args.config}: {', '.join(unknown)}")
         opts.update(cfg)
-    opts.update({k: v for k, v in vars(args).items() if v is not None and k in DEFAULTS})
+    opts.update({k: v for k, v in vars(args).items() if v is not None and k in OPTIONS})
     _check_options(opts, args.config)
     return opts
 
@@ -230,7 +365,7 @@ def saved_run_options(path: Path) -> dict[str, Any] | None:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return cfg if isinstance(cfg, dict) and cfg and set(cfg) <= set(DEFAULTS) else None
+    return cfg if isinstance(cfg, dict) and cfg and set(cfg) <= set(OPTIONS) else None
 
 
 def run_options(opts: dict[str, Any], argv: list[str]) -> dict[str, Any]:
@@ -256,9 +391,8 @@ def _given(argv: list[str]) -> dict[str, Any]:
     ap = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     ap.add_argument("--config")
     ap.add_argument("--debug", action="store_true", default=None)
-    for key, default in DEFAULTS.items():
-        kind = {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {}
-        ap.add_argument("--" + key.replace("_", "-"), dest=key, default=None, **kind)
+    for o in OPTIONS.values():
+        _add(ap, o)
     try:
         args, _ = ap.parse_known_args(argv)
     except (argparse.ArgumentError, SystemExit):  # (read_options has said what is wrong with argv already)
@@ -312,36 +446,25 @@ def _unknown_flag(arg: str, prog: str, flags: list[str]) -> str:
     return f"funcpar: {prog.removeprefix('funcpar ')} takes no {what} '{arg}'{hint}"
 
 
-_AT_LEAST = {"seq_len": 1, "global_batch": 1, "micro_batches": 1, "steps": 0, "warmup": 0, "weight_decay": 0,
-             "clip": 0, "zero": 0, "eval_every": 0, "save_every": 0, "keep": 1, "log_every": 1, "chunks": 0,
-             "eval_fraction": 0, "lr": 0, "heartbeat": 0, "max_restarts": 0, "epochs": 0, "final_lr": 0,
-             "sample_tokens": 1}
-_AT_MOST = {"zero": 3, "eval_fraction": 0.5, "final_lr": 1}
-MIN_HEARTBEAT = 2.0  # seconds: below it a slow collective or a checkpoint write reads as a stuck rank
-_CHOICES = {"device": DEVICES, "export_dtype": ("auto", "fp32", "bf16", "fp16"), "compile": ("auto", "on", "off")}
-
-
 def _check_options(opts: dict[str, Any], config: str | None) -> None:
-    """Every option of the type its default has, and numbers in their ranges: one clear line otherwise."""
+    """Every option of its declared type, within its choices, range and check: one clear line otherwise."""
     where = f" (from {config} or the command line)" if config else ""
-    for key, default in DEFAULTS.items():
-        v, kind = opts[key], type(default)
+    for o in OPTIONS.values():
+        v, kind = opts[o.name], o.kind
         ok = isinstance(v, bool) if kind is bool else (
             isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
             if kind in (int, float) else isinstance(v, str))
         if not ok:
-            raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: expected {kind.__name__}")
-        if key in _CHOICES and v not in _CHOICES[key]:
-            raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: expected one of "
-                             f"{', '.join(_CHOICES[key])}")
-        if key == "heartbeat" and 0 < v < MIN_HEARTBEAT:
-            raise SystemExit(f"funcpar: --heartbeat {v!r}{where}: a rank is declared stuck after this many seconds "
-                             f"without progress; use 0 (off) or at least {MIN_HEARTBEAT:g} (a healthy step's "
-                             f"collectives and checkpoints take longer than {v!r} s)")
-        if key in _AT_LEAST and not (v >= _AT_LEAST[key] and v <= _AT_MOST.get(key, float("inf"))):
-            hi = f" and at most {_AT_MOST[key]}" if key in _AT_MOST else ""
-            raise SystemExit(f"funcpar: --{key.replace('_', '-')} {v!r}{where}: must be a number at least "
-                             f"{_AT_LEAST[key]}{hi}")
+            raise SystemExit(f"funcpar: {o.flag} {v!r}{where}: expected {kind.__name__}")
+        if o.choices and v not in o.choices:
+            raise SystemExit(f"funcpar: {o.flag} {v!r}{where}: expected one of {', '.join(o.choices)}")
+        refused = o.check(v, where) if o.check else None
+        if refused:
+            raise SystemExit(refused)
+        at_most = float("inf") if o.at_most is None else o.at_most
+        if o.at_least is not None and not (v >= o.at_least and v <= at_most):
+            hi = f" and at most {o.at_most}" if o.at_most is not None else ""
+            raise SystemExit(f"funcpar: {o.flag} {v!r}{where}: must be a number at least {o.at_least}{hi}")
 
 
 # ------------------------------------------------------------------------------------------ model, data, step

@@ -396,6 +396,7 @@ def export_hf(path, out, model, cfg, mesh: Mesh | None = None, **kwargs) -> None
     from funcpar.io import hf
 
     model = get_model(model)
+    model.check_hf("export_hf", CheckpointError)
     mesh = mesh or Mesh()
     cfg = cfg.with_mesh(mesh)
     specs = model.specs(cfg, mesh)

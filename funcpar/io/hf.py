@@ -92,7 +92,9 @@ def name_plan(model: Any, paths: list[str], cfg: Any = None, names: HFNames | No
     layouts, default the one ``save`` writes). With ``cfg``, a fused tensor's parts are as large as their leaves
     (ChatGLM's q, k, v rows differ); without, taken to be equal."""
     model = get_model(model)
-    names = model.hf if names is None else names
+    if names is None:
+        model.check_hf("mapping its leaves to HF tensor names", HFError)
+        names = model.hf
     rules = []
     for pat, hf in names.table:
         rx = re.compile("^" + re.escape(pat).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
@@ -220,8 +222,9 @@ def load(
 
     Raises:
         HFError: the folder is not a checkpoint this model can read (no ``config.json`` or weights, a
-            ``model_type`` funcpar or ``model`` does not know, a config key of the wrong type or value), or its
-            tensors do not match the model (missing, unexpected, wrong shape, wrong dtype).
+            ``model_type`` funcpar or ``model`` does not know, a ``model`` without an HF form, a config key of the
+            wrong type or value), or its tensors do not match the model (missing, unexpected, wrong shape, wrong
+            dtype).
         ModelError: ``model`` is not a model spec, a model module or a registered name.
     """
     folder = Path(path)
@@ -354,11 +357,13 @@ def save(path: str | os.PathLike, params: Any, model: Any, cfg: Any, mesh: Mesh 
             Default ``None``: weights and ``config.json`` only.
 
     Raises:
-        HFError: a leaf that is not a parameter of ``model``, a ``max_shard_size`` that is not a size, an existing
+        HFError: a model without an HF form (:meth:`funcpar.ModelSpec.check_hf`), a leaf that is not a parameter
+            of ``model``, a ``max_shard_size`` that is not a size, an existing
             ``path`` funcpar may not replace, or a write that failed on another rank (nothing is written then,
             and what was at ``path`` is unchanged).
     """
     model = get_model(model)
+    model.check_hf("fp.hf.save (a transformers folder)", HFError)
     model = get_model(model.hf.export_as) if model.hf.export_as else model  # a layout read, never written
     mesh = mesh or Mesh()
     cfg = cfg.with_mesh(mesh)

@@ -83,6 +83,7 @@ def resolve_model(model: Any, cfg: dict, folder: Path) -> ModelSpec:
                           f"{', '.join(sorted(known))} (register a model with funcpar.register_model)")
         return known[mt]
     spec = get_model(model)
+    spec.check_hf(f"reading {folder}", HFError)
     if mt is not None and mt not in spec.model_types:
         raise HFError(
             f"{folder / 'config.json'} has model_type '{mt}', which model '{spec.name}' does not implement "

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from funcpar.optim.base import Fused, GradientTransformation, chain, leaves, mask_list
+from funcpar.optim.base import Fused, InPlaceTransformation, chain, leaves, mask_list
 from funcpar.optim.schedules import Schedule
 from funcpar.optim.transforms import (ScaleByAdamState, ScaleByLearningRateState, as_schedule, add_decayed_weights,
                                       count_value, lr_at, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace)
 
 
-def _decay(weight_decay: float, mask: Any) -> list[GradientTransformation]:
+def _decay(weight_decay: float, mask: Any) -> list[InPlaceTransformation]:
     return [add_decayed_weights(weight_decay, mask)] if weight_decay else []
 
 
@@ -27,7 +27,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     mask: Any = None,
-) -> GradientTransformation:
+) -> InPlaceTransformation:
     """AdamW as ``torch.optim.AdamW`` computes it (bias-corrected moments, decoupled decay ``lr*wd*p``):
     ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``.
 
@@ -81,7 +81,7 @@ def _stage(state: tuple, kind: type):
 
 def lion(
     lr: float | Schedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, mask: Any = None
-) -> GradientTransformation:
+) -> InPlaceTransformation:
     """Lion (Chen et al. 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, then ``m = b2*m + (1-b2)*g``:
     ``chain(scale_by_lion, add_decayed_weights, scale_by_learning_rate)``.
 
@@ -92,7 +92,7 @@ def lion(
 
 def sgd(
     lr: float | Schedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0, mask: Any = None
-) -> GradientTransformation:
+) -> InPlaceTransformation:
     """SGD as ``torch.optim.SGD`` computes it (L2 ``weight_decay`` added to the gradient before the momentum,
     dampening 0): ``chain(add_decayed_weights, trace, scale_by_learning_rate)``.
 

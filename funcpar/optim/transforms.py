@@ -1,10 +1,14 @@
 """The building blocks the optimizers are chained from, computed with ``torch._foreach_*`` over all leaves at once.
 
-Every ``update`` skips ``None`` leaves (frozen under :func:`~funcpar.optim.masked`), accepts leaves of any shape
+Each is an :class:`~funcpar.optim.base.InPlaceTransformation`. Every ``update`` skips
+:data:`~funcpar.optim.base.ABSENT` leaves (frozen under :func:`~funcpar.optim.masked`), accepts leaves of any shape
 (ZeRO's 1-D slices, some of them empty), never writes the caller's grads, params or state unless told (the train step
 passes ``inplace=InPlace(updates=True, state=True)``: the gradients are its own and it donated the state), and
 passes ``**extra`` by. Inside a :func:`~funcpar.optim.chain` a stage overwrites update tensors an earlier stage
 created (``inplace.updates``, see :mod:`funcpar.optim.base`) instead of making one more temporary.
+
+:func:`clip_by_global_norm` clips by the norm the caller passes (the train step's, over every shard, from
+:mod:`funcpar.train.norms`); without one, by :func:`global_norm` of the leaves given, computed here plainly.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcpar.optim.base import (NOTHING, GradientTransformation, InPlace, leaves, mask_list, mul_leaves as _mul,
+from funcpar.optim.base import (NOTHING, InPlace, InPlaceTransformation, leaves, mask_list, mul_leaves as _mul,
                                 unflatten_like)
 from funcpar.optim.schedules import Schedule, check_hyper, constant
 
@@ -53,73 +57,16 @@ def _on_leaves(update):
     return wrapped
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # (bf16 and fp16 values are float32 values exactly)
-_TINY = torch.finfo(torch.float32).tiny
-
-
-def _row_sum_of_squares(x: torch.Tensor, row: int) -> torch.Tensor:
-    """The float32 2-norms of ``row``-element rows of the flat ``x``, squared and summed in float64 (the tail in
-    float64): a handful of kernels whatever the size, no device sync."""
-    n = x.numel() // row * row
-    total = torch.linalg.vector_norm(x[:n].reshape(-1, row), dim=1, dtype=torch.float32).double().square().sum()
-    if n < x.numel():
-        total = total + torch.linalg.vector_norm(x[n:], dtype=torch.float64).square()
-    return total
-
-
-def _exact_sum_of_squares(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Float64 copies of ``chunk`` elements of the flat ``x`` at a time, squared and summed."""
-    return torch.stack([torch.linalg.vector_norm(x[i : i + chunk], dtype=torch.float64) ** 2
-                        for i in range(0, x.numel(), chunk)]).sum()
-
-
-def _needs_exact(total: float, numel: int) -> bool:
-    """Whether the row path's ``total`` may be off: inf (a row past float32's range, an element above ~1e19) or
-    within float32's subnormal range (the rows' squares lost digits, or underflowed to 0). NaN stays NaN."""
-    return total == math.inf or total < numel * _TINY
-
-
-def _to_host(ts: list) -> list:
-    """Python floats of the 0-d tensors in ``ts`` (None stays None): one copy to the host (a sync) per device."""
-    out = [None] * len(ts)
-    for dev in dict.fromkeys(t.device for t in ts if t is not None):
-        idx = [i for i, t in enumerate(ts) if t is not None and t.device == dev]
-        for i, v in zip(idx, torch.stack([ts[i] for i in idx]).cpu().tolist(), strict=True):
-            out[i] = v
-    return out
-
-
-def sums_of_squares(xs: list[torch.Tensor], chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
-    """``(x ** 2).sum()`` of each of ``xs`` in float64, as one float64 tensor on the host: what the step's gradient
-    norm needs, with one device sync (two where a result needs the exact path).
-
-    A float32 norm of a million-element tensor is off by ~1e-3 relative, enough to move clipping off the
-    single-process run's. Here a float, bf16 or fp16 ``x`` takes the float32 2-norms of ``row``-element rows, squared
-    and summed in float64: each row within a float32 rounding, which mostly averages out over rows; a handful of
-    kernels per tensor whatever its size, where float64 copies a chunk at a time cost more on the CPU and launched
-    thousands of kernels a step on a GPU (docs/MEASUREMENTS.md, benchmarks/GPU.md). A result the rows
-    may have got wrong (:func:`_needs_exact`) and any other dtype: float64 copies of ``chunk`` elements at a time,
-    all copied to the host together."""
-    xs = [x.detach().reshape(-1) for x in xs]
-    fast = _to_host([_row_sum_of_squares(x, row) if x.numel() and x.dtype in _FLOATS else None for x in xs])
-    redo = [_exact_sum_of_squares(x, chunk) if x.numel() and (f is None or _needs_exact(f, x.numel())) else None
-            for x, f in zip(xs, fast, strict=True)]
-    exact = _to_host(redo)
-    rows = zip(xs, fast, exact, strict=True)
-    return torch.tensor([0.0 if not x.numel() else e if e is not None else f for x, f, e in rows], dtype=torch.float64)
-
-
-def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20, row: int = 128) -> torch.Tensor:
-    """``(x ** 2).sum()`` in float64 on ``x``'s device: on the host :func:`sums_of_squares`'s (row norms, and its
-    exact path where they may be off: no sync there); elsewhere float64 copies of ``chunk`` elements at a time, which
-    never wait for the device (a bare optimizer's clipping stays asynchronous; :class:`funcpar.Step` batches every
-    bucket through :func:`sums_of_squares` instead)."""
+def sum_of_squares(x: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """``(x ** 2).sum()`` in float64 on ``x``'s device: float64 copies of ``chunk`` elements at a time, squared and
+    summed, exact to float64 rounding and never waiting for the device (a bare optimizer's clipping stays
+    asynchronous). The train step's norm takes a faster path over all its buckets at once
+    (:func:`funcpar.train.norms.sums_of_squares`)."""
     x = x.detach().reshape(-1)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=x.device)
-    if x.device.type == "cpu":
-        return sums_of_squares([x], chunk, row)[0]
-    return _exact_sum_of_squares(x, chunk)
+    return torch.stack([torch.linalg.vector_norm(x[i : i + chunk], dtype=torch.float64) ** 2
+                        for i in range(0, x.numel(), chunk)]).sum()
 
 
 def global_norm(tree: Any) -> torch.Tensor:
@@ -133,11 +80,12 @@ def global_norm(tree: Any) -> torch.Tensor:
 _tree_norm = global_norm
 
 
+
 class ClipState(NamedTuple):
     pass
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> InPlaceTransformation:
     """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does.
 
     The norm is ``extra["global_norm"]`` when the caller passes it (a sharded step does, over every shard), else
@@ -162,14 +110,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         c = factor(grads, state, params, global_norm=global_norm)[0]
         return unflatten_like(grads, _mul(xs, c, inplace.updates)), state
 
-    return GradientTransformation(init, update, fresh=_always, factor=factor)
+    return InPlaceTransformation(init, update, fresh=_always, factor=factor)
 
 
 class ScaleState(NamedTuple):
     pass
 
 
-def scale(factor: float) -> GradientTransformation:
+def scale(factor: float) -> InPlaceTransformation:
     """``u * factor``."""
 
     def init(params):
@@ -182,7 +130,7 @@ def scale(factor: float) -> GradientTransformation:
     def scalar(grads, state, *args, **extra):
         return factor, state
 
-    return GradientTransformation(init, update, fresh=_always, factor=scalar)
+    return InPlaceTransformation(init, update, fresh=_always, factor=scalar)
 
 
 def lr_at(schedule: Schedule, count: torch.Tensor) -> float:
@@ -197,7 +145,7 @@ class ScaleByLearningRateState(NamedTuple):
     count: torch.Tensor  # int64 scalar: updates done before this one (0 at the first update)
 
 
-def scale_by_learning_rate(lr: float | Schedule) -> GradientTransformation:
+def scale_by_learning_rate(lr: float | Schedule) -> InPlaceTransformation:
     """``u * -lr(count)``; ``lr`` is a float or a schedule (step 0 is the first update), reported as ``.schedule``."""
     schedule = as_schedule(lr)
 
@@ -211,14 +159,14 @@ def scale_by_learning_rate(lr: float | Schedule) -> GradientTransformation:
             return grads, new
         return unflatten_like(grads, _mul(xs, -lr_at(schedule, state.count), inplace.updates)), new
 
-    return GradientTransformation(init, update, schedule, fresh=_always)
+    return InPlaceTransformation(init, update, schedule=schedule, fresh=_always)
 
 
 class AddDecayedWeightsState(NamedTuple):
     pass
 
 
-def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransformation:
+def add_decayed_weights(weight_decay: float, mask: Any = None) -> InPlaceTransformation:
     """``u + weight_decay * p`` on the leaves where ``mask`` is True (a bool tree like the params, ``None`` leaves
     included, or a single bool; ``None`` = every leaf). The one implementation of masked weight decay; needs
     ``params``."""
@@ -245,7 +193,7 @@ def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransf
         return unflatten_like(grads, out), state
 
     # fresh out unless the input was not and some leaves pass through undecayed (the caller's tensors)
-    return GradientTransformation(init, update, fresh=lambda fresh: fresh or (all_leaves and bool(weight_decay)))
+    return InPlaceTransformation(init, update, fresh=lambda fresh: fresh or (all_leaves and bool(weight_decay)))
 
 
 class ScaleByAdamState(NamedTuple):
@@ -254,7 +202,7 @@ class ScaleByAdamState(NamedTuple):
     nu: Any  # second moment, like the params
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> InPlaceTransformation:
     """Adam's direction ``m_hat / (sqrt(v) / sqrt(bc2) + eps)`` with ``m_hat = m / bc1``, ``bc = 1 - b**t``: eps
     where ``torch.optim.Adam(W)`` puts it; no learning rate, no decay.
 
@@ -297,14 +245,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         new = ScaleByAdamState(state.count + 1, unflatten_like(grads, mu), unflatten_like(grads, nu))
         return unflatten_like(grads, upd), new
 
-    return GradientTransformation(init, update, fresh=_always)
+    return InPlaceTransformation(init, update, fresh=_always)
 
 
 class ScaleByLionState(NamedTuple):
     mu: Any  # momentum, like the params
 
 
-def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> InPlaceTransformation:
     """Lion's direction (Chen et al. 2023): ``sign(lerp(mu, g, 1-b1))``; then ``mu = lerp(mu, g, 1-b2)``."""
     for name, b in (("b1", b1), ("b2", b2)):
         check_hyper("scale_by_lion", name, b, hi=1.0)
@@ -323,14 +271,14 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         new_mu = torch._foreach_lerp(mu, g, 1 - b2)
         return unflatten_like(grads, upd), ScaleByLionState(unflatten_like(grads, new_mu))
 
-    return GradientTransformation(init, update, fresh=_always)
+    return InPlaceTransformation(init, update, fresh=_always)
 
 
 class TraceState(NamedTuple):
     trace: Any  # the momentum buffer, like the params
 
 
-def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+def trace(decay: float, nesterov: bool = False) -> InPlaceTransformation:
     """Momentum as ``torch.optim.SGD`` computes it with dampening 0: ``buf = decay * buf + u``; the update is
     ``buf``, or ``u + decay * buf`` with ``nesterov`` (the zero initial buffer makes the first ``buf`` equal ``u``)."""
     check_hyper("trace", "decay (momentum)", decay, hi=1.0)
@@ -354,4 +302,4 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             return grads, new
         return unflatten_like(grads, torch._foreach_add(g, buf, alpha=decay)), new
 
-    return GradientTransformation(init, update, fresh=lambda fresh: nesterov)
+    return InPlaceTransformation(init, update, fresh=lambda fresh: nesterov)

@@ -26,6 +26,11 @@ Non-differentiable: :func:`all_reduce` (sum/max/min/avg, over one axis or severa
 gradient norm) and :func:`broadcast`; point-to-point operations (pipeline stages) live in :mod:`funcpar.parallel.p2p`.
 Every wait is bounded by the mesh's timeout: a dead or stuck peer becomes an error, not a hang
 (:mod:`funcpar.parallel.transport`, which also holds the rings host tensors reduce-scatter and all-gather over).
+
+What a collective sends goes through the mesh's ``comm``, chosen once by its kind: :class:`CollectiveWire` (a
+:class:`funcpar.Mesh`: torch.distributed over the axis's process group) or :class:`CollectiveSimulation` (an abstract
+mesh, for planning: nothing sent, traffic counted, buffers filled as if every rank held this rank's values);
+:mod:`funcpar.parallel.p2p` adds the messages to both.
 """
 
 from __future__ import annotations
@@ -47,11 +52,12 @@ __all__ = [
     "copy_to_region", "reduce_from_region", "reduce_from_region_", "all_gather", "reduce_scatter",
     "scatter_to_region", "gather_from_region", "all_to_all", "all_reduce", "all_gather_nograd",
     "reduce_scatter_nograd", "reduce_scatter_segments", "all_reduce_start", "broadcast", "barrier", "CollectiveError",
+    "CollectiveWire", "CollectiveSimulation",
 ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# raw (non-differentiable) operations; the only calls into torch.distributed
+# the mesh's communication, by kind (mesh.comm): the only calls into torch.distributed, and their stand-ins
 # ---------------------------------------------------------------------------------------------------------------
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -76,45 +82,128 @@ def _check_divisible(x: torch.Tensor, dim: int, mesh: "Mesh", axis: str, what: s
     return n
 
 
-def simulated(mesh: "Mesh", axis: str, nbytes: float) -> int:
-    """Over an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning) collectives are simulated, every rank taken
-    to hold this rank's values: the allocations are the real run's, the numbers are not. Counts the traffic
-    (:func:`_count`) and returns the group's size."""
-    return _count(mesh, axis, nbytes)
+class CollectiveWire:
+    """The collectives of a :class:`funcpar.Mesh` (its ``comm``, with :mod:`funcpar.parallel.p2p`'s messages):
+    torch.distributed over the axis's process group (``axis="world"``: the default group), each collective counted
+    and recorded as it is posted (:func:`funcpar.parallel.transport.count`) and waited for within the mesh's timeout.
+    Host tensors reduce-scatter and all-gather over funcpar's rings, CUDA tensors over NCCL's collectives. Each
+    method takes contiguous tensors (``xm``: this rank's, its blocks along dimension 0)."""
+
+    def all_reduce(self, y: torch.Tensor, mesh: "Mesh", axis: str, op: str) -> torch.Tensor:
+        """``y`` reduced in place (``op``: sum, max or min) and returned."""
+        group = None if axis == "world" else mesh.group(axis)
+        _count(mesh, axis, 2 * y.numel() * y.element_size(), f"all_reduce({op})")  # reduce-scatter + all-gather
+        work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=group, async_op=True)
+        _wait(work, mesh, f"all_reduce({op})", axis)
+        return y
+
+    def all_reduce_start(self, x: torch.Tensor, mesh: "Mesh", axis: str) -> "Callable[[], torch.Tensor]":
+        """Start summing ``x`` in place; returns what waits for it (:func:`all_reduce_start`)."""
+        _count(mesh, axis, 2 * x.numel() * x.element_size(), "all_reduce(sum)")  # reduce-scatter + all-gather
+        work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=mesh.group(axis), async_op=True)
+
+        def done() -> torch.Tensor:
+            _wait(work, mesh, "all_reduce(sum)", axis)
+            return x
+
+        return done
+
+    def all_gather(self, xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
+        """``out`` = the ranks' ``xm`` one after another along dimension 0."""
+        _count(mesh, axis, out.numel() * out.element_size(), "all_gather")
+        if out.device.type == "cpu":
+            ring_all_gather(xm, out, mesh, axis)
+        else:
+            _wait(_all_gather_flat(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_gather", axis)
+
+    def reduce_scatter(self, xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
+        """``out`` = this rank's block (along dimension 0) of the sum of the ranks' ``xm``."""
+        if out.device.type == "cpu":  # the host ring, over the one segment
+            self.reduce_scatter_segments([(0, xm.view(-1))], xm.numel(), out.view(-1), mesh, axis)
+        else:
+            _count(mesh, axis, xm.numel() * xm.element_size(), "reduce_scatter")
+            _wait(_reduce_scatter_flat(out, xm, group=mesh.group(axis), async_op=True), mesh, "reduce_scatter", axis)
+
+    def segments_on(self, t: torch.Tensor) -> bool:
+        """Whether :meth:`reduce_scatter_segments` runs on tensors where ``t`` is: the host ring's, on the host."""
+        return t.is_cpu
+
+    def reduce_scatter_segments(self, segs: "Segments", total: int, out: torch.Tensor, mesh: "Mesh",
+                                axis: str) -> None:
+        """``out`` (1-D) = this rank's block of the sum of the ranks' flat ranges ``segs`` describe (host tensors:
+        :meth:`segments_on`)."""
+        _count(mesh, axis, total * out.element_size(), "reduce_scatter")
+        ring_reduce_scatter(segs, total, out, mesh, axis)
+
+    def all_to_all(self, xm: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+        """Block j of ``xm`` to rank j; rank j's block for this rank at place j."""
+        _count(mesh, axis, xm.numel() * xm.element_size(), "all_to_all")  # (n-1)/n of the blocks leave, as in a ring
+        out = torch.empty_like(xm)
+        _wait(dist.all_to_all_single(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_to_all", axis)
+        return out
+
+    def broadcast(self, x: torch.Tensor, mesh: "Mesh", axis: str, src: int) -> torch.Tensor:
+        """A new tensor: the value of the rank at coordinate ``src`` along ``axis``."""
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        note_collective(mesh, axis, f"broadcast(from {src})", y.numel() * y.element_size())
+        work = dist.broadcast(y, src=mesh.group_ranks(axis)[src], group=mesh.group(axis), async_op=True)
+        _wait(work, mesh, "broadcast", axis)
+        return y
+
+
+class CollectiveSimulation:
+    """The collectives of an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning; its ``comm``, with
+    :mod:`funcpar.parallel.p2p`'s messages): nothing is sent, every rank is taken to hold this rank's values. The
+    allocations are the real run's (a host ring's staging block included), the numbers are not; the traffic is
+    counted as a wire counts it, and nothing is recorded. The methods are :class:`CollectiveWire`'s."""
+
+    def all_reduce(self, y: torch.Tensor, mesh: "Mesh", axis: str, op: str) -> torch.Tensor:
+        n = _count(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
+        return y.mul_(n) if op == "sum" else y
+
+    def all_reduce_start(self, x: torch.Tensor, mesh: "Mesh", axis: str) -> "Callable[[], torch.Tensor]":
+        x.mul_(_count(mesh, axis, 2 * x.numel() * x.element_size()))
+        return lambda: x
+
+    def all_gather(self, xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
+        for block in out.chunk(_count(mesh, axis, out.numel() * out.element_size())):
+            block.copy_(xm)
+
+    def reduce_scatter(self, xm: torch.Tensor, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
+        self.reduce_scatter_segments([(0, xm.view(-1))], xm.numel(), out.view(-1), mesh, axis)
+
+    def segments_on(self, t: torch.Tensor) -> bool:
+        return True  # (a plan's meta tensors too)
+
+    def reduce_scatter_segments(self, segs: "Segments", total: int, out: torch.Tensor, mesh: "Mesh",
+                                axis: str) -> None:
+        host = mesh.device.type == "cpu"  # on host tensors the ring holds one more block while it runs (n > 2: two)
+        staged = [torch.empty_like(out) for _ in range(min(mesh.axis_size(axis) - 2, 2))] if host else []
+        fill(out, pieces(segs, 0, out.numel())).mul_(_count(mesh, axis, total * out.element_size()))
+        staged.clear()  # (held while the ring would run)
+
+    def all_to_all(self, xm: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+        n = _count(mesh, axis, xm.numel() * xm.element_size())  # every rank sends its own block, as this one
+        return xm.view(n, -1)[mesh.coord(axis)].repeat(n, 1).view(xm.shape)
+
+    def broadcast(self, x: torch.Tensor, mesh: "Mesh", axis: str, src: int) -> torch.Tensor:
+        return x.detach().clone()
 
 
 def _raw_all_reduce(x: torch.Tensor, mesh: "Mesh", axis: str, op: str = "sum", inplace: bool = False) -> torch.Tensor:
     """All-reduce over ``axis``, or over the whole mesh for ``axis="world"``: into a copy, or ``inplace`` into ``x``
     (contiguous)."""
     y = x.detach() if inplace else x.detach().clone(memory_format=torch.contiguous_format)
-    if mesh.simulated:
-        n = simulated(mesh, axis, 2 * y.numel() * y.element_size())  # reduce-scatter + all-gather
-        return y.mul_(n) if op == "sum" else y
-    group = None if axis == "world" else mesh.group(axis)
-    _count(mesh, axis, 2 * y.numel() * y.element_size(), f"all_reduce({op})")  # reduce-scatter + all-gather
-    work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=group, async_op=True)
-    _wait(work, mesh, f"all_reduce({op})", axis)
-    return y
+    return mesh.comm.all_reduce(y, mesh, axis, op)
 
 
 def all_reduce_start(x: torch.Tensor, mesh: "Mesh", axis: str) -> "Callable[[], torch.Tensor]":
     """Start summing ``x`` over ``axis`` *in place* and return a function that waits for it (bounded by the mesh's
     timeout) and returns ``x``. For work that overlaps communication with computation: ``x`` must be the caller's
     own tensor, left untouched until the wait. Not differentiable (a layer's backward calls it)."""
-    nbytes = 2 * x.numel() * x.element_size()  # reduce-scatter + all-gather
     if _trivial(mesh, axis):
         return lambda: x
-    if mesh.simulated:
-        x.mul_(simulated(mesh, axis, nbytes))
-        return lambda: x
-    _count(mesh, axis, nbytes, "all_reduce(sum)")
-    work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=mesh.group(axis), async_op=True)
-
-    def done() -> torch.Tensor:
-        _wait(work, mesh, "all_reduce(sum)", axis)
-        return x
-
-    return done
+    return mesh.comm.all_reduce_start(x, mesh, axis)
 
 
 def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int,
@@ -123,15 +212,7 @@ def _raw_all_gather(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int,
     xm = x.detach().movedim(dim, 0).contiguous()
     if out is None or dim:
         out = xm.new_empty((n * xm.shape[0], *xm.shape[1:]))
-    if mesh.simulated:
-        for block in out.chunk(simulated(mesh, axis, out.numel() * out.element_size())):
-            block.copy_(xm)
-        return out.movedim(0, dim).contiguous() if dim else out
-    _count(mesh, axis, out.numel() * out.element_size(), "all_gather")
-    if out.device.type == "cpu":
-        ring_all_gather(xm, out, mesh, axis)
-    else:
-        _wait(_all_gather_flat(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_gather", axis)
+    mesh.comm.all_gather(xm, out, mesh, axis)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
@@ -139,33 +220,13 @@ def _raw_reduce_scatter(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> t
     n = _check_divisible(x, dim, mesh, axis, "reduce_scatter")
     xm = x.detach().movedim(dim, 0).contiguous()
     out = xm.new_empty((xm.shape[0] // n, *xm.shape[1:]))
-    if mesh.simulated or out.device.type == "cpu":  # the host ring, over the one segment
-        _reduce_scatter_segments([(0, xm.view(-1))], xm.numel(), out.view(-1), mesh, axis)
-    else:
-        _count(mesh, axis, xm.numel() * xm.element_size(), "reduce_scatter")
-        _wait(_reduce_scatter_flat(out, xm, group=mesh.group(axis), async_op=True), mesh, "reduce_scatter", axis)
+    mesh.comm.reduce_scatter(xm, out, mesh, axis)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def _reduce_scatter_segments(segs: "Segments", total: int, out: torch.Tensor, mesh: "Mesh", axis: str) -> None:
-    nbytes = total * out.element_size()
-    if mesh.simulated:  # on host tensors the ring holds one more block while it runs (n > 2: two)
-        host = mesh.device.type == "cpu"
-        staged = [torch.empty_like(out) for _ in range(min(mesh.axis_size(axis) - 2, 2))] if host else []
-        fill(out, pieces(segs, 0, out.numel())).mul_(simulated(mesh, axis, nbytes))
-        staged.clear()  # (held while the ring would run)
-    else:
-        _count(mesh, axis, nbytes, "reduce_scatter")
-        ring_reduce_scatter(segs, total, out, mesh, axis)
-
-
 def _raw_all_to_all(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
-    n, xm = _check_divisible(x, dim, mesh, axis, "all_to_all"), x.detach().movedim(dim, 0).contiguous()
-    # (n-1)/n of the blocks leave this rank, as in a ring
-    _count(mesh, axis, xm.numel() * xm.element_size(), "all_to_all")
-    out = xm.view(n, -1)[mesh.coord(axis)].repeat(n, 1).view(xm.shape) if mesh.simulated else torch.empty_like(xm)
-    if not mesh.simulated:  # (simulated: every rank taken to hold this rank's values, each sends its own block)
-        _wait(dist.all_to_all_single(out, xm, group=mesh.group(axis), async_op=True), mesh, "all_to_all", axis)
+    _check_divisible(x, dim, mesh, axis, "all_to_all")
+    out = mesh.comm.all_to_all(x.detach().movedim(dim, 0).contiguous(), mesh, axis)
     return out.movedim(0, dim).contiguous()
 
 
@@ -378,13 +439,13 @@ def reduce_scatter_segments(segs: "Segments", total: int, mesh: "Mesh", axis: st
     tensor)]``, sorted, zeros between them) without building it: host tensors only (the ring sends and adds each
     block's pieces where they lie: the train step's gradient leaves, no bucket-sized copy of them)."""
     n, first = mesh.axis_size(axis), segs[0][1]
-    if total % n or not (first.is_cpu or mesh.simulated):
+    if total % n or not mesh.comm.segments_on(first):
         raise CollectiveError(f"reduce_scatter_segments: {total} elements over mesh axis '{axis}' of size {n}, on "
                               f"{first.device}: needs a multiple of {n}, on the host")
     out = first.new_empty(total // n)
     if _trivial(mesh, axis):
         return fill(out, pieces(segs, 0, total))
-    _reduce_scatter_segments(segs, total, out, mesh, axis)
+    mesh.comm.reduce_scatter_segments(segs, total, out, mesh, axis)
     return out
 
 
@@ -396,10 +457,6 @@ def barrier(mesh: "Mesh") -> None:
 
 def broadcast(x: torch.Tensor, mesh: "Mesh", axis: str, src: int = 0) -> torch.Tensor:
     """The value held by the rank at coordinate ``src`` along ``axis``, on every rank of the group."""
-    if _trivial(mesh, axis) or mesh.simulated:
+    if _trivial(mesh, axis):
         return x.detach().clone()
-    y = x.detach().clone(memory_format=torch.contiguous_format)
-    note_collective(mesh, axis, f"broadcast(from {src})", y.numel() * y.element_size())
-    work = dist.broadcast(y, src=mesh.group_ranks(axis)[src], group=mesh.group(axis), async_op=True)
-    _wait(work, mesh, "broadcast", axis)
-    return y
+    return mesh.comm.broadcast(x, mesh, axis, src)

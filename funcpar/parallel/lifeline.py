@@ -11,8 +11,8 @@ reported by a peer within seconds (not after the collective timeout), and a work
   way that holds the interpreter: the watcher reports it, naming its host and pid, and ends its own process, which
   ends the job (torchrun tears down the rest; the peers' collectives fail at once). A store that stops answering
   for ``interval`` s means its host is gone: reported the same way. One watcher per rank keeps the store's load
-  linear in the world size. ``interval`` is ``Mesh(heartbeat=)``, else ``$FUNCPAR_HEARTBEAT``, else 60 s; 0 turns
-  it off (e.g. to pause a rank in a debugger).
+  linear in the world size. ``interval`` is ``init_distributed(heartbeat=)`` or ``Mesh(heartbeat=)``, else
+  ``$FUNCPAR_HEARTBEAT``, else 60 s; 0 turns it off (e.g. to pause a rank in a debugger).
 - **Reporting.** :func:`report` is how a worker says why it ends: into torchrun's error file
   (``$TORCHELASTIC_ERROR_FILE``, which torchrun's summary and ``funcpar``'s launcher read), and on stderr unless
   ``funcpar``'s own launcher will print it (once, however many ranks said it).
@@ -145,11 +145,12 @@ class _Watcher(threading.Thread):
 
 
 def start(rank: int, world: int, interval: float | None = None) -> None:
-    """Start this process's lifeline (once; a later call with another ``interval`` restarts the heartbeat)."""
-    interval = default_heartbeat() if interval is None else float(interval)
+    """Start this process's lifeline (once; a later call with another ``interval`` restarts the heartbeat, one
+    without keeps the running one). ``interval``: default ``$FUNCPAR_HEARTBEAT`` or 60 s."""
     current = _state.get("watcher")
-    if current is not None and current.interval == interval and current.is_alive():
+    if current is not None and current.is_alive() and interval in (None, current.interval):
         return
+    interval = default_heartbeat() if interval is None else float(interval)
     if current is not None:
         current.halt.set()
     else:

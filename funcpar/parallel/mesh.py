@@ -6,8 +6,15 @@ Every mesh has the axes ``pp``, ``dp`` and ``tp`` (size 1 unless given) and any 
 ``Mesh(tp=4, dp=2)`` the tp groups are {0,1,2,3} {4,5,6,7} and the dp groups {0,4} {1,5} {2,6} {3,7}.
 
 A mesh of size 1 (``Mesh()``) needs no torch.distributed at all: every collective over it is the identity, so the
-same model code is the single-device program. A larger mesh joins the job it runs in (torchrun sets the
-environment; gloo on CPUs, NCCL on CUDA) and must cover the whole world.
+same model code is the single-device program. A larger mesh joins the job it runs in and must cover the whole world;
+it starts the job (:func:`init_distributed`: the process group from torchrun's environment, gloo on CPUs and NCCL on
+CUDA; the exit hooks; the lifeline) unless the program already did.
+
+A mesh is a value of one of two kinds, siblings under :class:`MeshBase` (the axes, coordinates, views and scope):
+:class:`Mesh`, over the processes of a job, and :class:`AbstractMesh` (``Mesh.abstract(tp=4, dp=2)``), a mesh's
+sizes without processes, for planning. Each kind carries its communication, ``mesh.comm``, which every collective and
+message calls through (:mod:`funcpar.parallel.p2p`: ``Wire`` posts on torch.distributed's groups, ``Simulation``
+counts what would be sent and fills buffers as if every rank held this rank's values).
 
 The mesh in scope: ``with mesh:`` makes ``mesh`` the one :meth:`Mesh.current` returns (as JAX's ``with mesh:``);
 outside any ``with``, it is the only multi-process mesh this process built, or ``Mesh()`` in a one-process program.
@@ -33,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from funcpar.parallel import lifeline
+from funcpar.parallel.p2p import SIMULATION, WIRE
 
-__all__ = ["Mesh", "AbstractMesh", "MeshError", "STANDARD_AXES", "CONTEXT_LAYOUTS", "DEVICES", "default_timeout",
-           "resolve_device"]
+__all__ = ["Mesh", "AbstractMesh", "MeshBase", "MeshError", "init_distributed", "STANDARD_AXES", "CONTEXT_LAYOUTS",
+           "DEVICES", "default_timeout", "resolve_device"]
 
 STANDARD_AXES = ("pp", "dp", "tp")  # present on every mesh; pp outermost, tp innermost
 CONTEXT_LAYOUTS = ("zigzag", "contiguous")  # how a cp axis splits each sequence (Mesh.context_layout)
@@ -155,6 +163,74 @@ def _report_fatal_signals() -> None:
             pass
 
 
+_NOT_LAUNCHED = ("this process is not part of a torch.distributed job (RANK/WORLD_SIZE are unset): launch it with "
+                 "torchrun --nproc-per-node {n} ..., or use Mesh() for a single process")
+
+
+def _launched() -> bool:
+    """Whether a launcher (torchrun) set this process's place in a job."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_distributed(
+    *,
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    heartbeat: float | None = None,
+    device: str | torch.device | None = None,
+) -> None:
+    """Start this process's part of the torch.distributed job it was launched in: the one place that starts the world.
+
+    Once per process: the default process group, from the launcher's environment (torchrun's ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``; after an elastic restart, under this attempt's prefix of the
+    agent's store); the exit hook that tears the process groups down while the interpreter is whole; a Python stack
+    on a fatal signal; and the lifeline (:mod:`funcpar.parallel.lifeline`: the worker ends with its launcher, a
+    stuck peer is reported). A mesh of more than one process calls it (``Mesh(tp=4, dp=2)`` alone under torchrun
+    starts the job); call it first to start the job apart from any mesh. A job the program started itself
+    (``torch.distributed.init_process_group``) stays the program's: only the lifeline is added. Called again: nothing
+    new, unless ``heartbeat`` differs from the running lifeline's (restarted at the new interval).
+
+    Args:
+        backend: torch.distributed's backend; default ``gloo`` on the CPU and ``cpu:gloo,cuda:nccl`` on CUDA.
+        timeout: seconds (or a ``timedelta``) the default group's collectives may wait; default
+            :func:`default_timeout`.
+        heartbeat: the lifeline's interval in seconds (0: off); default the running lifeline's, else
+            ``$FUNCPAR_HEARTBEAT`` or 60 s.
+        device: this rank's device (:func:`resolve_device`; default ``"auto"``): a CUDA device is made current
+            before the group starts, and chooses the default backend.
+
+    Raises:
+        MeshError: outside a launched job (``RANK``/``WORLD_SIZE`` unset), or a device that is unknown or not
+            available here.
+    """
+    if not dist.is_initialized():
+        if not _launched():
+            raise MeshError("funcpar.init_distributed: " + _NOT_LAUNCHED.format(n="N"))
+        where = resolve_device(device)[0]
+        _start_world(backend or _default_backend(where), _as_timedelta(timeout), where)
+    lifeline.start(dist.get_rank(), dist.get_world_size(), heartbeat)
+
+
+def _start_world(backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # torch._dynamo (imported by the first torch.func.grad) keeps references to the default group when it is
+    # imported after the group exists; they outlive destroy_process_group and keep gloo's threads running into
+    # interpreter finalization, where they abort the rank (issue 16). Imported first, it holds none. (Not an
+    # `import torch._dynamo` statement: that would make `torch` a local name of this whole function, unbound
+    # at the set_device above: issue 40.)
+    importlib.import_module("torch._dynamo")
+
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    atexit.register(_destroy_process_groups)
+    _report_fatal_signals()
+
+
 def _axis_sizes(axes: dict[str, Any]) -> dict[str, int]:
     for name, n in axes.items():
         if not name.isidentifier():
@@ -166,83 +242,34 @@ def _axis_sizes(axes: dict[str, Any]) -> dict[str, int]:
     return {a: axes.get(a, 1) for a in order}
 
 
-class Mesh:
-    """A named mesh over the processes of a torch.distributed job.
+class MeshBase:
+    """What every mesh is, as an immutable value: named axes over ranks, this rank's coordinates along them, views
+    (sequence parallelism, a cp layout, packed documents), the scope (``with mesh:``), the bytes sent by axis
+    (``traffic``) and how its messages travel (``comm``). Two kinds derive from it, siblings: :class:`Mesh`, over the
+    processes of a torch.distributed job, and :class:`AbstractMesh`, a mesh's sizes without processes (planning).
+    Code that takes either kind takes this type.
 
-    Collectives, specs and the train step name axes of a mesh rather than process groups. A mesh of size 1 needs no
-    torch.distributed; a larger one joins the job it runs in (starting torch.distributed if it is not yet started)
-    and builds a process group for every group along each axis.
-
-    Args:
-        timeout: seconds (or a ``timedelta``) any collective of this mesh may wait for a peer before it raises
-            instead of hanging; default ``$FUNCPAR_TIMEOUT`` or 600 s.
-        device: where tensors live: ``"auto"`` (the default: ``cuda:$LOCAL_RANK`` when this node has a GPU for each
-            of its ranks, else ``cpu`` with a warning), ``"cpu"``, ``"cuda"`` (refused when the node's ranks
-            outnumber its GPUs), ``"cuda:N"`` or a ``torch.device`` (:func:`resolve_device`).
-        heartbeat: on a mesh of more than one process, seconds without progress after which a peer reports a
-            stopped or hung rank and ends the job (:mod:`funcpar.parallel.lifeline`); default ``$FUNCPAR_HEARTBEAT`` or
-            60 s; 0 turns it off.
-        backend: torch.distributed's backend when this mesh starts the job (unused if it is already started);
-            default ``gloo`` on the CPU and ``cpu:gloo,cuda:nccl`` on CUDA.
-        **axes: axis sizes by name (identifiers, positive ints), e.g. ``tp=4, dp=2``; ``pp``, ``dp`` and ``tp``
-            default to 1. Their product must equal the world size, unless it is 1. Order, outermost first: ``pp``,
-            ``dp``, the other axes as given, ``tp``.
-
-    Raises:
-        MeshError: an axis name or size that is not valid; a mesh of more than one process outside a
-            torch.distributed job (``RANK``/``WORLD_SIZE`` unset) or of another size than its world; a device
-            that is unknown or not available here (:func:`resolve_device`).
+    ``comm`` is where the kinds differ for the collectives (:mod:`funcpar.parallel.collectives`) and messages
+    (:mod:`funcpar.parallel.p2p`), which call through it: a :class:`funcpar.parallel.p2p.Wire` over torch.distributed's
+    process groups, or a :class:`funcpar.parallel.p2p.Simulation` that only counts. A mesh has no process group of its
+    own unless it is a :class:`Mesh` of more than one process (:meth:`group`, :meth:`lane`: ``None``).
     """
 
-    def __init__(
-        self,
-        *,
-        timeout: float | datetime.timedelta | None = None,
-        device: str | torch.device | None = None,
-        heartbeat: float | None = None,
-        backend: str | None = None,
-        **axes: int,
-    ):
+    comm: Any  # the kind's communication: a class attribute of each kind
+    simulated = False  # (AbstractMesh: a plan's tensors are meta, they hold no values)
+
+    def __init__(self, **axes: int):
         self._sizes = _axis_sizes(axes)
         self.size = math.prod(self._sizes.values())
-        self.timeout = _as_timedelta(timeout)
-        self.device, why_not_gpu = resolve_device(device, local_world=None if self.size > 1 else 1)
-        if why_not_gpu:
-            warnings.warn(f"funcpar: the ranks run on the CPU: {why_not_gpu}", stacklevel=2)
-        self.backend = backend or _default_backend(self.device)
-        # bytes this rank has sent by axis (ring count; funcpar.parallel.collectives)
+        # bytes this rank has sent by axis (ring count; funcpar.parallel.transport.count)
         self.traffic: dict[str, float] = {}
-        self._groups: dict[str, Any] = {}
-        self._lanes: dict[tuple, Any] = {}  # (axis, k) -> extra groups over an axis, built on first use (see lane)
-        self._group_ranks: dict[str, list[int]] = {}
 
-        if self.size == 1:
-            # A process-local mesh: valid with or without a distributed world around it.
-            self.rank = 0
-            self._coords = {a: 0 for a in self._sizes}
-            self._group_ranks = {a: [0] for a in self._sizes}
-            return
-
-        self._join_world()
-        world = dist.get_world_size()
-        if world != self.size:
-            raise MeshError(
-                f"{self!r} has {self.size} ranks but the torch.distributed world has {world} processes: "
-                f"choose {'*'.join(self._sizes)} = {world} or launch with torchrun --nproc-per-node {self.size}"
-            )
-        self.rank = dist.get_rank()
-        self._coords = self.coords_of(self.rank)
-        self._build_groups()
-        _BUILT.add(self)
-        lifeline.start(self.rank, self.size, heartbeat)  # the process ends with its launcher; stuck peers reported
-
-    simulated = False  # (AbstractMesh: collectives simulated, no processes)
     # Megatron's sequence parallelism on the tp axis: between tp regions a model's hidden state is this rank's block
     # of the sequence (funcpar.nn.layers reads it: column_parallel gathers the sequence, row-parallel outputs are
     # reduce-scattered along it). Set on a view of the mesh: with_sequence_parallel.
     sequence_parallel = False
 
-    def with_sequence_parallel(self, on: bool = True) -> "Mesh":
+    def with_sequence_parallel(self, on: bool = True) -> "MeshBase":
         """This mesh with sequence parallelism on its ``tp`` axis (see ``sequence_parallel``): the same processes,
         groups and traffic counts, a different way for a model to lay out its activations."""
         view = copy.copy(self)
@@ -255,7 +282,7 @@ class Mesh:
     # the keys, the first over its own). Set on a view of the mesh: with_context_layout.
     context_layout = "zigzag"
 
-    def with_context_layout(self, layout: str) -> "Mesh":
+    def with_context_layout(self, layout: str) -> "MeshBase":
         """This mesh with each sequence laid out over ``cp`` as ``layout`` (``"zigzag"`` or ``"contiguous"``; see
         ``context_layout``): the same processes and groups."""
         if layout not in CONTEXT_LAYOUTS:
@@ -268,7 +295,7 @@ class Mesh:
     # that each attend only to themselves; None: every row is one sequence. Set on a view: with_documents.
     documents = None
 
-    def with_documents(self, documents) -> "Mesh":
+    def with_documents(self, documents) -> "MeshBase":
         """This mesh carrying a batch's packed ``documents`` (a :class:`funcpar.nn.documents.Documents`), for a
         model's layers: itself when None."""
         if documents is None:
@@ -277,13 +304,8 @@ class Mesh:
         view.documents = documents
         return view
 
-    @staticmethod
-    def abstract(device: str | torch.device | None = None, **axes: int) -> "AbstractMesh":
-        """``AbstractMesh(device, **axes)``: a mesh's sizes without processes, for planning."""
-        return AbstractMesh(device, **axes)
-
     # ------------------------------------------------------------------ scope
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> "MeshBase":
         self._tokens = getattr(self, "_tokens", []) + [_SCOPE.set(_SCOPE.get() + (self,))]
         return self
 
@@ -291,7 +313,7 @@ class Mesh:
         _SCOPE.reset(self._tokens.pop())
 
     @staticmethod
-    def current() -> "Mesh":
+    def current() -> "MeshBase":
         """The mesh in scope: the innermost ``with mesh:``, else the only multi-process mesh built in this process,
         else ``Mesh()`` when this process is not part of a larger torch.distributed world."""
         scope = _SCOPE.get()
@@ -311,50 +333,6 @@ class Mesh:
                 f"and use `with mesh:` or pass mesh="
             )
         return Mesh()
-
-    # ------------------------------------------------------------------ set-up
-    def _join_world(self) -> None:
-        if dist.is_initialized():
-            return
-        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-            raise MeshError(
-                f"{self!r} needs {self.size} processes, but this process is not part of a torch.distributed job "
-                f"(RANK/WORLD_SIZE are unset): launch it with torchrun --nproc-per-node {self.size} ..., "
-                f"or use Mesh() for a single process"
-            )
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        # torch._dynamo (imported by the first torch.func.grad) keeps references to the default group when it is
-        # imported after the group exists; they outlive destroy_process_group and keep gloo's threads running into
-        # interpreter finalization, where they abort the rank (issue 16). Imported first, it holds none. (Not an
-        # `import torch._dynamo` statement: that would make `torch` a local name of this whole function, unbound
-        # at the set_device above: issue 40.)
-        importlib.import_module("torch._dynamo")
-
-        store = _attempt_store(self.timeout)
-        if store is None:
-            dist.init_process_group(backend=self.backend, timeout=self.timeout)
-        else:
-            dist.init_process_group(backend=self.backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=self.timeout)
-        atexit.register(_destroy_process_groups)
-        _report_fatal_signals()
-
-    def _lines(self, axis: str) -> list[list[int]]:
-        """The global ranks of every group along ``axis`` (each in coordinate order), in one order on every rank."""
-        ranks = torch.arange(self.size).reshape(*self._sizes.values())
-        i = self.axis_names.index(axis)
-        return ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist()
-
-    def _build_groups(self) -> None:
-        for axis in self.axis_names:
-            # every rank takes part in creating every group of this axis, in the same order
-            mine = None
-            for line in self._lines(axis):
-                g = dist.new_group(line, timeout=self.timeout)
-                if self.rank in line:
-                    mine, self._group_ranks[axis] = g, line
-            self._groups[axis] = mine
 
     # ------------------------------------------------------------------ queries
     @property
@@ -385,25 +363,14 @@ class Mesh:
         return dict(self._coords)
 
     def group(self, axis: str):
-        """This rank's ProcessGroup along ``axis`` (``None`` on a process-local mesh)."""
+        """This rank's ProcessGroup along ``axis``: ``None`` here (one process, or no processes at all)."""
         self._check_axis(axis)
-        return self._groups.get(axis)
+        return None
 
     def lane(self, axis: str, k: int = 0):
-        """The ``k``-th extra ProcessGroup over this rank's ``axis`` group: another communicator over the same
-        ranks, for messages that must not share an order with the axis's own (the pipeline's wrap-around streams,
-        :mod:`funcpar.parallel.p2p`'s channels). Built on first use, by every rank of the mesh, collectively: call it
-        on all ranks at the same point of the program."""
+        """The ``k``-th extra ProcessGroup over this rank's ``axis`` group (see :meth:`Mesh.lane`): ``None`` here."""
         self._check_axis(axis)
-        if (axis, k) not in self._lanes and self._groups:
-            for j in range(k + 1):  # (lanes before k first, so every rank builds them in one order)
-                if (axis, j) in self._lanes:
-                    continue
-                for line in self._lines(axis):
-                    g = dist.new_group(line, timeout=self.timeout)
-                    if self.rank in line:
-                        self._lanes[(axis, j)] = g
-        return self._lanes.get((axis, k))
+        return None
 
     def group_ranks(self, axis: str) -> list[int]:
         """The global ranks of this rank's group along ``axis``, in coordinate order."""
@@ -433,6 +400,122 @@ class Mesh:
         return "Mesh(" + ", ".join(f"{a}={self._sizes[a]}" for a in shown) + sp + ")"
 
 
+class Mesh(MeshBase):
+    """A named mesh over the processes of a torch.distributed job.
+
+    Collectives, specs and the train step name axes of a mesh rather than process groups. A mesh of size 1 needs no
+    torch.distributed; a larger one joins the job it runs in (starting it with :func:`init_distributed` if the
+    program has not) and builds a process group for every group along each axis. Its ``comm`` is a
+    :class:`funcpar.parallel.p2p.Wire`.
+
+    Args:
+        timeout: seconds (or a ``timedelta``) any collective of this mesh may wait for a peer before it raises
+            instead of hanging; default ``$FUNCPAR_TIMEOUT`` or 600 s.
+        device: where tensors live: ``"auto"`` (the default: ``cuda:$LOCAL_RANK`` when this node has a GPU for each
+            of its ranks, else ``cpu`` with a warning), ``"cpu"``, ``"cuda"`` (refused when the node's ranks
+            outnumber its GPUs), ``"cuda:N"`` or a ``torch.device`` (:func:`resolve_device`).
+        heartbeat: on a mesh of more than one process, seconds without progress after which a peer reports a
+            stopped or hung rank and ends the job (:mod:`funcpar.parallel.lifeline`); default the running
+            lifeline's (:func:`init_distributed` called first), else ``$FUNCPAR_HEARTBEAT`` or 60 s; 0 turns it off.
+        backend: torch.distributed's backend when this mesh starts the job (unused if it is already started);
+            default ``gloo`` on the CPU and ``cpu:gloo,cuda:nccl`` on CUDA.
+        **axes: axis sizes by name (identifiers, positive ints), e.g. ``tp=4, dp=2``; ``pp``, ``dp`` and ``tp``
+            default to 1. Their product must equal the world size, unless it is 1. Order, outermost first: ``pp``,
+            ``dp``, the other axes as given, ``tp``.
+
+    Raises:
+        MeshError: an axis name or size that is not valid; a mesh of more than one process outside a
+            torch.distributed job (``RANK``/``WORLD_SIZE`` unset) or of another size than its world; a device
+            that is unknown or not available here (:func:`resolve_device`).
+    """
+
+    comm = WIRE
+
+    def __init__(
+        self,
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        device: str | torch.device | None = None,
+        heartbeat: float | None = None,
+        backend: str | None = None,
+        **axes: int,
+    ):
+        super().__init__(**axes)
+        self.timeout = _as_timedelta(timeout)
+        self.device, why_not_gpu = resolve_device(device, local_world=None if self.size > 1 else 1)
+        if why_not_gpu:
+            warnings.warn(f"funcpar: the ranks run on the CPU: {why_not_gpu}", stacklevel=2)
+        self.backend = backend or _default_backend(self.device)
+        self._groups: dict[str, Any] = {}
+        self._lanes: dict[tuple, Any] = {}  # (axis, k) -> extra groups over an axis, built on first use (see lane)
+        self._group_ranks: dict[str, list[int]] = {}
+
+        if self.size == 1:
+            # A process-local mesh: valid with or without a distributed world around it.
+            self.rank = 0
+            self._coords = {a: 0 for a in self._sizes}
+            self._group_ranks = {a: [0] for a in self._sizes}
+            return
+
+        if not dist.is_initialized() and not _launched():
+            raise MeshError(f"{self!r} needs {self.size} processes, but " + _NOT_LAUNCHED.format(n=self.size))
+        # the job, the exit hooks and the lifeline (the process ends with its launcher; stuck peers reported)
+        init_distributed(backend=self.backend, timeout=self.timeout, heartbeat=heartbeat, device=self.device)
+        world = dist.get_world_size()
+        if world != self.size:
+            raise MeshError(
+                f"{self!r} has {self.size} ranks but the torch.distributed world has {world} processes: "
+                f"choose {'*'.join(self._sizes)} = {world} or launch with torchrun --nproc-per-node {self.size}"
+            )
+        self.rank = dist.get_rank()
+        self._coords = self.coords_of(self.rank)
+        self._build_groups()
+        _BUILT.add(self)
+
+    @staticmethod
+    def abstract(device: str | torch.device | None = None, **axes: int) -> "AbstractMesh":
+        """``AbstractMesh(device, **axes)``: a mesh's sizes without processes, for planning."""
+        return AbstractMesh(device, **axes)
+
+    # ------------------------------------------------------------------ process groups
+    def _lines(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along ``axis`` (each in coordinate order), in one order on every rank."""
+        ranks = torch.arange(self.size).reshape(*self._sizes.values())
+        i = self.axis_names.index(axis)
+        return ranks.movedim(i, -1).reshape(-1, self._sizes[axis]).tolist()
+
+    def _build_groups(self) -> None:
+        for axis in self.axis_names:
+            # every rank takes part in creating every group of this axis, in the same order
+            mine = None
+            for line in self._lines(axis):
+                g = dist.new_group(line, timeout=self.timeout)
+                if self.rank in line:
+                    mine, self._group_ranks[axis] = g, line
+            self._groups[axis] = mine
+
+    def group(self, axis: str):
+        """This rank's ProcessGroup along ``axis`` (``None`` on a process-local mesh)."""
+        self._check_axis(axis)
+        return self._groups.get(axis)
+
+    def lane(self, axis: str, k: int = 0):
+        """The ``k``-th extra ProcessGroup over this rank's ``axis`` group: another communicator over the same
+        ranks, for messages that must not share an order with the axis's own (the pipeline's wrap-around streams,
+        :mod:`funcpar.parallel.p2p`'s channels). Built on first use, by every rank of the mesh, collectively: call it
+        on all ranks at the same point of the program."""
+        self._check_axis(axis)
+        if (axis, k) not in self._lanes and self._groups:
+            for j in range(k + 1):  # (lanes before k first, so every rank builds them in one order)
+                if (axis, j) in self._lanes:
+                    continue
+                for line in self._lines(axis):
+                    g = dist.new_group(line, timeout=self.timeout)
+                    if self.rank in line:
+                        self._lanes[(axis, j)] = g
+        return self._lanes.get((axis, k))
+
+
 def _attempt_store(timeout):
     """After torchrun restarted the workers (``TORCHELASTIC_RESTART_COUNT`` > 0, its agent hosting the store): the
     job's store under this attempt's prefix, else None (torch's own ``env://`` rendezvous). The agent keeps one
@@ -447,11 +530,13 @@ def _attempt_store(timeout):
     return dist.PrefixStore(f"funcpar/attempt_{attempt}", store)
 
 
-class AbstractMesh(Mesh):
-    """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). Its collectives are
-    simulated as if every rank held rank 0's values: shapes, dtypes and allocations are the real run's, the numbers
-    are not (with ``device="meta"`` a whole train step runs on shapes alone; see
-    :func:`funcpar.cli.planning.trace_step`). ``mesh.traffic`` counts the bytes each axis would send.
+class AbstractMesh(MeshBase):
+    """A mesh's sizes without processes, seen from rank 0: for planning (``funcpar plan``). A sibling of
+    :class:`Mesh`, not one: it joins no job and has no process group. Its ``comm`` is a
+    :class:`funcpar.parallel.p2p.Simulation`: every collective and message runs as if every rank held rank 0's
+    values, so shapes, dtypes and allocations are the real run's and the numbers are not (with ``device="meta"`` a
+    whole train step runs on shapes alone; see :func:`funcpar.cli.planning.trace_step`). ``mesh.traffic`` counts the
+    bytes each axis would send.
 
     Args:
         device: as :class:`Mesh` takes it, unchecked (``"cuda"`` is ``cuda:0``; a plan for a GPU needs none here
@@ -459,11 +544,11 @@ class AbstractMesh(Mesh):
         **axes: axis sizes by name, as for :class:`Mesh`.
     """
 
+    comm = SIMULATION
     simulated = True
 
-    def __init__(self, device: str | torch.device | None = None, **axes: int):  # (no job joined: no super().__init__)
-        self._sizes = _axis_sizes(axes)
-        self.size = math.prod(self._sizes.values())
+    def __init__(self, device: str | torch.device | None = None, **axes: int):
+        super().__init__(**axes)
         self.timeout = default_timeout()
         if device in (None, "auto"):
             self.device = resolve_device("auto", local_rank=0, local_world=1)[0]
@@ -472,5 +557,3 @@ class AbstractMesh(Mesh):
         self.backend = _default_backend(self.device)
         self.rank, self._coords = 0, {a: 0 for a in self._sizes}
         self._group_ranks = {a: [self.rank_of(**{a: i}) for i in range(n)] for a, n in self._sizes.items()}
-        self.traffic: dict[str, float] = {}
-        self._groups, self._lanes = {}, {}

@@ -7,6 +7,11 @@ receives at once and waits for all of them. The pipeline executor uses the async
 ranks post them in (a pipeline's forward activations and backward gradients cross between the same two ranks), and
 a send is waited for only later (:meth:`Pending.wait`), so two neighbours sending to each other at once cannot
 deadlock. Over an abstract mesh (planning) a send only counts its bytes and a receive leaves its buffer as it is.
+
+The mesh's communication, by kind (``mesh.comm``, a class attribute of each): :class:`Wire` (a :class:`funcpar.Mesh`)
+and :class:`Simulation` (an abstract mesh), the collectives' (:class:`funcpar.parallel.collectives.CollectiveWire`,
+:class:`~funcpar.parallel.collectives.CollectiveSimulation`) with the messages added. The functions here and the
+collectives call through it: they dispatch once, on the mesh's kind.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 from funcpar.parallel import transport
-from funcpar.parallel.collectives import CollectiveError, simulated
-from funcpar.parallel.transport import wait as _wait
+from funcpar.parallel.collectives import CollectiveError, CollectiveSimulation, CollectiveWire
+from funcpar.parallel.transport import count as _count, wait as _wait
 
 if TYPE_CHECKING:  # pragma: no cover
     from funcpar.parallel.mesh import Mesh
 
-__all__ = ["send", "recv", "sendrecv", "isend", "irecv", "Pending", "gather_blocks_to", "describe", "described"]
+__all__ = ["send", "recv", "sendrecv", "isend", "irecv", "Pending", "gather_blocks_to", "describe", "described", "Wire",
+           "Simulation", "WIRE", "SIMULATION"]
 
 
 # a tensor's dtype and shape as a few int64s, so that a peer can allocate the buffer it will receive
@@ -102,19 +108,7 @@ def sendrecv(
     Coordinates are positions along ``axis`` (pipeline stage numbers for ``"pp"``). Receives fill their buffers in
     place. Batching both directions in one call cannot deadlock the way blocking send-then-recv pairs can.
     """
-    if mesh.simulated:  # planning: count what would be sent; receive buffers keep what they hold
-        for t, _ in sends:
-            simulated(mesh, axis, 2 * t.numel() * t.element_size())
-        return
-    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
-    ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
-    for op in ops:
-        transport.note_p2p(mesh, "send" if op.op is dist.isend else "recv", _ranks(mesh, axis, 0), op.peer, 0,
-                           op.tensor.nbytes)
-    if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        _wait(work, mesh, "send/recv", axis)
+    mesh.comm.sendrecv(mesh, axis, sends, recvs)
 
 
 def send(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int) -> None:
@@ -163,23 +157,63 @@ def isend(x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int, channel:
     messages between the same ranks keeps its own order where the backend matches by order rather than by tag
     (NCCL), and flows one way only (two ranks sending to each other on one NCCL communicator can wait on each
     other's receive forever)."""
-    x = x.detach().contiguous()
-    if mesh.simulated:
-        simulated(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
-        return Pending(None, x, mesh, axis, "send")
-    peer, group = _peer(mesh, axis, dst, "send"), _group(mesh, axis, channel)
-    tag = tag if USE_TAGS else 0
-    transport.note_p2p(mesh, "send", _ranks(mesh, axis, channel), peer, tag, x.nbytes)
-    return Pending(dist.isend(x, peer, group=group, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")
+    return mesh.comm.isend(x.detach().contiguous(), mesh, axis, dst, tag, channel)
 
 
 def irecv(buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int, channel: int = 0) -> Pending:
     """Start receiving into ``buf`` (the sender's shape and dtype) from coordinate ``src`` along ``axis`` under
     ``tag``, on ``channel`` (see :func:`isend`)."""
-    if mesh.simulated:
+    return mesh.comm.irecv(buf, mesh, axis, src, tag, channel)
+
+
+class Wire(CollectiveWire):
+    """A :class:`funcpar.Mesh`'s communication: :class:`~funcpar.parallel.collectives.CollectiveWire`'s collectives
+    and torch.distributed's messages, each posted (and recorded: :func:`funcpar.parallel.transport.recording`) on
+    the communicator of its channel. The methods do what :func:`sendrecv`, :func:`isend` and :func:`irecv` say."""
+
+    def sendrecv(self, mesh: "Mesh", axis: str, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+        ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(mesh, axis, c, "send")) for t, c in sends]
+        ops += [dist.P2POp(dist.irecv, b, _peer(mesh, axis, c, "recv")) for b, c in recvs]
+        for op in ops:
+            transport.note_p2p(mesh, "send" if op.op is dist.isend else "recv", _ranks(mesh, axis, 0), op.peer, 0,
+                               op.tensor.nbytes)
+        if not ops:
+            return
+        for work in dist.batch_isend_irecv(ops):
+            _wait(work, mesh, "send/recv", axis)
+
+    def isend(self, x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int, channel: int) -> Pending:
+        peer, group = _peer(mesh, axis, dst, "send"), _group(mesh, axis, channel)
+        tag = tag if USE_TAGS else 0
+        transport.note_p2p(mesh, "send", _ranks(mesh, axis, channel), peer, tag, x.nbytes)
+        return Pending(dist.isend(x, peer, group=group, tag=tag), x, mesh, axis, f"send to {axis}={dst} (tag {tag})")
+
+    def irecv(self, buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int, channel: int) -> Pending:
+        peer, group = _peer(mesh, axis, src, "recv"), _group(mesh, axis, channel)
+        tag = tag if USE_TAGS else 0
+        transport.note_p2p(mesh, "recv", _ranks(mesh, axis, channel), peer, tag, buf.nbytes)
+        return Pending(dist.irecv(buf, peer, group=group, tag=tag), buf, mesh, axis,
+                       f"receive from {axis}={src} (tag {tag})")
+
+
+class Simulation(CollectiveSimulation):
+    """An abstract mesh's communication (planning): :class:`~funcpar.parallel.collectives.CollectiveSimulation`'s
+    collectives, and messages that go nowhere: a send counts what it would send (as a ring counts twice its bytes:
+    all of them at n=2), a receive leaves its buffer as it is (so a buffer prepared with what this rank would have
+    been sent is what it receives: every rank is taken to hold this rank's values). Nothing waits."""
+
+    def sendrecv(self, mesh: "Mesh", axis: str, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+        for t, _ in sends:
+            _count(mesh, axis, 2 * t.numel() * t.element_size())
+
+    def isend(self, x: torch.Tensor, mesh: "Mesh", axis: str, dst: int, tag: int, channel: int) -> Pending:
+        _count(mesh, axis, 2 * x.numel() * x.element_size())  # counts (n-1)/n of it: all of x, at n=2
+        return Pending(None, x, mesh, axis, "send")
+
+    def irecv(self, buf: torch.Tensor, mesh: "Mesh", axis: str, src: int, tag: int, channel: int) -> Pending:
         return Pending(None, buf, mesh, axis, "recv")
-    peer, group = _peer(mesh, axis, src, "recv"), _group(mesh, axis, channel)
-    tag = tag if USE_TAGS else 0
-    transport.note_p2p(mesh, "recv", _ranks(mesh, axis, channel), peer, tag, buf.nbytes)
-    return Pending(dist.irecv(buf, peer, group=group, tag=tag), buf, mesh, axis,
-                   f"receive from {axis}={src} (tag {tag})")
+
+
+WIRE, SIMULATION = Wire(), Simulation()  # (stateless: one of each serves every mesh of its kind)

@@ -66,15 +66,17 @@ def wait(work, mesh: "Mesh", what: str, axis: str) -> None:
         )
 
 
-def count(mesh: "Mesh", axis: str, nbytes: float, op: str = "collective") -> int:
+def count(mesh: "Mesh", axis: str, nbytes: float, op: str | None = None) -> int:
     """Add to ``mesh.traffic[axis]`` what a ring algorithm sends from this rank for a collective moving ``nbytes``
-    ((n-1)/n of them); returns the group's size. Real and simulated meshes count alike, so a run's measured bytes
-    per axis can be set beside the plan's and the analytic figure. Every real collective is counted as it is
-    posted, so this is also where :func:`recording` sees it (``op``: its name)."""
+    ((n-1)/n of them); returns the group's size. Real and abstract meshes count alike, so a run's measured bytes
+    per axis can be set beside the plan's and the analytic figure. Every collective posted on a wire is counted as
+    it is posted, under its name ``op``, so this is also where :func:`recording` sees it; an abstract mesh's
+    stand-ins name none (nothing posted, nothing recorded)."""
     n = mesh.size if axis == "world" else mesh.axis_size(axis)
     with _COUNTING:  # (a thread of the program's own may count too)
         mesh.traffic[axis] = mesh.traffic.get(axis, 0) + nbytes * (n - 1) / n
-    note_collective(mesh, axis, op, nbytes)
+    if op is not None:
+        note_collective(mesh, axis, op, nbytes)
     return n
 
 
@@ -106,14 +108,14 @@ def _group_key(mesh: "Mesh", axis: str | None) -> tuple:
 
 def note_collective(mesh: "Mesh", axis: str, op: str, nbytes: float) -> None:
     """Record a collective as it is posted (see :func:`recording`)."""
-    if _RECORD is not None and not mesh.simulated:
+    if _RECORD is not None:
         with _COUNTING:
             _RECORD.append(("collective", _group_key(mesh, axis), op, int(nbytes)))
 
 
 def note_p2p(mesh: "Mesh", kind: str, group_ranks: tuple, peer: int, tag: int, nbytes: int) -> None:
     """Record a point-to-point send or receive as it is posted (see :func:`recording`)."""
-    if _RECORD is not None and not mesh.simulated:
+    if _RECORD is not None:
         with _COUNTING:
             _RECORD.append(("p2p", kind, tuple(group_ranks), mesh.rank, peer, tag, int(nbytes)))
 

@@ -49,12 +49,20 @@ def _key(entry: Any) -> Any:
 
 
 class StagePlan:
-    """Which virtual stages, layers and leaves this ``pp`` rank holds (the model's staged form over ``schedule``)."""
+    """Which virtual stages, layers and leaves this ``pp`` rank holds (the model's staged form over ``schedule``).
 
-    def __init__(self, model, cfg: Any, mesh, schedule: Schedule, parts: list[float] | None = None):
-        st = model.stages
-        self.model, self.stages, self.cfg, self.mesh, self.schedule = model, st, cfg, mesh, schedule
-        self.shapes = model.init(cfg, device="meta")
+    ``stages``: the model's :class:`funcpar.Stages`; ``shapes``: its global parameter tree (on meta: a
+    :class:`funcpar.Loss`'s ``shapes()``); ``cfg``: the config the stages' functions take; ``name``: what messages
+    call the model (``None``: "the model")."""
+
+    def __init__(self, stages, shapes: Any, cfg: Any, mesh, schedule: Schedule, parts: list[float] | None = None,
+                 name: str | None = None):
+        st = stages
+        self.stages, self.cfg, self.mesh, self.schedule, self.shapes = st, cfg, mesh, schedule, shapes
+        self.name = f"model '{name}'" if name else "the model"
+        if not isinstance(shapes, dict) or st.layers not in shapes:
+            raise StepError(f"{self.name}: its parameter tree has no '{st.layers}' (Stages.layers: the list of "
+                            f"blocks the pipeline cuts), so pipeline stages cannot cut it")
         self.n_layers = len(self.shapes[st.layers])
         self.first = set(st.first_leaves(cfg)) if st.halves is not None else None
         # units: the layers, or their halves; ranges[v]: the units virtual stage v holds
@@ -65,7 +73,7 @@ class StagePlan:
         self.tied = sorted(self.embed_names & self.head_names) if self.pp > 1 else []
         for name in self.shapes:
             if name != st.layers and name not in self.embed_names | self.head_names:
-                raise StepError(f"model '{model.name}': its staged form does not say which stage holds leaf "
+                raise StepError(f"{self.name}: its staged form does not say which stage holds leaf "
                                 f"'{name}' (Stages.embed_leaves / head_leaves)")
 
     def holds(self, path: tuple) -> bool:
@@ -168,6 +176,7 @@ class Executor:
         self.zero3 = None
         self._shapes: dict[tuple, tuple[torch.dtype, tuple[int, ...]]] = {}  # (v, batch signature) -> input
         self.metrics: dict[str, float] = {}
+        self._device: torch.device | None = None  # where this rank's carries live (meta in a plan), once it sent one
         if plan.V > plan.pp:  # wrap-around streams (see _channel): their communicators built now, on every rank
             self.mesh.lane("pp", 1)
 
@@ -209,20 +218,27 @@ class Executor:
     def _recv_input(self, v: int, m: int, sig: tuple) -> torch.Tensor:
         """The activation virtual stage ``v - 1`` sent for micro-batch ``m`` (its shape sent once per batch shape)."""
         key = (v, sig)
-        if self.mesh.simulated and key not in self._shapes:  # planning: no peer; the carry is as this rank's own
-            self._shapes[key] = self._shapes[(self.plan.virtual[0] + 1, sig)]
         if key not in self._shapes:
-            head = torch.empty(2 + p2p.MAX_DIMS, dtype=torch.int64)
+            head = self._head_as((self.plan.virtual[0] + 1, sig))
             self._wait(p2p.irecv(head, self.mesh, "pp", self._peer(v - 1), self._tag(1, m, v - 1),
                                  self._channel(1, v - 1)))
             self._shapes[key] = p2p.described(head)
         dtype, shape = self._shapes[key]
-        buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+        buf = torch.empty(shape, dtype=dtype, device=self._device or self.mesh.device)
         return self._wait(p2p.irecv(buf, self.mesh, "pp", self._peer(v - 1), self._tag(0, m, v - 1),
                                     self._channel(0, v - 1)))
 
+    def _head_as(self, key: tuple) -> torch.Tensor:
+        """A buffer for a carry's header that holds the header of the carry this rank sent under ``key``, if it sent
+        it: a receive fills it in; over an abstract mesh (planning: no peer, a receive leaves its buffer as it is)
+        the carry received is then shaped as this rank's own."""
+        if key not in self._shapes:
+            return torch.empty(2 + p2p.MAX_DIMS, dtype=torch.int64)
+        dtype, shape = self._shapes[key]
+        return p2p.describe(torch.empty(shape, dtype=dtype, device="meta"))
+
     def _send_output(self, y: torch.Tensor, v: int, m: int, sig: tuple) -> None:
-        key = (v + 1, sig)
+        key, self._device = (v + 1, sig), y.device
         if key not in self._shapes:
             head = p2p.describe(y)
             self._sends.append(p2p.isend(head, self.mesh, "pp", self._peer(v + 1), self._tag(1, m, v),

@@ -260,7 +260,7 @@ def interleaved_1f1b(pp: int, n_micro: int, chunks: int = 2) -> Schedule:
     ``(chunks - 1) * pp + (pp - r - 1)`` forwards, by when the gradient of its first backward can have come down
     the pipeline, then alternates, then drains. Rank 0 so holds ``chunks * pp`` chunk activations at most, the
     layers' worth of 1F1B's ``pp`` micro-batches. (Megatron warms up ``pp - r - 1`` forwards more, to overlap
-    communication; with no latency, as simulated here, that gives the same bubble for more memory.)
+    communication; with no latency, as modelled here, that gives the same bubble for more memory.)
     Needs ``n_micro % pp == 0`` so that every round is full.
     """
     _check_sizes("interleaved", pp, n_micro, chunks)

@@ -21,13 +21,19 @@ from funcpar.state import StepError
 from funcpar.train.config import Guards, Pipelining, Precision
 
 
+_STAGED = ("build the loss with model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do), or, for a "
+           "model of your own, fp.Loss(stages=fp.Stages(embed, block, head, ...), init=init, cfg=cfg, mesh=mesh) "
+           "(examples/custom_pipeline.py)")
+
+
 def check_zero3(loss: Loss, zero: int) -> None:
-    """Refuse ``zero=3`` for a loss without a staged model (it gathers the model block by block through it)."""
+    """Refuse ``zero=3`` for a loss without a staged form, or without the mesh it runs on (it gathers the model
+    block by block through it)."""
     if zero != 3:
         return
-    if loss.stages is None:
-        raise StepError("zero=3 gathers the model block by block through its staged form: build the loss with "
-                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
+    if loss.stages is None or loss.mesh is None:
+        what = "its staged form" if loss.stages is None else "its staged form on the loss's mesh (it has none)"
+        raise StepError(f"zero=3 gathers the model block by block through {what}: {_STAGED}")
 
 
 def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compile, pipelining: Pipelining):
@@ -36,8 +42,10 @@ def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compil
     if pp == 1:
         return None
     if loss.stages is None:
-        raise StepError(f"{mesh!r}: pipeline stages cut the model through its staged form: build the loss with "
-                        "model.loss_fn(cfg, mesh) of a model that has `stages` (llama, gpt2 do)")
+        raise StepError(f"{mesh!r}: pipeline stages cut the model through its staged form: {_STAGED}")
+    if loss.init is None:
+        raise StepError(f"{mesh!r}: pipeline stages cut the model by its parameters' shapes: give the loss "
+                        f"init= (init(cfg, device='meta') -> the parameter tree on meta): {_STAGED}")
     for bad, what in ((has_aux, "has_aux"), (compile, "compile=True")):
         if bad:
             raise StepError(f"{mesh!r}: pipeline stages do not support {what} yet")
@@ -53,7 +61,8 @@ def pipeline_executor(loss: Loss, mesh: Mesh, zero, accum_steps, has_aux, compil
     try:
         chunks = chunks if chunks is not None else (2 if name == "interleaved" else 1)
         sched = make_schedule(name, pp, accum_steps, chunks)
-        plan = StagePlan(loss.model, loss.cfg, mesh, sched.validate(), pipelining.parts)
+        plan = StagePlan(loss.stages, loss.shapes(), loss.cfg, mesh, sched.validate(), pipelining.parts,
+                         name=loss.name)
     except PipelineError as e:
         raise StepError(f"{mesh!r}, accum_steps={accum_steps} micro-batches: {e}") from None
     return Executor(plan, remat_blocks=remat)

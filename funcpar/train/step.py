@@ -37,9 +37,8 @@ import torch
 from funcpar.io import checkpoint
 from funcpar.io.atomic import agree
 from funcpar.model import Loss
-from funcpar.optim import EVERYTHING, GradientTransformation, adamw, update_with
+from funcpar.optim import ABSENT, EVERYTHING, WRITTEN, GradientTransformation, adamw, schedule_of, update_with
 from funcpar.optim.loss_scale import loss_scale
-from funcpar.optim.transforms import sums_of_squares
 from funcpar.parallel import collectives as C
 from funcpar.parallel.layout import ZeroLayout
 from funcpar.parallel.mesh import Mesh
@@ -49,6 +48,7 @@ from funcpar.train.batching import batch_drift, batch_items, check_consistency, 
 from funcpar.train.buffers import StateBuffers
 from funcpar.train.config import StepOptions
 from funcpar.train.modes import choose
+from funcpar.train.norms import sums_of_squares
 from funcpar.train.options import NonfinitePolicy, check_data_axes, resolve_compile, wrapped_optimizer
 from funcpar.train.zero3 import gather_params
 
@@ -93,7 +93,7 @@ class Step:
         self.weight_fn = o.weight_fn if o.weight_fn is not None else loss.batch_weight
         self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in par.data_axes)
         base = o.optimizer if o.optimizer is not None else default_optimizer()
-        self.schedule = base.schedule  # (the learning rate the metrics report)
+        self.schedule = schedule_of(base)  # (the learning rate the metrics report; None: none reported)
         self.optimizer = wrapped_optimizer(base, o.clip_norm, o.precision)
         self.mode = choose(loss, mesh, o, compile)  # the one dispatch on the mode: every branch on it lives there
         self.mode.gradient.reason = reason
@@ -290,24 +290,24 @@ class Step:
                                 "batches did when compared: feed every rank of a tp or pp group the same batch")
 
     def _update(self, parts: list[torch.Tensor], stats: Statistics, inner: Any) -> Any:
-        """Update: the optimizer on this rank's parts, in place in the step's buffers (the fused kernel where the
-        optimizer has one that takes these leaves); returns the new optimizer state."""
+        """Update: the optimizer on this rank's parts, in place in the step's buffers (written into them by the
+        optimizer's fused kernel where it has one that takes these leaves: ``WRITTEN``); returns the new optimizer
+        state."""
         lay, slices = self.layout, self.buffers.part_slices()
         parts = [p.to(s.device) for p, s in zip(parts, slices, strict=True)]  # offload: the gradient parts to the host
         g_views, p_views = lay.unflatten(lay.views(parts)), lay.unflatten(lay.views(slices))
-        extra, fused = {"global_norm": stats.norm.to(parts[0].device)}, self.optimizer.fused
+        extra = {"global_norm": stats.norm.to(parts[0].device)}
         extra |= {"finite": stats.finite} if self.options.precision.scaling is not None else {}
-        if fused is not None and fused.can(g_views, p_views):  # written into the params
-            return fused.apply(g_views, inner, p_views, **extra)
         updates, inner = update_with(self.optimizer, g_views, inner, p_views, inplace=EVERYTHING, **extra)
-        if stats.finite:
+        if updates is not WRITTEN and stats.finite:
             self._apply(slices, updates)
         return inner
 
     def _apply(self, slices: list[torch.Tensor], updates: Any) -> None:
-        """Update: this rank's parts += updates, in place in the step's buffers (``None``: a fused optimizer did)."""
-        us = [None] * len(self.layout.shapes) if updates is None else self.layout.treedef.flatten_up_to(updates)
-        pairs = [(v, u) for v, u in zip(self.layout.views(slices), us, strict=True) if u is not None and v.numel()]
+        """Update: this rank's parts += updates, in place in the step's buffers (an ``ABSENT`` update, a frozen
+        leaf's or a skipped step's, adds nothing)."""
+        us = self.layout.treedef.flatten_up_to(updates)
+        pairs = [(v, u) for v, u in zip(self.layout.views(slices), us, strict=True) if u is not ABSENT and v.numel()]
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [u.to(v.dtype) for v, u in pairs])
 

@@ -7,6 +7,11 @@ parameters and batches, once on the user's mesh and once on a one-process mesh w
 rank computes that reference itself), and compares the losses, each leaf's gradient (this rank's block of it
 against the same block of the reference) and the updated parameters. Where they differ it names the leaf that
 differs most, with its spec, the size of the difference and the pattern it shows (:func:`diagnose`).
+
+The run on the mesh takes ``compile_step``'s options (``zero=3``, ``accum_steps``, a pipeline schedule on a ``pp``
+mesh), the reference the same at ``zero=0``: the gradients the optimizer receives (parts, at ZeRO 1-3) are gathered
+into whole local leaves, and a pipeline stage's (which holds some leaves only) into every leaf's block on every rank,
+so every mode is compared alike.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import torch
 from funcpar.parallel import collectives as C
 from funcpar.parallel.mesh import Mesh
 from funcpar.model import Loss
-from funcpar.optim import GradientTransformation, adamw, update_with
-from funcpar.parallel.sharding import shard
+from funcpar.optim import GradientTransformation, InPlaceTransformation, adamw, schedule_of, update_with
+from funcpar.parallel.sharding import gather, shard
 from funcpar.spec import P, broadcast_specs
 from funcpar.train.step import compile_step
+from funcpar.train.zero3 import gather_params
 
 __all__ = ["verify", "Verification", "LeafReport"]
 
@@ -79,7 +85,7 @@ class Verification:
 
 def verify(loss_for: Callable[[Mesh], Callable], specs: Any, params: Any, batches: list, mesh: Mesh | None = None,
            *, optimizer: GradientTransformation | None = None, data_axes: tuple[str, ...] = ("dp",),
-           rtol: float = 1e-4) -> Verification:
+           rtol: float = 1e-4, **options: Any) -> Verification:
     """Check a model on ``mesh`` against one process: the same losses, gradients and updates.
 
     Collective: every rank calls it with the same arguments. The reference runs on every rank, so keep the model
@@ -96,6 +102,8 @@ def verify(loss_for: Callable[[Mesh], Callable], specs: Any, params: Any, batche
         data_axes: the mesh axes the batch is split over, as ``compile_step`` takes them.
         rtol: the largest difference allowed, relative to the reference (a loss, a leaf's largest gradient element,
             the distance the reference moved the parameters); float32 sums in another order differ by ~1e-6.
+        **options: ``compile_step``'s options for the run on ``mesh`` (``zero=3``, ``accum_steps=2``,
+            ``pipeline="interleaved"``, ...); the reference runs them at ``zero=0`` (default ``zero=0`` for both).
 
     Returns:
         A :class:`Verification`: ``ok``, and where it is not, the leaf that differs most and a hint; print it.
@@ -103,9 +111,9 @@ def verify(loss_for: Callable[[Mesh], Callable], specs: Any, params: Any, batche
     mesh = mesh if mesh is not None else Mesh.current()
     one = Mesh(**{a: 1 for a in mesh.axis_names})
     opt = optimizer if optimizer is not None else adamw(1e-3)
-    ref = _run(loss_for(one), specs, params, batches, one, opt, data_axes)
+    ref = _run(loss_for(one), specs, params, batches, one, opt, data_axes, {**options, "zero": 0})
     try:
-        ours = _run(loss_for(mesh), specs, params, batches, mesh, opt, data_axes)
+        ours = _run(loss_for(mesh), specs, params, batches, mesh, opt, data_axes, options)
     except Exception as e:  # (a shape a leaf's spec gives that the model cannot use, most often)
         return Verification(False, repr(mesh), [], [], math.inf, f"the run on {mesh!r} raised: {type(e).__name__}: "
                             f"{e} -- check the specs of the leaves that code uses: a leaf split on a dimension the "
@@ -124,9 +132,10 @@ def verify(loss_for: Callable[[Mesh], Callable], specs: Any, params: Any, batche
     return Verification(ok, repr(mesh), losses, leaves, params_error, hint)
 
 
-def _run(loss_fn, specs, params, batches, mesh: Mesh, opt, data_axes) -> dict:
-    """Train ``len(batches)`` steps on ``mesh`` at zero=0 (whole local leaves in the optimizer), recording the first
-    step's gradients as the optimizer receives them (summed over the data axes)."""
+def _run(loss_fn, specs, params, batches, mesh: Mesh, opt, data_axes, options: dict) -> dict:
+    """Train ``len(batches)`` steps on ``mesh`` with ``options``, recording the first step's gradients as the
+    optimizer receives them (summed over the data axes), gathered into whole local leaves, and the trained ones; on
+    a pipeline mesh every leaf's block on every rank (not only the stage's)."""
     seen: list = []
 
     def update(grads, state, params=None, **extra):
@@ -134,15 +143,21 @@ def _run(loss_fn, specs, params, batches, mesh: Mesh, opt, data_axes) -> dict:
             seen.append(optree.tree_map(lambda g: g.detach().clone(), grads))
         return update_with(opt, grads, state, params, **extra)
 
-    step = compile_step(loss_fn, specs, mesh=mesh, optimizer=GradientTransformation(opt.init, update, opt.schedule),
-                        zero=0, data_axes=data_axes, donate=False, compile=False)
+    recording = InPlaceTransformation(opt.init, update, schedule=schedule_of(opt))
+    step = compile_step(loss_fn, specs, mesh=mesh, optimizer=recording, data_axes=data_axes,
+                        **{"zero": 0, "donate": False, "compile": False, **options})
     local = shard(params, specs, mesh)
     state = step.init(local)
     losses = []
     for b in batches:
         state, metrics = step(state, _data_share(b, mesh, data_axes))
         losses.append(metrics["loss"])
-    return {"losses": losses, "grads": seen[0], "params": state.params}
+    lay = step.layout  # (the optimizer's leaves are this rank's parts of them: gathered whole)
+    grads = gather_params(lay, lay.slices_of(lay.treedef.flatten_up_to(seen[0])))
+    trained = step.gather_params(state)
+    if mesh.axis_size("pp") > 1:  # a stage tree: the whole model's, then every leaf's block on this rank
+        grads, trained = (shard(gather(t, specs, mesh), specs, mesh) for t in (grads, trained))
+    return {"losses": losses, "grads": grads, "params": trained}
 
 
 def _data_share(batch: dict, mesh: Mesh, data_axes) -> dict:
@@ -157,7 +172,7 @@ def _compare(ours: dict, ref: dict, specs, params, mesh: Mesh) -> list[LeafRepor
     """Each leaf's gradient here against this rank's block of the reference's, reduced over the whole mesh."""
     matched = broadcast_specs(specs, params)
     mine = [g.reshape(-1) for g in optree.tree_leaves(ours["grads"])]
-    # (the optimizer sees 1-D views: the reference's, whole leaves, take the parameters' shapes to be sharded)
+    # (the reference's whole leaves, in the parameters' shapes, cut to this rank's blocks)
     whole = optree.tree_map(lambda g, p: g.reshape(p.shape), ref["grads"], params)
     theirs = [g.reshape(-1) for g in optree.tree_leaves(shard(whole, specs, mesh))]
     stats = []
