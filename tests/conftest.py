@@ -3,6 +3,11 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The fused element-wise kernels (funcpar.nn.pointwise, FUSE="auto") compile at a process's first step where a
+# tensor reaches MIN_NUMEL: llama-micro's default batch does, and the compile took ~8 s of every rank of every
+# `funcpar train` the suite starts. tests/test_pointwise.py sets FUSE itself and holds the kernels (and a sharded
+# step with them) to the composable formulas the other tests run, so the rest of the suite runs those.
+os.environ.setdefault("FUNCPAR_FUSE", "off")
 sys.path.insert(0, os.path.dirname(__file__))
 
 
