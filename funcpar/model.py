@@ -57,7 +57,7 @@ from funcpar.nn.documents import documents_of
 from funcpar.nn.remat import remat as remat_fn
 
 __all__ = ["ModelSpec", "HFNames", "Stages", "Loss", "ModelError", "register_model", "get_model", "known_models",
-           "DECODER_CONFIG_TYPES"]
+           "generic_types", "DECODER_CONFIG_TYPES"]
 
 
 class ModelError(ValueError):
@@ -68,7 +68,9 @@ class ModelError(ValueError):
 class HFNames:
     """How a model's pytree paths map to the tensors of a Hugging Face checkpoint (the mapping is data, not code).
 
-    ``table``: ``(path pattern, HF name pattern)`` pairs, ``{i}`` standing for a layer index. An HF pattern with
+    ``table``: ``(path pattern, HF name pattern)`` pairs, ``{i}`` standing for a layer index and ``{*}`` for the rest
+    of a name, copied as it is (the generic transformers models' paths hold HF names: ``("head.{*}", "{*}")``). An
+    HF pattern with
     ``{j}`` names one tensor per index along the leaf's first dimension, and the leaf is their stack (Mixtral's
     per-expert ``block_sparse_moe.experts.{j}.w1.weight``, each (I, d), for the stacked ``w_gate`` (E, I, d)); each
     such tensor is mapped as a leaf of the stack's other dimensions would be (``transposed``, ``splits``), a rank
@@ -406,8 +408,12 @@ def known_models() -> dict[str, ModelSpec]:
     return {k: v for k, v in _REGISTRY.items() if k in v.model_types}
 
 
-def get_model(model: "ModelSpec | types.ModuleType | str") -> ModelSpec:
-    """The :class:`ModelSpec` for a spec, a model module (its ``MODEL``) or a registered name / ``model_type``."""
+def get_model(model: "ModelSpec | types.ModuleType | str", *, generic: bool = False) -> ModelSpec:
+    """The :class:`ModelSpec` for a spec, a model module (its ``MODEL``) or a registered name / ``model_type``.
+
+    A ``model_type`` no model registers, which the installed transformers defines as a causal LM, gets the generic
+    model (``funcpar.models.transformers_auto``: transformers' own module run as a pure function of its parameters,
+    split by its config's tp plan). ``generic=True`` gives it for a registered type too (for comparison)."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, types.ModuleType):
@@ -416,10 +422,29 @@ def get_model(model: "ModelSpec | types.ModuleType | str") -> ModelSpec:
             raise ModelError(f"module {model.__name__} defines no MODEL = funcpar.ModelSpec(...)")
         return spec
     if isinstance(model, str):
+        if generic:
+            return importlib.import_module(_GENERIC).spec_for(model)
         if model not in _REGISTRY and model in _BUILTIN:
             importlib.import_module(_BUILTIN[model])
         if model in _REGISTRY:
             return _REGISTRY[model]
+        if generic_types(model):
+            return importlib.import_module(_GENERIC).spec_for(model)
         names = ", ".join(sorted(known_models()))
-        raise ModelError(f"no model is registered for '{model}'; funcpar knows: {names} (see funcpar.register_model)")
+        raise ModelError(f"no model is registered for '{model}', and the installed transformers defines no causal LM "
+                         f"of that type; funcpar knows: {names} and transformers' causal LMs (see "
+                         f"funcpar.register_model)")
     raise ModelError(f"expected a ModelSpec, a model module or a model_type name, got {type(model).__name__}")
+
+
+_GENERIC = "funcpar.models.transformers_auto"
+
+
+def generic_types(model_type: str | None = None):
+    """The causal-LM ``model_type``s the installed transformers defines (the generic model's), or whether
+    ``model_type`` is one; empty without transformers."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    except ImportError:
+        names = {}
+    return model_type in names if model_type is not None else sorted(names)

@@ -97,7 +97,8 @@ def name_plan(model: Any, paths: list[str], cfg: Any = None, names: HFNames | No
         names = model.hf
     rules = []
     for pat, hf in names.table:
-        rx = re.compile("^" + re.escape(pat).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+        rx = re.compile("^" + re.escape(pat).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{\*\}", r"(?P<rest>.+)")
+                        + "$")
         rules.append((rx, pat, hf))
     transposed, splits = set(names.transposed), dict(names.splits)
     padded = getattr(cfg, "rows", 0) > getattr(cfg, "vocab_size", 0)
@@ -107,9 +108,10 @@ def name_plan(model: Any, paths: list[str], cfg: Any = None, names: HFNames | No
         for rx, pat, hf in rules:
             m = rx.match(p)
             if m:
-                i = m.groupdict().get("i")
-                return _Map(hf.replace("{i}", i) if i is not None else hf, pat in transposed, splits.get(pat),
-                            cfg.vocab_size if pat in vocab_leaves else None)
+                i, rest = m.groupdict().get("i"), m.groupdict().get("rest")
+                name = hf.replace("{i}", i) if i is not None else hf
+                name = name.replace("{*}", rest) if rest is not None else name
+                return _Map(name, pat in transposed, splits.get(pat), cfg.vocab_size if pat in vocab_leaves else None)
         raise HFError(f"model '{model.name}' has no Hugging Face name for leaf '{p}' in its HFNames table")
 
     out = [one(p) for p in paths]

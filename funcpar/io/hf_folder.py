@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from funcpar.io.safetensors_header import DTYPES, TensorEntry, read_block, read_header, within
-from funcpar.model import ModelSpec, json_kind, get_model, known_models
+from funcpar.model import ModelSpec, generic_types, json_kind, get_model, known_models
 
 _FLOATS = {str(d).removeprefix("torch."): d for d in DTYPES.values() if d.is_floating_point}
 
@@ -78,6 +78,8 @@ def resolve_model(model: Any, cfg: dict, folder: Path) -> ModelSpec:
     mt = cfg.get("model_type")
     if model is None:
         known = known_models()
+        if isinstance(mt, str) and mt not in known and generic_types(mt):
+            return get_model(mt)  # transformers' own module, split by its tp plan
         if not isinstance(mt, str) or mt not in known:
             raise HFError(f"{folder / 'config.json'} has model_type '{mt}', which funcpar does not know; it knows: "
                           f"{', '.join(sorted(known))} (register a model with funcpar.register_model)")

@@ -123,14 +123,19 @@ def rms_head_loss(params, x: torch.Tensor, batch: dict, cfg, mesh, reduction: st
     return head_loss(x, head, batch, cfg, mesh, reduction)
 
 
-def head_loss(x: torch.Tensor, head, batch: dict, cfg, mesh, reduction: str = "mean") -> torch.Tensor:
+def head_loss(x: torch.Tensor, head, batch: dict, cfg, mesh, reduction: str = "mean",
+              softcap: float | None = None) -> torch.Tensor:
     """transformers' ``labels=`` loss of the vocab-parallel head ``head`` (this rank's rows, (V/tp, d)) on the final
     states ``x`` (B, T, d), or this rank's block of the sequence under sequence parallelism: :func:`lm_loss` of
     ``x @ head.T``, computed by :func:`funcpar.nn.headloss.head_loss` in row chunks without holding the logits (each
     counted target weighted 1/count for ``"mean"``, 1 for ``"sum"``). A head that is not a plain tensor (LoRA's
-    :class:`funcpar.train.lora.LoraWeight`) and ``FUSED_HEAD = False`` take the unfused composition."""
+    :class:`funcpar.train.lora.LoraWeight`) and ``FUSED_HEAD = False`` take the unfused composition. ``softcap``:
+    the logits soft-capped, ``softcap * tanh(logits / softcap)`` (Gemma's)."""
     if not FUSED_HEAD or not isinstance(head, torch.Tensor):
-        return lm_loss(L.column_parallel(x, [head], mesh)[0], batch, cfg, mesh, reduction)
+        logits = L.column_parallel(x, [head], mesh)[0]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return lm_loss(logits, batch, cfg, mesh, reduction)
     targets = L.context_chunk(L.shifted_targets(batch.get("labels", batch["input_ids"]), batch.get("loss_mask")),
                               mesh)  # (B, T): the label each position predicts (this cp rank's pieces)
     valid = targets != L.IGNORE_INDEX
@@ -138,7 +143,7 @@ def head_loss(x: torch.Tensor, head, batch: dict, cfg, mesh, reduction: str = "m
     # the states, replicated over tp (gathered along the sequence under sequence parallelism); backward: summed
     x = C.all_gather(x, mesh, "tp", 1) if L.sequence_parallel(mesh) else C.copy_to_region(x, mesh, "tp")
     return HL.head_loss(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1), weights.reshape(-1), mesh, "tp",
-                        cfg.vocab_size)
+                        cfg.vocab_size, softcap=softcap)
 
 
 FUSED_HEAD = True  # the models' losses through head_loss's fused path (False: the logits, then lm_loss)

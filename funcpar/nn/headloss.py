@@ -33,15 +33,17 @@ CHUNK_FLOATS = 1 << 26  # logits per chunk (256 MiB in float32): small next to a
 
 
 def head_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, mesh: "Mesh",
-              axis: str = "tp", vocab_size: int | None = None, chunk_floats: int | None = None) -> torch.Tensor:
+              axis: str = "tp", vocab_size: int | None = None, chunk_floats: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """``sum(weights * CE(x @ w.T, targets))``, a scalar in float32. ``x`` (N, d) replicated over ``axis`` (its
     gradient is this rank's part: route it through the region op that sums it, as a column-parallel input is);
     ``w`` (V/tp, d) this rank's rows of the head; ``targets`` (N,) global ids (any id outside the vocabulary, -100
     included, must have weight 0); ``weights`` (N,) float32. Columns at or beyond ``vocab_size`` (a padded
-    vocabulary) are left out of the softmax."""
+    vocabulary) are left out of the softmax. ``softcap``: the logits are ``softcap * tanh(x @ w.T / softcap)``
+    (Gemma's final soft-capping)."""
     rows = max(1, (chunk_floats or CHUNK_FLOATS) // max(1, w.shape[0]))
     grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    return _HeadLoss.apply(x, w, targets, weights.float(), mesh, axis, vocab_size, rows, grads)[0]
+    return _HeadLoss.apply(x, w, targets, weights.float(), mesh, axis, vocab_size, rows, grads, softcap)[0]
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -49,7 +51,7 @@ class _HeadLoss(torch.autograd.Function):
     wanted); the backward scales them by the loss's gradient."""
 
     @staticmethod
-    def forward(x, w, targets, weights, mesh, axis, vocab_size, rows, grads):
+    def forward(x, w, targets, weights, mesh, axis, vocab_size, rows, grads, softcap=None):
         n, off = w.shape[0], mesh.coord(axis) * w.shape[0]
         pad = None if vocab_size is None or off + n <= vocab_size else torch.arange(off, off + n,
                                                                                   device=w.device) >= vocab_size
@@ -58,6 +60,10 @@ class _HeadLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for a in range(0, x.shape[0], rows):
             logits = (x[a:a + rows] @ w.t()).float()  # (r, V/tp)
+            if softcap is not None:  # capped = cap * tanh(logits / cap); its derivative 1 - tanh² kept
+                logits = torch.tanh(logits / softcap)
+                slope = 1 - logits * logits if grads else None
+                logits = logits * softcap
             if pad is not None:
                 logits.masked_fill_(pad, float("-inf"))
             m = C.all_reduce(logits.amax(-1), mesh, axis, "max")  # (r,): a statistic, exact for log-sum-exp
@@ -74,6 +80,8 @@ class _HeadLoss(torch.autograd.Function):
             if grads:  # (softmax - onehot) * weight, then its two matmuls
                 g = e.mul_((wt / s)[:, None])
                 g.scatter_add_(-1, at, (-inside.float() * wt)[:, None])
+                if softcap is not None:
+                    g = g * slope
                 gx[a:a + rows] = g.to(x.dtype) @ w
                 gw.addmm_(g.t(), x[a:a + rows].float() if x.dtype != torch.float32 else x[a:a + rows])
         return total, gx, None if gw is None else gw.to(w.dtype)
@@ -82,7 +90,7 @@ class _HeadLoss(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
         ctx.save_for_backward(*(t for t in output[1:] if t is not None))
-        ctx.grads = inputs[-1]
+        ctx.grads = inputs[8]  # (x, w, targets, weights, mesh, axis, vocab_size, rows, grads, softcap)
 
     @staticmethod
     def backward(ctx, g, _gx, _gw):
@@ -90,4 +98,4 @@ class _HeadLoss(torch.autograd.Function):
             raise RuntimeError("funcpar.nn.headloss: the head's loss was computed without gradients (grad mode off, or "
                                "neither x nor w requiring them) and then differentiated")
         gx, gw = ctx.saved_tensors  # (first order only: formed in the forward, they are constants here)
-        return g.to(gx.dtype) * gx, g.to(gw.dtype) * gw, None, None, None, None, None, None, None
+        return g.to(gx.dtype) * gx, g.to(gw.dtype) * gw, None, None, None, None, None, None, None, None

@@ -1,0 +1,631 @@
+"""Any causal LM transformers defines, trained as transformers writes it: its own module run as a pure function of
+its parameters, split over tp by the tensor-parallel plan its config carries (``config.base_model_tp_plan``).
+
+What it is
+    For a config whose ``model_type`` no built-in model registers, :func:`spec_for` builds a :class:`funcpar.ModelSpec`
+    from the transformers class itself (``AutoModelForCausalLM``), built once per config on the meta device:
+
+    - the parameter tree is the module's named parameters under four top-level groups, ``embed_tokens`` (the input
+      embedding), ``embed`` (other parameters used before the layers), ``layers`` (one dict per decoder layer, keyed
+      by the name inside the layer) and ``head`` (the final norm, the LM head, whatever comes after the layers).
+      Inside a group the keys are transformers' names, so import and export are the identity (``HFNames`` with
+      ``{*}`` patterns): each rank reads only its slices, every Hub layout and sharded index as it is;
+    - the specs come from the tp plan (:data:`STYLES`): a style this path does not run yet is refused by name, with
+      the model type, before any rank starts (:func:`check_mesh`);
+    - the loss is ``torch.func.functional_call`` of the base model with funcpar's differentiable collectives at the
+      plan's boundaries (each planned module's ``forward`` replaced once, as transformers' own tensor parallelism
+      does, reading the mesh of the call in progress), then the LM head and the cross-entropy through funcpar's
+      vocab-parallel fused head loss on the module's last hidden states (the logits never gathered), with the
+      head's scalings transformers applies (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma's
+      ``final_logit_softcapping``).
+
+    The input embedding and the LM head are always vocab-parallel over tp (exact whatever the plan says of them:
+    each id's row is on one rank). The staged form (pipelines, ZeRO-3, remat) runs the base model's forward with
+    every decoder layer's ``forward`` routed: the embedding stage stops at the first layer's input, a block runs
+    only its layer on the carried state, the head injects the state after the last layer; the base model's own
+    code between the layers (rotary tables, masks per layer type, scalings) runs unchanged.
+
+Why
+    The plans are data transformers keeps for 116 causal-LM types; running the module itself keeps every model's
+    numerics exactly its own (soft-capping, sliding windows, parallel residuals, multipliers), with nothing written
+    again per model.
+
+What it refuses, by name and before step 1
+    A tp plan style not in :data:`STYLES`; a size tp does not divide; dropout (funcpar's steps are deterministic); an
+    LM head with a bias; sequence and context parallelism and packed documents; a model whose staged form the config
+    does not describe (no ``base_model_pp_plan``) at ``zero=3`` or on pipeline stages. :func:`probe` holds the path
+    to transformers' own loss and gradients on a small copy of the config before a run starts (``funcpar train``
+    runs it), so a model whose forward does something this path does not know is refused rather than trained wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import json
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import funcpar as fp
+from funcpar import collectives as C
+from funcpar import decoder as D
+from funcpar import layers as L
+
+__all__ = ["spec_for", "Config", "STYLES", "check_mesh", "tree_of", "named_of", "GenericError"]
+
+
+class GenericError(fp.ModelError):
+    """A model the generic path cannot run exactly, named with its model type and the reason."""
+
+
+# tp plan styles this path runs: style -> (weight spec, bias spec) of a Linear's leaves, as P's dims over "tp"
+STYLES = {
+    "colwise": (("tp", None), ("tp",)),
+    "colwise_gather_output": (("tp", None), ("tp",)),
+    "colwise_rep": (("tp", None), ("tp",)),
+    "rowwise": ((None, "tp"), ()),
+    "rowwise_split_input": ((None, "tp"), ()),
+    "rowwise_rep": ((None, "tp"), ()),
+    "replicated_with_grad_allreduce": None,  # leaves replicated, each rank's gradient partial: summed over tp
+    "replicate": None,
+    "embedding_rowwise": None,  # the input embedding: vocab-parallel here in any case
+    "embedding_colwise": None,
+}
+_WHY = {
+    "packed_colwise": "fused gate/up weights split per half (a strided shard funcpar's specs do not express yet)",
+    "packed_rowwise": "fused weights split per half along their last dimension (a strided shard)",
+    "moe_tp_experts": "experts split over tp inside transformers' fused expert kernels",
+    "moe_identity_expert": "identity experts inside a tp-split expert layer",
+    "mla_kv_a_proj": "multi-head latent attention's shared rotary key (a gradient summed over tp mid-tensor)",
+    "local_params": "bare parameters sharded inside their owner's forward",
+    "all_reduce": "a module whose partial output is summed over tp",
+    "sequence_parallel": "sequence-parallel norms",
+}
+
+
+# ------------------------------------------------------------------------------------------------ the config
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Config:
+    """A transformers config as funcpar reads it: the ``config.json`` dict (``hf``) and, built from it once,
+    transformers' config object (``hf_config``); any other attribute (``vocab_size``, ``tie_word_embeddings``,
+    ``hidden_size``, ...) is the config object's."""
+
+    hf: dict
+    generic: bool = True  # (the generic path: what `funcpar train` says it takes)
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Config":
+        return cls(hf=dict(d))
+
+    def to_hf(self) -> dict:
+        return dict(self.hf)
+
+    def with_mesh(self, mesh) -> "Config":
+        return self
+
+    @functools.cached_property
+    def hf_config(self):
+        from transformers import CONFIG_MAPPING
+
+        mt = self.hf.get("model_type")
+        if mt not in CONFIG_MAPPING:
+            raise GenericError(f"model_type '{mt}': the installed transformers defines no such model")
+        return CONFIG_MAPPING[mt].from_dict({k: v for k, v in self.hf.items() if k != "model_type"})
+
+    @property
+    def model_type(self) -> str:
+        return self.hf["model_type"]
+
+    @property
+    def rows(self) -> int:
+        return self.vocab_size
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.hf, sort_keys=True, default=str)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("hf", "hf_config"):
+            raise AttributeError(name)
+        cfg = self.hf_config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return getattr(text, name)
+
+
+# ------------------------------------------------------------------------------------------------ the module
+
+
+class _Stop(Exception):
+    """Raised by a routed decoder layer to end the base model's forward there, carrying the state."""
+
+    def __init__(self, x):
+        super().__init__()
+        self.x = x
+
+
+@dataclasses.dataclass
+class _Call:
+    """The call in progress: its mesh, a memo of inputs already routed through ``copy_to_region`` (q, k and v share
+    one: their gradients are summed locally, then all-reduced once, as the built-in models' fused column does), and
+    how the decoder layers are routed (``None``: all run)."""
+
+    mesh: Any
+    copies: dict = dataclasses.field(default_factory=dict)
+    route: tuple | None = None  # ("embed",) | ("block", i, carry) | ("head", carry)
+
+    def copy(self, x):
+        if self.mesh.axis_size("tp") == 1:
+            return x
+        hit = self.copies.get(id(x))
+        if hit is None or hit[0] is not x:
+            hit = self.copies[id(x)] = (x, C.copy_to_region(x, self.mesh, "tp"))
+        return hit[1]
+
+
+_CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("funcpar_generic_call")
+
+
+def _call() -> _Call:
+    try:
+        return _CALL.get()
+    except LookupError:
+        raise GenericError("a generic model's module was called outside funcpar's loss (use the ModelSpec's loss, "
+                           "forward or stages)") from None
+
+
+def _linear_only(module, name: str, style: str, mt: str) -> None:
+    if not isinstance(module, torch.nn.Linear) or type(module).forward is not torch.nn.Linear.forward:
+        raise GenericError(f"model_type '{mt}': tp plan style '{style}' on '{name}', a {type(module).__name__}: "
+                           f"the generic path splits plain nn.Linear modules only")
+
+
+def _install_colwise(module, gather: bool) -> None:
+    def forward(x):
+        call = _call()
+        y = F.linear(call.copy(x), module.weight, module.bias)
+        return C.gather_from_region(y, call.mesh, "tp", -1) if gather else y
+    module.forward = forward
+
+
+def _install_rowwise(module, split: bool) -> None:
+    def forward(x):
+        mesh = _call().mesh
+        if split:
+            x = C.scatter_to_region(x, mesh, "tp", -1)
+        y = C.reduce_from_region(F.linear(x, module.weight), mesh, "tp")
+        return y if module.bias is None else y + module.bias
+    module.forward = forward
+
+
+def _install_embedding(module) -> None:
+    """The input embedding, vocab-parallel: each rank looks up the ids it holds with the module's own forward (its
+    scaling, its padding row shifted to this rank's rows), zeros elsewhere, summed over tp."""
+    own = module.forward
+
+    def forward(ids):
+        mesh = _call().mesh
+        if mesh.axis_size("tp") == 1:
+            return own(ids)
+        n = module.weight.shape[0]
+        off = mesh.coord("tp") * n
+        local = ids - off
+        inside = (local >= 0) & (local < n)
+        pad = module.padding_idx
+        module.padding_idx = pad - off if pad is not None and 0 <= pad - off < n else None
+        try:
+            rows = own(local.clamp(0, n - 1))
+        finally:
+            module.padding_idx = pad
+        rows = torch.where(inside[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        return C.reduce_from_region(rows, mesh, "tp")
+    module.forward = forward
+
+
+def _install_layer(layer, i: int) -> None:
+    """Route decoder layer ``i`` by the call's ``route`` (see :class:`_Call`)."""
+    own = layer.forward
+
+    def forward(*args, **kwargs):
+        route = _call().route
+        if route is None:
+            return own(*args, **kwargs)
+        h = args[0] if args else kwargs["hidden_states"]
+        kind = route[0]
+        if kind == "embed":
+            raise _Stop(h)
+        if kind == "head":
+            return route[1] if i == route[2] else h
+        if i != route[1]:
+            return h
+        if args:
+            args = (route[2], *args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": route[2]}
+        raise _Stop(own(*args, **kwargs))
+    layer.forward = forward
+
+
+def _plan_regex(key: str) -> re.Pattern:
+    return re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$")
+
+
+@dataclasses.dataclass
+class Built:
+    """The transformers module of one config, on meta, with its plan resolved and its forwards installed."""
+
+    cfg: Config
+    module: Any
+    base: Any
+    prefix: str  # the base model's name in the root, with its dot ("model.")
+    layers: str  # the decoder layers' ModuleList inside the base ("layers")
+    n_layers: int
+    embed_module: str  # root names
+    head_module: str | None
+    tied: bool
+    groups: dict  # root param name -> (group, key) with group in embed_tokens/embed/layers/head
+    styles: dict  # root module name -> style
+    grad_allreduce: set  # root param names whose gradients are summed over tp
+    staged: bool  # the config has a pp plan: the staged form is known
+    refusals: list  # (style, module) pairs the plan uses that this path does not run
+
+    def root_params(self, params, mesh) -> dict:
+        """The tree as ``{root name: tensor}`` for functional_call of the base model (names relative to it)."""
+        out = {}
+        for group in ("embed_tokens", "embed", "head"):
+            for k, v in (params.get(group) or {}).items():
+                if v is not None:
+                    out[k] = v
+        for i, lp in enumerate(params.get("layers") or []):
+            if lp is None:
+                continue
+            for k, v in lp.items():
+                if v is not None:
+                    out[f"{self.prefix}{self.layers}.{i}.{k}"] = v
+        # (a ZeRO-3 embedding left in its parts, funcpar.train.zero3.ZeroRows, is gathered: functional_call takes
+        # tensors, and the module's own lookup runs on the table)
+        out = {k: v if isinstance(v, torch.Tensor) else v.whole() for k, v in out.items()}
+        tp = mesh.axis_size("tp") > 1
+        return {k[len(self.prefix):]: (C.copy_to_region(v, mesh, "tp") if tp and k in self.grad_allreduce else v)
+                for k, v in out.items() if k.startswith(self.prefix)}
+
+    @contextlib.contextmanager
+    def running(self, mesh, route=None):
+        token = _CALL.set(_Call(mesh, route=route))
+        try:
+            yield
+        finally:
+            _CALL.reset(token)
+
+    def base_forward(self, params, mesh, route=None, **inputs):
+        """The base model's forward on ``params`` (what it holds of them); with a route, the state a layer stops
+        with, else the last hidden states."""
+        with self.running(mesh, route):
+            try:
+                out = torch.func.functional_call(self.base, self.root_params(params, mesh), (),
+                                                 {**inputs, "use_cache": False}, strict=False)
+            except _Stop as stop:
+                return stop.x
+        return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+_BUILT: dict[str, Built] = {}
+
+
+def built(cfg: Config) -> Built:
+    """The module of ``cfg``, built once (on meta) and kept."""
+    b = _BUILT.get(cfg.key)
+    if b is None:
+        b = _BUILT[cfg.key] = _build(cfg)
+    return b
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build a module with its parameters on meta (each moved there as it is registered, uninitialised) and its
+    buffers real: the rotary tables and masks a forward reads are computed from the config in ``__init__``."""
+    from transformers.initialization import no_init_weights
+
+    own = torch.nn.Module.register_parameter
+
+    def register(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        own(self, name, param)
+    torch.nn.Module.register_parameter = register
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        torch.nn.Module.register_parameter = own
+
+
+def _build(cfg: Config) -> Built:
+    from transformers import AutoModelForCausalLM
+
+    mt = cfg.model_type
+    hc = cfg.hf_config
+    with _parameters_on_meta():
+        module = AutoModelForCausalLM.from_config(hc)
+    module.eval()  # (dropout is refused by check_mesh, so train and eval modes compute alike)
+    prefix = module.base_model_prefix
+    base = getattr(module, prefix, None)
+    if base is None or base is module:
+        raise GenericError(f"model_type '{mt}': its causal LM has no base model under '{prefix}'")
+    pp_plan = getattr(hc, "base_model_pp_plan", None) or {}
+    layers = _names(mt)[1]
+    if not isinstance(getattr(base, layers, None), torch.nn.ModuleList):
+        raise GenericError(f"model_type '{mt}': no list of decoder layers '{layers}' in its base model")
+    emb = module.get_input_embeddings()
+    head = module.get_output_embeddings()
+    names = {id(m): n for n, m in module.named_modules()}
+    embed_module, head_module = names[id(emb)], names.get(id(head)) if head is not None else None
+    if head is None or getattr(head, "bias", None) is not None:
+        raise GenericError(f"model_type '{mt}': its LM head is not a bias-free linear layer")
+    tied = head.weight is emb.weight
+    children = [n for n, _ in base.named_children()]
+    after = set(children[children.index(layers) + 1:])
+    groups = {}
+    pre = f"{prefix}.{layers}."
+    for n, _ in module.named_parameters():
+        if n.startswith(pre):
+            i, _, rest = n[len(pre):].partition(".")
+            groups[n] = ("layers", (int(i), rest))
+        elif n.startswith(embed_module + "."):
+            groups[n] = ("embed_tokens", n)
+        elif head_module and n.startswith(head_module + "."):
+            groups[n] = ("head", n)
+        elif n.startswith(prefix + ".") and n[len(prefix) + 1:].partition(".")[0] not in after:
+            groups[n] = ("embed", n)
+        else:
+            groups[n] = ("head", n)
+    b = Built(cfg, module, base, prefix + ".", layers, len(getattr(base, layers)), embed_module, head_module, tied,
+              groups, {}, set(), bool(pp_plan), [])
+    _install(b, hc)
+    return b
+
+
+def _install(b: Built, hc) -> None:
+    """Resolve the tp plan over the module's names and install each planned module's forward."""
+    mt = b.cfg.model_type
+    plan = dict(getattr(hc, "base_model_tp_plan", None) or {})
+    rules = [(_plan_regex(b.prefix + k), style) for k, style in plan.items()]
+    params = dict(b.module.named_parameters())
+    for name, m in b.module.named_modules():
+        if name == b.embed_module:
+            _install_embedding(m)
+            continue
+        style = next((s for rx, s in rules if rx.match(name)), None)
+        if style is None or name == b.head_module:
+            continue
+        b.styles[name] = style
+        if style not in STYLES:
+            b.refusals.append((style, name))
+        elif style.startswith("colwise"):
+            _linear_only(m, name, style, mt)
+            _install_colwise(m, gather=style != "colwise")
+        elif style.startswith("rowwise"):
+            _linear_only(m, name, style, mt)
+            _install_rowwise(m, split=style != "rowwise")
+        elif style == "replicated_with_grad_allreduce":
+            b.grad_allreduce.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+        elif style.startswith("embedding"):
+            raise GenericError(f"model_type '{mt}': tp plan style '{style}' on '{name}', which is not the input "
+                               f"embedding")
+    for name, style in plan.items():  # plan entries naming a parameter rather than a module
+        rx = _plan_regex(b.prefix + name)
+        if any(rx.match(p) for p in params) and style not in STYLES:
+            b.refusals.append((style, name))
+    for i, layer in enumerate(getattr(b.base, b.layers)):
+        _install_layer(layer, i)
+
+
+# ------------------------------------------------------------------------------------------ tree and specs
+
+
+def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32, device=None):
+    """The global parameter tree: transformers' own initialisation of the class (seeded), or shapes on meta."""
+    b = built(cfg)
+    if device is not None and torch.device(device).type == "meta":
+        named = {n: torch.empty(p.shape, dtype=dtype, device="meta") for n, p in b.module.named_parameters()}
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            m = AutoModelForCausalLM.from_config(cfg.hf_config, dtype=dtype)
+        named = {n: p.detach().to(device=device or "cpu") for n, p in m.named_parameters()}
+    return _tree(b, named)
+
+
+def tree_of(cfg: Config, named: dict) -> dict:
+    """The parameter tree of ``named``, ``{transformers name: tensor}`` (``model.named_parameters()``'s names)."""
+    return _tree(built(cfg), named)
+
+
+def named_of(cfg: Config, params: dict) -> dict:
+    """``{transformers name: tensor}`` of a parameter tree (the inverse of :func:`tree_of`)."""
+    b, out = built(cfg), {}
+    for group in ("embed_tokens", "embed", "head"):
+        out.update(params.get(group) or {})
+    for i, lp in enumerate(params["layers"]):
+        out.update({f"{b.prefix}{b.layers}.{i}.{k}": v for k, v in lp.items()})
+    return out
+
+
+def _tree(b: Built, named: dict) -> dict:
+    out: dict = {"embed_tokens": {}, "embed": {}, "layers": [{} for _ in range(b.n_layers)], "head": {}}
+    for n, t in named.items():
+        group, key = b.groups[n]
+        if group == "layers":
+            out["layers"][key[0]][key[1]] = t
+        else:
+            out[group][key] = t
+    return {k: v for k, v in out.items() if v or k == "layers"}
+
+
+def specs(cfg: Config, mesh=None):
+    """The tree of ``P``: the input embedding and LM head split over the vocabulary, each planned Linear as its
+    style says (:data:`STYLES`), everything else replicated."""
+    b = built(cfg)
+    style_of = {}
+    for mod, style in b.styles.items():
+        for p, _ in dict(b.module.named_modules())[mod].named_parameters(recurse=False):
+            style_of[f"{mod}.{p}"] = (style, p)
+
+    def spec(n, p):
+        if n.startswith(b.embed_module + ".") or (b.head_module and n.startswith(b.head_module + ".")):
+            return fp.P("tp", None) if p.ndim == 2 else fp.P()
+        style, leaf = style_of.get(n, (None, None))
+        dims = STYLES.get(style) if style else None
+        if dims is None:
+            return fp.P()
+        return fp.P(*(dims[0] if leaf == "weight" else dims[1]))
+    return _tree(b, {n: spec(n, p) for n, p in b.module.named_parameters()})
+
+
+def check_mesh(cfg: Config, mesh) -> None:
+    """Refuse, in one line naming the model type, what the generic path cannot run exactly on ``mesh``."""
+    b = built(cfg)
+    mt, tp = cfg.model_type, mesh.axis_size("tp")
+    drop = sorted(k for k, v in cfg.hf.items() if "dropout" in k and isinstance(v, (int, float)) and v
+                  and not isinstance(v, bool))
+    if drop:
+        raise GenericError(f"model_type '{mt}': config key '{drop[0]}' is {cfg.hf[drop[0]]}: the generic path runs "
+                           f"without dropout; set it to 0 in config.json")
+    if tp > 1 and b.refusals:
+        style, name = b.refusals[0]
+        why = _WHY.get(style, "a style transformers added after this path was written")
+        raise GenericError(f"model_type '{mt}': tp plan style '{style}' ({name}): {why}; the generic path does "
+                           f"not split it over tp yet (run it with tp=1)")
+    if tp > 1 and not getattr(cfg.hf_config, "base_model_tp_plan", None):
+        raise GenericError(f"model_type '{mt}': its config carries no tensor-parallel plan (base_model_tp_plan); "
+                           f"run it with tp=1")
+    for axis in ("cp", "ep", "sp"):
+        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+            raise GenericError(f"model_type '{mt}': the generic path has no '{axis}' axis yet")
+    if tp > 1:
+        for (path, s), (_, p) in zip(fp.tree.leaves_with_path(specs(cfg)),
+                                     fp.tree.leaves_with_path(init(cfg, device="meta")), strict=True):
+            for d, ax in enumerate(s):
+                if ax == "tp" and p.shape[d] % tp:
+                    raise GenericError(f"model_type '{mt}': leaf '{path}' {list(p.shape)} does not split over "
+                                       f"tp={tp} along dim {d}")
+
+
+# -------------------------------------------------------------------------------------------- the loss
+
+
+def _head_weight(b: Built, params):
+    if b.tied:
+        return params["embed_tokens"][b.embed_module + ".weight"]
+    return params["head"][b.head_module + ".weight"]
+
+
+def _scaled(x, cfg: Config):
+    """The hidden states as the head's logits need them: Cohere's ``logit_scale`` and Granite's ``logits_scaling``
+    are scalings of the logits, applied to the states (the same product)."""
+    scale = getattr(cfg.hf_config, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale != 1:
+        x = x * scale
+    div = getattr(cfg.hf_config, "logits_scaling", None)
+    if isinstance(div, (int, float)) and div != 1:
+        x = x / div
+    return x
+
+
+def _softcap(cfg: Config):
+    cap = getattr(cfg.hf_config, "final_logit_softcapping", None)
+    return cap if isinstance(cap, (int, float)) and cap else None
+
+
+def _head(params, x, batch, cfg, mesh, reduction: str = "mean"):
+    """The LM head's loss on the last hidden states: funcpar's vocab-parallel fused head (logits never held)."""
+    b = built(cfg)
+    return D.head_loss(_scaled(x, cfg), _head_weight(b, params), batch, cfg, mesh, reduction, softcap=_softcap(cfg))
+
+
+def _embed(params, batch, cfg, mesh):
+    return built(cfg).base_forward(params, mesh, ("embed",), input_ids=batch["input_ids"])
+
+
+def _block(lp, x, i, cfg, mesh):
+    b = built(cfg)
+    return b.base_forward({"layers": [None] * i + [lp]}, mesh, ("block", i, x), inputs_embeds=torch.zeros_like(x))
+
+
+def _stage_head(params, x, batch, cfg, mesh, reduction: str = "mean"):
+    b = built(cfg)
+    h = b.base_forward(params, mesh, ("head", x, b.n_layers - 1), inputs_embeds=torch.zeros_like(x))
+    return _head(params, h, batch, cfg, mesh, reduction)
+
+
+STAGES = fp.Stages(_embed, _block, _stage_head, embed_leaves=lambda cfg: ["embed_tokens", "embed"],
+                   head_leaves=lambda cfg: ["head"] + (["embed_tokens"] if built(cfg).tied else []))
+
+
+def loss(params, batch, cfg, mesh, reduction: str = "mean", remat: bool = False):
+    """transformers' ``labels=`` loss of the model: its base model's forward in one call (with ``remat``: the
+    staged form, each layer recomputed in the backward pass), then :func:`_head`."""
+    if remat:
+        return STAGES.loss(params, batch, cfg, mesh, reduction, remat=True)
+    h = built(cfg).base_forward(params, mesh, input_ids=batch["input_ids"])
+    return _head(params, h, batch, cfg, mesh, reduction)
+
+
+def forward(params, tokens, cfg, mesh):
+    """This rank's vocab block of the logits, (B, T, V/tp), with the head's scalings and soft-capping."""
+    b = built(cfg)
+    h = _scaled(b.base_forward(params, mesh, input_ids=tokens), cfg)
+    logits = F.linear(C.copy_to_region(h, mesh, "tp"), _head_weight(b, params))
+    cap = _softcap(cfg)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+# ------------------------------------------------------------------------------------------------ the spec
+
+
+def _names(model_type: str) -> tuple[str, str]:
+    """The base model's name in the causal LM (``"model"``) and its decoder layers' (``"layers"``), from the class
+    and the default config's pp plan: what the HF names of the layers start with."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    prefix = MODEL_FOR_CAUSAL_LM_MAPPING[config_class].base_model_prefix
+    try:
+        plan = getattr(config_class(), "base_model_pp_plan", None) or {}
+    except Exception:  # noqa: BLE001 - a default config that does not build: fall back on the common name
+        plan = {}
+    layers = next((k for k, (ins, _) in plan.items() if "hidden_states" in ins and k != "norm"), "layers")
+    return prefix, layers
+
+_SPECS: dict[tuple, fp.ModelSpec] = {}
+
+
+def spec_for(model_type: str) -> fp.ModelSpec:
+    """The generic :class:`funcpar.ModelSpec` of ``model_type`` (one per type, kept)."""
+    hit = _SPECS.get(model_type)
+    if hit is not None:
+        return hit
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise GenericError(f"model_type '{model_type}': the installed transformers defines no causal LM of that "
+                           f"type")
+    prefix, layers = _names(model_type)
+    hf = fp.HFNames(table=[("layers.{i}.{*}", prefix + "." + layers + ".{i}.{*}"), ("embed_tokens.{*}", "{*}"),
+                           ("embed.{*}", "{*}"), ("head.{*}", "{*}")],
+                    ignored_if_tied=[r"^lm_head\.weight$"])
+    spec = fp.ModelSpec(name=f"{model_type} (transformers)", init=init, specs=specs, forward=forward, loss=loss,
+                        Config=Config, model_types=(model_type,), hf=hf, config_types={"model_type": (str,)},
+                        batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES)
+    _SPECS[model_type] = spec
+    return spec
