@@ -79,7 +79,8 @@ class HFNames:
     ``transposed``: path patterns of leaves stored transposed in the checkpoint (GPT-2's Conv1D).
     ``splits``: path pattern -> ``(dim, k, n)``: the leaf is part ``k`` of ``n`` of a fused HF tensor along ``dim``
     (the parts one after another, each as large as its leaf: equal for GPT-2's ``c_attn``, not for ChatGLM's
-    ``query_key_value``).
+    ``query_key_value``); a negative ``dim`` counts from the end, at least 0 (``-2``: a weight's rows, a bias's only
+    dim, the rows of a stack of experts' weights).
     ``vocab_padded``: path patterns of vocab tables whose rows beyond ``cfg.vocab_size`` are padding.
     ``ignored``: regular expressions of checkpoint tensors that hold nothing to load; ``ignored_if_tied`` more of
     them when ``cfg.tie_word_embeddings`` (a tied checkpoint's copy of the head).

@@ -63,25 +63,19 @@ class GenericError(fp.ModelError):
     """A model the generic path cannot run exactly, named with its model type and the reason."""
 
 
-# tp plan styles this path runs: style -> (weight spec, bias spec) of a Linear's leaves, as P's dims over "tp"
-STYLES = {
-    "colwise": (("tp", None), ("tp",)),
-    "colwise_gather_output": (("tp", None), ("tp",)),
-    "colwise_rep": (("tp", None), ("tp",)),
-    "rowwise": ((None, "tp"), ()),
-    "rowwise_split_input": ((None, "tp"), ()),
-    "rowwise_rep": ((None, "tp"), ()),
-    "replicated_with_grad_allreduce": None,  # leaves replicated, each rank's gradient partial: summed over tp
-    "replicate": None,
-    "embedding_rowwise": None,  # the input embedding: vocab-parallel here in any case
-    "embedding_colwise": None,
+# tp plan styles this path runs, on a module (its forward replaced) or on a parameter inside a module that runs them
+COLUMN = {"colwise", "colwise_gather_output", "colwise_rep", "packed_colwise"}  # output rows split
+ROW = {"rowwise", "rowwise_split_input", "rowwise_rep"}  # input columns split, the outputs summed
+STYLES = COLUMN | ROW | {
+    "replicated_with_grad_allreduce",  # leaves replicated, each rank's gradient partial: summed over tp
+    "replicate",
+    "embedding_rowwise", "embedding_colwise",  # the input embedding: vocab-parallel here in any case
+    "moe_tp_experts",  # every expert split over tp (its weights by their own entries), the outputs summed
+    "mla_kv_a_proj",  # latent attention's rotary key, used on this rank's heads: its gradient summed
 }
 _WHY = {
-    "packed_colwise": "fused gate/up weights split per half (a strided shard funcpar's specs do not express yet)",
-    "packed_rowwise": "fused weights split per half along their last dimension (a strided shard)",
-    "moe_tp_experts": "experts split over tp inside transformers' fused expert kernels",
+    "packed_rowwise": "fused weights split per half along their last dimension",
     "moe_identity_expert": "identity experts inside a tp-split expert layer",
-    "mla_kv_a_proj": "multi-head latent attention's shared rotary key (a gradient summed over tp mid-tensor)",
     "local_params": "bare parameters sharded inside their owner's forward",
     "all_reduce": "a module whose partial output is summed over tp",
     "sequence_parallel": "sequence-parallel norms",
@@ -270,8 +264,9 @@ class Built:
     head_module: str | None
     tied: bool
     groups: dict  # root param name -> (group, key) with group in embed_tokens/embed/layers/head
-    styles: dict  # root module name -> style
+    styles: dict  # root param name -> (style, "weight" | "bias" | "param"): how its spec splits it
     grad_allreduce: set  # root param names whose gradients are summed over tp
+    packed: set  # root param names of fused halves (gate and up): two leaves ":0" and ":1", each split over tp
     staged: bool  # the config has a pp plan: the staged form is known
     refusals: list  # (style, module) pairs the plan uses that this path does not run
 
@@ -291,6 +286,7 @@ class Built:
         # (a ZeRO-3 embedding left in its parts, funcpar.train.zero3.ZeroRows, is gathered: functional_call takes
         # tensors, and the module's own lookup runs on the table)
         out = {k: v if isinstance(v, torch.Tensor) else v.whole() for k, v in out.items()}
+        out = join_packed(out)
         tp = mesh.axis_size("tp") > 1
         return {k[len(self.prefix):]: (C.copy_to_region(v, mesh, "tp") if tp and k in self.grad_allreduce else v)
                 for k, v in out.items() if k.startswith(self.prefix)}
@@ -353,6 +349,7 @@ def _build(cfg: Config) -> Built:
     hc = cfg.hf_config
     with _parameters_on_meta():
         module = AutoModelForCausalLM.from_config(hc)
+    module.tie_weights()  # (transformers ties as it initialises, which no_init_weights skips)
     module.eval()  # (dropout is refused by check_mesh, so train and eval modes compute alike)
     prefix = module.base_model_prefix
     base = getattr(module, prefix, None)
@@ -386,44 +383,121 @@ def _build(cfg: Config) -> Built:
         else:
             groups[n] = ("head", n)
     b = Built(cfg, module, base, prefix + ".", layers, len(getattr(base, layers)), embed_module, head_module, tied,
-              groups, {}, set(), bool(pp_plan), [])
+              groups, {}, set(), set(), bool(pp_plan), [])
     _install(b, hc)
     return b
 
 
 def _install(b: Built, hc) -> None:
-    """Resolve the tp plan over the module's names and install each planned module's forward."""
-    mt = b.cfg.model_type
+    """Resolve the tp plan over the module's names: each planned module's forward installed, each parameter's
+    style recorded for its spec; what this path does not run is kept in ``refusals`` (refused where tp > 1)."""
     plan = dict(getattr(hc, "base_model_tp_plan", None) or {})
     rules = [(_plan_regex(b.prefix + k), style) for k, style in plan.items()]
-    params = dict(b.module.named_parameters())
-    for name, m in b.module.named_modules():
+    modules, params = dict(b.module.named_modules()), dict(b.module.named_parameters())
+    experts = set()
+    for name, m in modules.items():
         if name == b.embed_module:
             _install_embedding(m)
             continue
         style = next((s for rx, s in rules if rx.match(name)), None)
         if style is None or name == b.head_module:
             continue
-        b.styles[name] = style
-        if style not in STYLES:
+        if _install_module(b, name, m, style, hc):
+            experts.add(name)
+        for p, _ in m.named_parameters(recurse=False):
+            b.styles.setdefault(f"{name}.{p}", (style, "bias" if p == "bias" else "weight"))
+    for name in params:  # plan entries naming a parameter: an expert stack's weights, split inside its owner
+        style = next((s for rx, s in rules if rx.match(name)), None)
+        if style is None:
+            continue
+        owner = name.rpartition(".")[0]
+        if owner not in experts or style not in COLUMN | ROW:
             b.refusals.append((style, name))
-        elif style.startswith("colwise"):
-            _linear_only(m, name, style, mt)
-            _install_colwise(m, gather=style != "colwise")
-        elif style.startswith("rowwise"):
-            _linear_only(m, name, style, mt)
-            _install_rowwise(m, split=style != "rowwise")
-        elif style == "replicated_with_grad_allreduce":
-            b.grad_allreduce.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
-        elif style.startswith("embedding"):
-            raise GenericError(f"model_type '{mt}': tp plan style '{style}' on '{name}', which is not the input "
-                               f"embedding")
-    for name, style in plan.items():  # plan entries naming a parameter rather than a module
-        rx = _plan_regex(b.prefix + name)
-        if any(rx.match(p) for p in params) and style not in STYLES:
-            b.refusals.append((style, name))
+            continue
+        b.styles[name] = (style, "param")
+        if style == "packed_colwise":
+            b.packed.add(name)
     for i, layer in enumerate(getattr(b.base, b.layers)):
         _install_layer(layer, i)
+
+
+def _install_module(b: Built, name: str, m, style: str, hc) -> bool:
+    """Install ``style`` on module ``name``; whether it is an expert layer (whose parameters have entries)."""
+    mt = b.cfg.model_type
+    if style not in STYLES:
+        b.refusals.append((style, name))
+    elif style in COLUMN:
+        _linear_only(m, name, style, mt)
+        _install_colwise(m, gather=style in ("colwise_gather_output", "colwise_rep"))
+        if style == "packed_colwise":
+            b.packed.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+    elif style in ROW:
+        _linear_only(m, name, style, mt)
+        _install_rowwise(m, split=style != "rowwise")
+    elif style == "replicated_with_grad_allreduce":
+        b.grad_allreduce.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+    elif style == "moe_tp_experts":
+        _install_experts(m)
+        return True
+    elif style == "mla_kv_a_proj":
+        text = hc.get_text_config() if hasattr(hc, "get_text_config") else hc
+        _install_mla(m, text.qk_rope_head_dim)
+    elif style.startswith("embedding"):
+        raise GenericError(f"model_type '{mt}': tp plan style '{style}' on '{name}', which is not the input "
+                           f"embedding")
+    return False
+
+
+def _install_experts(module) -> None:
+    """An expert layer whose every expert is split over tp (its stacks' own plan entries): the states and the
+    routing weights enter through ``copy_to_region`` (each rank's gradient of them is partial), the outputs are
+    summed."""
+    own = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        call = _call()
+        mesh = call.mesh
+        if mesh.axis_size("tp") == 1:
+            return own(hidden_states, *args, **kwargs)
+        if len(args) >= 2:
+            args = (args[0], C.copy_to_region(args[1], mesh, "tp"), *args[2:])
+        elif "top_k_weights" in kwargs:
+            kwargs = {**kwargs, "top_k_weights": C.copy_to_region(kwargs["top_k_weights"], mesh, "tp")}
+        return C.reduce_from_region(own(call.copy(hidden_states), *args, **kwargs), mesh, "tp")
+    module.forward = forward
+
+
+def _install_mla(module, rope_dim: int) -> None:
+    """Latent attention's ``kv_a_proj_with_mqa``: its rotary part goes to this rank's heads unsplit, so that part's
+    gradient is partial: routed through ``copy_to_region``."""
+    own = module.forward
+
+    def forward(x):
+        out = own(x)
+        mesh = _call().mesh
+        if mesh.axis_size("tp") == 1:
+            return out
+        a, r = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([a, C.copy_to_region(r, mesh, "tp")], dim=-1)
+    module.forward = forward
+
+
+def _packed_dim(ndim: int) -> int:
+    return max(0, ndim - 2)  # a weight's rows, a bias's only dim, an expert stack's rows
+
+
+def join_packed(named: dict) -> dict:
+    """``{name: tensor}`` with each fused pair of halves (``name:0``, ``name:1``) joined back into ``name``."""
+    out = {}
+    for k, v in named.items():
+        if k.endswith(":1"):
+            continue
+        if k.endswith(":0"):
+            w = named[k[:-2] + ":1"]
+            out[k[:-2]] = torch.cat([v, w], dim=_packed_dim(v.ndim))
+        else:
+            out[k] = v
+    return out
 
 
 # ------------------------------------------------------------------------------------------ tree and specs
@@ -456,44 +530,54 @@ def named_of(cfg: Config, params: dict) -> dict:
         out.update(params.get(group) or {})
     for i, lp in enumerate(params["layers"]):
         out.update({f"{b.prefix}{b.layers}.{i}.{k}": v for k, v in lp.items()})
-    return out
+    return join_packed(out)
 
 
 def _tree(b: Built, named: dict) -> dict:
     out: dict = {"embed_tokens": {}, "embed": {}, "layers": [{} for _ in range(b.n_layers)], "head": {}}
     for n, t in named.items():
         group, key = b.groups[n]
-        if group == "layers":
-            out["layers"][key[0]][key[1]] = t
-        else:
-            out[group][key] = t
+        parts = None
+        if n in b.packed:  # a fused gate/up: its halves, each split over tp (a strided shard of the fused one)
+            parts = list(zip((":0", ":1"), _halves(t), strict=True))
+        for suffix, x in parts or [("", t)]:
+            if group == "layers":
+                out["layers"][key[0]][key[1] + suffix] = x
+            else:
+                out[group][key + suffix] = x
     return {k: v for k, v in out.items() if v or k == "layers"}
 
 
+def _halves(t):
+    if isinstance(t, torch.Tensor):
+        return t.chunk(2, dim=_packed_dim(t.ndim))
+    return (t, t)  # (a spec: both halves alike)
+
+
 def specs(cfg: Config, mesh=None):
-    """The tree of ``P``: the input embedding and LM head split over the vocabulary, each planned Linear as its
-    style says (:data:`STYLES`), everything else replicated."""
+    """The tree of ``P``: the input embedding and LM head split over the vocabulary, each planned leaf as its style
+    says (column styles their output rows, row styles their input columns, a row style's bias replicated),
+    everything else replicated."""
     b = built(cfg)
-    style_of = {}
-    for mod, style in b.styles.items():
-        for p, _ in dict(b.module.named_modules())[mod].named_parameters(recurse=False):
-            style_of[f"{mod}.{p}"] = (style, p)
 
     def spec(n, p):
         if n.startswith(b.embed_module + ".") or (b.head_module and n.startswith(b.head_module + ".")):
             return fp.P("tp", None) if p.ndim == 2 else fp.P()
-        style, leaf = style_of.get(n, (None, None))
-        dims = STYLES.get(style) if style else None
-        if dims is None:
-            return fp.P()
-        return fp.P(*(dims[0] if leaf == "weight" else dims[1]))
+        style, role = b.styles.get(n, (None, None))
+        dim = (_packed_dim(p.ndim) if style in COLUMN else
+               p.ndim - 1 if style in ROW and role != "bias" else None)
+        return fp.P(*("tp" if d == dim else None for d in range(p.ndim))) if dim is not None else fp.P()
     return _tree(b, {n: spec(n, p) for n, p in b.module.named_parameters()})
 
 
-def check_mesh(cfg: Config, mesh) -> None:
-    """Refuse, in one line naming the model type, what the generic path cannot run exactly on ``mesh``."""
+def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
+    """Refuse, in one line naming the model type, what the generic path cannot run exactly on ``mesh``
+    (``staged``: the run needs the staged form: pipeline stages, ZeRO-3 or remat)."""
     b = built(cfg)
     mt, tp = cfg.model_type, mesh.axis_size("tp")
+    if (staged or mesh.axis_size("pp") > 1) and not b.staged:
+        raise GenericError(f"model_type '{mt}': its config carries no pipeline plan (base_model_pp_plan), which "
+                           f"pipeline stages, ZeRO-3 and remat need to run its layers one at a time")
     drop = sorted(k for k, v in cfg.hf.items() if "dropout" in k and isinstance(v, (int, float)) and v
                   and not isinstance(v, bool))
     if drop:
@@ -621,8 +705,11 @@ def spec_for(model_type: str) -> fp.ModelSpec:
         raise GenericError(f"model_type '{model_type}': the installed transformers defines no causal LM of that "
                            f"type")
     prefix, layers = _names(model_type)
-    hf = fp.HFNames(table=[("layers.{i}.{*}", prefix + "." + layers + ".{i}.{*}"), ("embed_tokens.{*}", "{*}"),
+    hf = fp.HFNames(table=[("layers.{i}.{*}:0", prefix + "." + layers + ".{i}.{*}"),
+                           ("layers.{i}.{*}:1", prefix + "." + layers + ".{i}.{*}"),
+                           ("layers.{i}.{*}", prefix + "." + layers + ".{i}.{*}"), ("embed_tokens.{*}", "{*}"),
                            ("embed.{*}", "{*}"), ("head.{*}", "{*}")],
+                    splits={"layers.{i}.{*}:0": (-2, 0, 2), "layers.{i}.{*}:1": (-2, 1, 2)},
                     ignored_if_tied=[r"^lm_head\.weight$"])
     spec = fp.ModelSpec(name=f"{model_type} (transformers)", init=init, specs=specs, forward=forward, loss=loss,
                         Config=Config, model_types=(model_type,), hf=hf, config_types={"model_type": (str,)},

@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STEPS, B, T, V = 3, 4, 16, 128
 LR, WD, CLIP = 1e-3, 0.1, 1.0
+EPS = float(os.environ.get("GENERIC_EPS", "1e-8"))
 
 # the sizes a tiny config gets, where the type's config has the key (names as transformers spells them)
 _TINY = dict(
@@ -45,6 +46,8 @@ def tiny_config(model_type: str) -> dict:
     default = cls().to_dict()
     keys = set(default) | set(getattr(cls, "attribute_map", {}))
     over = {k: v for k, v in _TINY.items() if k in keys and v is not None}
+    if "qk_rope_head_dim" in keys:  # (latent attention: its head_dim is the rotary part's)
+        over["head_dim"] = over["qk_rope_head_dim"]
     n = over.get("num_hidden_layers", 2)
     for k in ("layer_types", "mlp_layer_types"):
         if isinstance(default.get(k), list):
@@ -71,7 +74,7 @@ def reference(hf: dict, steps: int = STEPS) -> dict:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.train()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     losses, norms = [], []
     for b in batches(steps):
         out = model(input_ids=b["input_ids"], labels=b["labels"])
@@ -95,10 +98,10 @@ def train_generic(hf: dict, init: dict, axes: dict, options: dict, steps: int = 
     remat = options.pop("remat", False)
     spec = fp.get_model(hf["model_type"], generic=True)
     cfg = spec.config(hf, mesh)
-    G.check_mesh(cfg, mesh)
+    G.check_mesh(cfg, mesh, staged=remat or options.get("zero") == 3)
     specs = spec.specs(cfg, mesh)
     step = fp.compile_step(spec.loss_fn(cfg, mesh, remat=remat), specs, mesh=mesh,
-                           optimizer=fp.optim.adamw(LR, weight_decay=WD), clip_norm=CLIP, **options)
+                           optimizer=fp.optim.adamw(LR, eps=EPS, weight_decay=WD), clip_norm=CLIP, **options)
     state = step.init(fp.shard(G.tree_of(cfg, init), specs, mesh))
     losses, norms = [], []
     for b in batches(steps):
@@ -131,6 +134,7 @@ def compare(ref: dict, got: tuple) -> list[str]:
 
 
 MESHES = {  # name -> (world, mesh axes, step options)
+    "one process": (1, {}, {}),
     "tp=2": (2, {"tp": 2}, {}),
     "tp=2 x dp=2 zero3": (4, {"dp": 2, "tp": 2}, {"zero": 3}),
     "pp=2": (2, {"pp": 2}, {"accum_steps": 2}),
@@ -146,7 +150,7 @@ def check(model_type: str, meshes=("tp=2",), hf: dict | None = None) -> dict:
     for name in meshes:
         world, axes, options = MESHES[name]
         try:
-            res = harness.run(world, train_generic, hf, ref["init"], axes, options)
+            res = harness.run(world, train_generic, hf, ref["init"], axes, options, timeout=180)
         except harness.WorldError as e:
             text = str(e)
             refused = "GenericError" in text or "ModelError" in text

@@ -56,6 +56,12 @@ class _Map:
     vocab: int | None = None  # a vocab table padded beyond its real rows: the checkpoint holds this many
     parts: tuple[int, ...] | None = None  # a split leaf: the sizes of the fused tensor's n parts along its dim
 
+    def split_dim(self, ndim: int) -> int:
+        """The split's dim in a tensor of ``ndim`` dims; a negative one counts from the end, at least 0 (``-2``:
+        a weight's output rows, a 1-D bias's only dim, an expert stack's rows)."""
+        d = self.split[0]
+        return max(0, ndim + d) if d < 0 else d
+
     @property
     def stacked(self) -> bool:
         return "{j}" in self.hf
@@ -72,7 +78,7 @@ class _Map:
         if self.transposed:
             s.reverse()
         if self.split:
-            dim, _, n = self.split
+            dim, n = self.split_dim(len(s)), self.split[2]
             s[dim] = sum(self.parts) if self.parts else s[dim] * n
         return tuple(s)
 
@@ -81,7 +87,7 @@ class _Map:
         if self.transposed:
             r.reverse()
         if self.split:
-            dim, k, n = self.split
+            dim, (_, k, n) = self.split_dim(len(hf_shape)), self.split
             off = sum(self.parts[:k]) if self.parts else k * (hf_shape[dim] // n)
             r[dim] = slice(r[dim].start + off, r[dim].stop + off)
         return tuple(r)
@@ -123,7 +129,8 @@ def name_plan(model: Any, paths: list[str], cfg: Any = None, names: HFNames | No
         mp = one(p)
         if mp.split:  # the leaf's size along the split dim, in the checkpoint's layout
             s = x.shape[1:] if mp.stacked else x.shape
-            sizes.setdefault(mp.hf, {})[mp.split[1]] = s[-1 - mp.split[0] if mp.transposed else mp.split[0]]
+            d = mp.split_dim(len(s))
+            sizes.setdefault(mp.hf, {})[mp.split[1]] = s[-1 - d if mp.transposed else d]
     for mp in out:
         if mp.split and sorted(sizes.get(mp.hf, ())) != list(range(mp.split[2])):
             raise HFError(f"model '{model.name}': its HFNames splits make '{mp.hf}' of {mp.split[2]} parts, but "
@@ -427,7 +434,7 @@ def _add_tensor(writer: _ShardWriter, pending: dict, name: str, g: torch.Tensor,
     if mp.transposed:
         g = g.t()
     if mp.split:
-        dim, k, n = mp.split
+        dim, (_, k, n) = mp.split_dim(g.ndim), mp.split
         parts = pending.setdefault(name, {})
         parts[k] = g
         if len(parts) < n:
