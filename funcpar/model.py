@@ -32,6 +32,10 @@ inside a model module; everything it needs is named here:
 ``context_parallel`` capability: on a mesh with a ``cp`` axis each rank runs a chunk of every sequence
                    (``funcpar.nn.layers.context_chunk``; attention over every chunk's keys), and ``batch_weight``
                    takes ``mesh=`` to count that chunk's targets
+``check_run``      optional, ``check_run(cfg, mesh, staged) -> None``: raise a :class:`ModelError` naming what the model
+                   cannot run exactly on ``mesh`` (``staged``: pipeline stages, ZeRO-3 or remat run its staged
+                   form); ``loss_fn`` and ``compile_step`` call it before step 1 (the generic transformers model's
+                   refusals)
 ``documents``      capability: a batch's ``position_ids`` mark packed samples, each attending only to itself at
                    its own positions (:mod:`funcpar.nn.documents`; ``mesh.documents`` in the layers)
 =================  =====================================================================================
@@ -177,6 +181,7 @@ class ModelSpec:
     sequence_parallel: bool = False
     context_parallel: bool = False
     documents: bool = False
+    check_run: Callable | None = None
 
     def __post_init__(self):
         if isinstance(self.model_types, str):
@@ -248,6 +253,8 @@ class ModelSpec:
             if not self.context_parallel:
                 raise ModelError(f"model '{self.name}' does not support context parallelism (a cp axis) yet")
             weight = functools.partial(weight, mesh=mesh) if weight is not None else None  # this chunk's targets
+        if self.check_run is not None:
+            self.check_run(cfg, mesh, staged=remat or mesh.axis_size("pp") > 1)
         kw = {"remat": True} if remat else {}
         check = self.batch_checks(cfg)
         return Loss(fn=functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), model=self, cfg=cfg, mesh=mesh,
@@ -424,13 +431,13 @@ def get_model(model: "ModelSpec | types.ModuleType | str", *, generic: bool = Fa
         return spec
     if isinstance(model, str):
         if generic:
-            return importlib.import_module(_GENERIC).spec_for(model)
+            return generic_module().spec_for(model)
         if model not in _REGISTRY and model in _BUILTIN:
             importlib.import_module(_BUILTIN[model])
         if model in _REGISTRY:
             return _REGISTRY[model]
         if generic_types(model):
-            return importlib.import_module(_GENERIC).spec_for(model)
+            return generic_module().spec_for(model)
         names = ", ".join(sorted(known_models()))
         raise ModelError(f"no model is registered for '{model}', and the installed transformers defines no causal LM "
                          f"of that type; funcpar knows: {names} and transformers' causal LMs (see "
@@ -439,6 +446,11 @@ def get_model(model: "ModelSpec | types.ModuleType | str", *, generic: bool = Fa
 
 
 _GENERIC = "funcpar.models.transformers_auto"
+
+
+def generic_module() -> types.ModuleType:
+    """The generic transformers model's module (imported on first use, as the built-in models are)."""
+    return importlib.import_module(_GENERIC)
 
 
 def generic_types(model_type: str | None = None):

@@ -56,7 +56,8 @@ from funcpar import collectives as C
 from funcpar import decoder as D
 from funcpar import layers as L
 
-__all__ = ["spec_for", "Config", "STYLES", "check_mesh", "tree_of", "named_of", "GenericError"]
+__all__ = ["spec_for", "Config", "STYLES", "check_mesh", "tree_of", "named_of", "small_config", "probe",
+           "GenericError"]
 
 
 class GenericError(fp.ModelError):
@@ -72,12 +73,12 @@ STYLES = COLUMN | ROW | {
     "embedding_rowwise", "embedding_colwise",  # the input embedding: vocab-parallel here in any case
     "moe_tp_experts",  # every expert split over tp (its weights by their own entries), the outputs summed
     "mla_kv_a_proj",  # latent attention's rotary key, used on this rank's heads: its gradient summed
+    "local_params",  # a module whose bare parameters are split by their own entries (functional_call gives it them)
+    "all_reduce",  # a module whose output is partial: summed over tp
 }
 _WHY = {
     "packed_rowwise": "fused weights split per half along their last dimension",
     "moe_identity_expert": "identity experts inside a tp-split expert layer",
-    "local_params": "bare parameters sharded inside their owner's forward",
-    "all_reduce": "a module whose partial output is summed over tp",
     "sequence_parallel": "sequence-parallel norms",
 }
 
@@ -439,6 +440,10 @@ def _install_module(b: Built, name: str, m, style: str, hc) -> bool:
     elif style == "moe_tp_experts":
         _install_experts(m)
         return True
+    elif style == "local_params":
+        return True  # (its parameters' own entries split them; its forward runs on the local tensors it is given)
+    elif style == "all_reduce":
+        _install_sum(m)
     elif style == "mla_kv_a_proj":
         text = hc.get_text_config() if hasattr(hc, "get_text_config") else hc
         _install_mla(m, text.qk_rope_head_dim)
@@ -464,6 +469,16 @@ def _install_experts(module) -> None:
         elif "top_k_weights" in kwargs:
             kwargs = {**kwargs, "top_k_weights": C.copy_to_region(kwargs["top_k_weights"], mesh, "tp")}
         return C.reduce_from_region(own(call.copy(hidden_states), *args, **kwargs), mesh, "tp")
+    module.forward = forward
+
+
+def _install_sum(module) -> None:
+    """A module whose output is this rank's part of a sum (``all_reduce``): summed over tp."""
+    own = module.forward
+
+    def forward(*args, **kwargs):
+        out = own(*args, **kwargs)
+        return None if out is None else C.reduce_from_region(out, _call().mesh, "tp")
     module.forward = forward
 
 
@@ -576,8 +591,11 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
     b = built(cfg)
     mt, tp = cfg.model_type, mesh.axis_size("tp")
     if (staged or mesh.axis_size("pp") > 1) and not b.staged:
-        raise GenericError(f"model_type '{mt}': its config carries no pipeline plan (base_model_pp_plan), which "
-                           f"pipeline stages, ZeRO-3 and remat need to run its layers one at a time")
+        try:  # (no pipeline plan says the layers take and give the hidden states alone: the probe finds out)
+            probe(cfg, staged=True)
+        except GenericError as e:
+            raise GenericError(f"{e}; without a pipeline plan (base_model_pp_plan) in its config, pipeline stages, "
+                               f"ZeRO-3 and remat, which run its layers one at a time, are refused") from None
     drop = sorted(k for k, v in cfg.hf.items() if "dropout" in k and isinstance(v, (int, float)) and v
                   and not isinstance(v, bool))
     if drop:
@@ -594,6 +612,14 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
     for axis in ("cp", "ep", "sp"):
         if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
             raise GenericError(f"model_type '{mt}': the generic path has no '{axis}' axis yet")
+    if tp > 1 and any(st in COLUMN - {"colwise_gather_output", "colwise_rep"} and ("attn" in n or "attention" in n)
+                      for n, (st, _) in b.styles.items()):  # (attention split by heads: whole heads per rank)
+        text = cfg.hf_config.get_text_config() if hasattr(cfg.hf_config, "get_text_config") else cfg.hf_config
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            v = getattr(text, key, None)
+            if isinstance(v, int) and v % tp:
+                raise GenericError(f"model_type '{mt}': config key '{key}' is {v}, which tp={tp} does not divide "
+                                   f"(its tp plan splits attention by heads, whole heads to a rank)")
     if tp > 1:
         for (path, s), (_, p) in zip(fp.tree.leaves_with_path(specs(cfg)),
                                      fp.tree.leaves_with_path(init(cfg, device="meta")), strict=True):
@@ -672,6 +698,102 @@ def forward(params, tokens, cfg, mesh):
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+# ---------------------------------------------------------------------------------------------- the probe
+
+# the sizes a small copy of a config gets, where its type has the key (names as transformers spells them)
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8, window_size=8,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, decoder_sparse_step=1,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    num_nextn_predict_layers=0, num_shared_experts=1, attention_chunk_size=8, router_aux_loss_coef=0.0,
+)
+
+
+def small_config(hf: dict) -> dict:
+    """A small copy of a ``config.json`` dict: its flags kept, its sizes those of :data:`SMALL` where its type has
+    the keys, per-layer lists cut to the layer count, dropout off."""
+    from transformers import CONFIG_MAPPING
+
+    mt = hf["model_type"]
+    cls = CONFIG_MAPPING[mt]
+    full = {**cls().to_dict(), **{k: v for k, v in hf.items() if k != "architectures"}}
+    keys = set(full) | set(getattr(cls, "attribute_map", {}))
+    over = {k: v for k, v in SMALL.items() if k in keys}
+    if "qk_rope_head_dim" in keys:  # (latent attention: its head_dim is the rotary part's)
+        over["head_dim"] = over["qk_rope_head_dim"]
+    n = over.get("num_hidden_layers", 2)
+    for k in ("layer_types", "mlp_layer_types"):
+        if isinstance(full.get(k), list) and full[k]:
+            over[k] = (full[k] * n)[:n] if len(full[k]) < n else full[k][:n]
+    over.update({k: 0.0 for k, v in full.items() if "dropout" in k and isinstance(v, float)})
+    d = {k: v for k, v in full.items() if k != "model_type"}
+    out = cls(**{**d, **over}).to_dict()
+    out["model_type"] = mt
+    return out
+
+
+_PROBED: dict[tuple, str] = {}  # (config, staged) -> "" (it reproduces transformers) or why not
+
+
+def probe(cfg: Config, seed: int = 0, staged: bool = False) -> None:
+    """Hold the generic path to transformers' own forward on a small copy of ``cfg`` (:func:`small_config`): the
+    loss and every gradient, in one process and through the staged form; a model whose causal LM does something
+    this path does not know (a loss term, a head of its own) is refused here, naming what differed, rather than
+    trained wrong. Cheap: two layers of 64 wide; once per config. ``staged``: the staged form too, even where the
+    config carries no pipeline plan."""
+    key = (cfg.key, staged)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(cfg, seed, staged)
+    if _PROBED[key]:
+        raise GenericError(_PROBED[key])
+
+
+def _probe(cfg: Config, seed: int, staged: bool) -> str:
+    from transformers import AutoModelForCausalLM
+
+    small = Config.from_hf(small_config(cfg.hf))
+    mt = cfg.model_type
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        m = AutoModelForCausalLM.from_config(small.hf_config, dtype=torch.float32)
+        ids = torch.randint(0, SMALL["vocab_size"], (2, 16))
+    m.train()
+    batch = {"input_ids": ids}
+    ref = m(input_ids=ids, labels=ids).loss
+    ref.backward()
+    want = {n: p.grad for n, p in m.named_parameters()}
+    forms = [("its forward", loss)] + ([("its staged form", STAGES.loss)] if staged or built(small).staged else [])
+    for what, fn in forms:
+        named = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
+        try:
+            value = fn(tree_of(small, named), batch, small, fp.Mesh.abstract())  # (joins no job)
+            value.backward()
+        except Exception as e:  # noqa: BLE001 - what the path cannot run is refused, with the error
+            return (f"model_type '{mt}': the generic path ({what}) fails on a small copy of the config "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+        bad = _differs(value, ref, named, want)
+        if bad:
+            return (f"model_type '{mt}': the generic path ({what}) does not reproduce transformers' own on a small "
+                    f"copy of the config ({bad}), so it is not run")
+    return ""
+
+
+def _differs(value, ref, named: dict, want: dict) -> str:
+    if not abs(value.item() - ref.item()) <= 1e-5 * abs(ref.item()):
+        return f"loss {value.item():.7g} vs {ref.item():.7g}"
+    for n, p in named.items():
+        g, w = p.grad, want.get(n)
+        if (g is None) != (w is None):
+            return f"'{n}' has a gradient in one and not the other"
+        if g is not None and not (g - w).abs().max().item() <= 1e-4 * max(w.abs().max().item(), 1e-8):
+            return f"gradient of '{n}' off by {(g - w).abs().max().item():.3g}"
+    return ""
+
+
 # ------------------------------------------------------------------------------------------------ the spec
 
 
@@ -713,6 +835,7 @@ def spec_for(model_type: str) -> fp.ModelSpec:
                     ignored_if_tied=[r"^lm_head\.weight$"])
     spec = fp.ModelSpec(name=f"{model_type} (transformers)", init=init, specs=specs, forward=forward, loss=loss,
                         Config=Config, model_types=(model_type,), hf=hf, config_types={"model_type": (str,)},
-                        batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES)
+                        batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
+                        check_run=check_mesh)
     _SPECS[model_type] = spec
     return spec

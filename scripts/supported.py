@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("FUNCPAR_FUSE", "off")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("GENERIC_EPS", "1e-6")
 
+LIMIT = 400  # seconds for one type, its reference and every mesh
 BEGIN, END = "<!-- supported.py: begin -->", "<!-- supported.py: end -->"
 
 
@@ -49,11 +50,17 @@ def one(mt: str, meshes: list[str]) -> dict:
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build small: reported as such
         return {"plan": None, **{m: f"failed: tiny config: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                                  for m in meshes}}
+    def late(*_):
+        raise TimeoutError(f"over {LIMIT} s")
+    signal.signal(signal.SIGALRM, late)
+    signal.alarm(LIMIT)  # (transformers' own run of a type can be slow: bounded, as the meshes' runs are)
     try:
         res = g.check(mt, meshes, hf)
     except Exception as e:  # noqa: BLE001 - the reference itself failed
         return {"plan": plan, **{m: f"failed: transformers' own run: {type(e).__name__}: "
                                     f"{str(e).splitlines()[0][:200] if str(e) else ''}" for m in meshes}}
+    finally:
+        signal.alarm(0)
     return {"plan": plan, **res}
 
 

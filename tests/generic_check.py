@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import torch
 
@@ -19,46 +20,20 @@ import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-STEPS, B, T, V = 3, 4, 16, 128
+STEPS, B, T, V = 3, 4, 16, 128  # (V: transformers_auto.SMALL's vocabulary)
 LR, WD, CLIP = 1e-3, 0.1, 1.0
-EPS = float(os.environ.get("GENERIC_EPS", "1e-8"))
-
-# the sizes a tiny config gets, where the type's config has the key (names as transformers spells them)
-_TINY = dict(
-    vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8, window_size=8,
-    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
-    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, tie_word_embeddings=None,
-    layer_types=None, mlp_layer_types=None, decoder_sparse_step=1, global_attn_every_n_layers=None,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    num_nextn_predict_layers=0, num_shared_experts=1, attention_chunk_size=8, router_aux_loss_coef=0.0,
-)
-
+# Adam's eps: at torch's default 1e-8 a gradient entry at round-off level (a key bias's, whose true gradient is zero;
+# an embedding row no token used) is divided by a square root of its own size, so a 1e-10 difference in the order of
+# a tp sum becomes an lr-sized step: up to 5e-4 of a leaf's update apart at 1e-8 (gemma2, starcoder2, gpt_neox; the
+# losses and norms within 1e-6), every leaf within 1e-4 at 1e-6. GENERIC_EPS sets it (for both sides).
+EPS = float(os.environ.get("GENERIC_EPS", "1e-6"))
 
 def tiny_config(model_type: str) -> dict:
-    """A small config of ``model_type`` as a ``config.json`` dict: the type's defaults with the sizes of ``_TINY``
-    where it has those keys, dropout off, per-layer lists cut to the layer count."""
-    from transformers import CONFIG_MAPPING
+    """A small config of ``model_type`` as a ``config.json`` dict: the type's defaults, shrunk as the generic path's
+    own probe shrinks a user's (``transformers_auto.small_config``)."""
+    from funcpar.models import transformers_auto as G
 
-    cls = CONFIG_MAPPING[model_type]
-    default = cls().to_dict()
-    keys = set(default) | set(getattr(cls, "attribute_map", {}))
-    over = {k: v for k, v in _TINY.items() if k in keys and v is not None}
-    if "qk_rope_head_dim" in keys:  # (latent attention: its head_dim is the rotary part's)
-        over["head_dim"] = over["qk_rope_head_dim"]
-    n = over.get("num_hidden_layers", 2)
-    for k in ("layer_types", "mlp_layer_types"):
-        if isinstance(default.get(k), list):
-            over[k] = default[k][:n] if len(default[k]) >= n else (default[k] * n)[:n]
-    for k, v in default.items():
-        if "dropout" in k and isinstance(v, float):
-            over[k] = 0.0
-    cfg = cls(**{**{k: v for k, v in default.items() if k not in ("architectures",)}, **over})
-    out = cfg.to_dict()
-    out["model_type"] = model_type
-    return out
+    return G.small_config({"model_type": model_type})
 
 
 def batches(n: int = STEPS) -> list[dict]:
@@ -133,6 +108,16 @@ def compare(ref: dict, got: tuple) -> list[str]:
     return bad
 
 
+def _reason(text: str) -> str:
+    """A failed world's traceback as one line: ``refused: why`` for funcpar's refusals, else ``failed: ...``."""
+    if "did not finish" in text:
+        return "failed: timed out"
+    line = next((ln for ln in reversed(text.splitlines()) if "Error" in ln), text.strip().splitlines()[-1]).strip()
+    refused = any(k in line for k in ("GenericError", "ModelError", "StepError", "SpecError"))
+    line = re.sub(r"^[\w.]*(GenericError|ModelError): ", "", line)
+    return ("refused: " if refused else "failed: ") + line[:300]
+
+
 MESHES = {  # name -> (world, mesh axes, step options)
     "one process": (1, {}, {}),
     "tp=2": (2, {"tp": 2}, {}),
@@ -142,20 +127,21 @@ MESHES = {  # name -> (world, mesh axes, step options)
 }
 
 
-def check(model_type: str, meshes=("tp=2",), hf: dict | None = None) -> dict:
-    """``{mesh: "exact" | "refused: why" | "failed: why"}`` for ``model_type`` on each of ``meshes``."""
+def check(model_type: str, meshes=("tp=2",), hf: dict | None = None, timeout: float = 120) -> dict:
+    """``{mesh: "exact" | "refused: why" | "failed: why"}`` for ``model_type`` on each of ``meshes`` (a mesh
+    whose run takes over ``timeout`` seconds fails as such, and so do the meshes after it)."""
     hf = hf or tiny_config(model_type)
     ref = reference(hf)
     out = {}
     for name in meshes:
         world, axes, options = MESHES[name]
+        if any("timed out" in v for v in out.values()):
+            out[name] = "failed: not run (an earlier mesh timed out)"
+            continue
         try:
-            res = harness.run(world, train_generic, hf, ref["init"], axes, options, timeout=180)
+            res = harness.run(world, train_generic, hf, ref["init"], axes, options, timeout=timeout)
         except harness.WorldError as e:
-            text = str(e)
-            refused = "GenericError" in text or "ModelError" in text
-            line = next((ln for ln in reversed(text.splitlines()) if "Error" in ln), text.splitlines()[-1])
-            out[name] = ("refused: " if refused else "failed: ") + line.strip()[:300]
+            out[name] = _reason(str(e))
             continue
         bad = compare(ref, res[0])
         out[name] = "exact" if not bad else "failed: " + "; ".join(bad[:3])

@@ -24,6 +24,7 @@ import optree
 import torch
 
 import funcpar as fp
+from funcpar.model import generic_module
 from funcpar.parallel.lifeline import LAUNCHER_ENV
 from funcpar.cli.launch import (INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, restarted,
                             run_and_exit)
@@ -71,10 +72,23 @@ class _Run:
 
     def save(self) -> None:
         """A checkpoint of the state and the data position at the current step (keeping the last ``--keep``)."""
-        extra = {"model": self.cfg.model_type, "config": self.cfg.to_hf(), "tokenizer": self.opts["tokenizer"],
+        extra = {"model": self.cfg.model_type, "generic": generic_path(self.cfg), "config": self.cfg.to_hf(),
+                 "tokenizer": self.opts["tokenizer"],
                  "data": self.loader.state_dict(), "seq_len": self.opts["seq_len"], "lora": _lora_fields(self.opts)}
         self.step.save(self.ckpts / f"step-{self.state.step}", self.state, extra=extra, keep=self.opts["keep"],
                        overwrite=self.opts["overwrite"])
+
+
+def generic_path(cfg) -> bool:
+    """Whether ``cfg`` is run by the generic transformers path (``funcpar.models.transformers_auto``)."""
+    return bool(getattr(cfg, "generic", False))
+
+
+def probe_generic(cfg) -> None:
+    """The generic path held to transformers' own forward on a small copy of the model's config (its refusal, one
+    line); nothing for a built-in model."""
+    if generic_path(cfg):
+        generic_module().probe(cfg)
 
 
 CHOSEN_DEVICE = "FUNCPAR_CHOSEN_DEVICE"  # funcpar's launcher tells the ranks it starts the device it chose for them
@@ -91,7 +105,9 @@ def _run_mesh(opts, sizes) -> tuple[Any, str | None]:
 
 def _setup_run(opts, mesh, why_not_gpu: str | None = None) -> _Run:
     """Build the model, data, train step, its initial state and the data loader on ``mesh``."""
-    model, cfg = model_config(opts["model"], mesh)
+    model, cfg = model_config(opts["model"], mesh, opts["generic"])
+    if os.environ.get(LAUNCHER_ENV) != "1":  # (funcpar's launcher probed it before starting the ranks)
+        probe_generic(cfg)
     opts = with_tokenizer(opts)  # (auto: the model folder's own; what the checkpoints and config.json then record)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
@@ -273,7 +289,8 @@ def _announce(run: _Run) -> None:
         return
     for w in run.warnings:
         print(f"funcpar: warning: {w}", flush=True)
-    print(f"funcpar train: {run.cfg.model_type} on {mesh!r} ({mesh.size} process(es), {mesh.device.type}), "
+    path = "transformers' module split by its tp plan" if generic_path(run.cfg) else "funcpar's built-in model"
+    print(f"funcpar train: {run.cfg.model_type} ({path}) on {mesh!r} ({mesh.size} process(es), {mesh.device.type}), "
           f"{len(run.train_data)} train rows x {opts['seq_len']} tokens, {len(run.eval_data)} held-out rows"
           + (f", {run.data.truncated} samples truncated" if run.data.truncated else ""), flush=True)
     if run.lora:
@@ -459,7 +476,8 @@ def _preflight(opts, sizes) -> None:
     a checkpoint to continue whose recorded settings the run keeps (another --seq-len, --global-batch, --seed,
     data mix or --lora is refused here, not after the ranks have started and loaded it)."""
     mesh = fp.Mesh.abstract(**sizes)
-    model, cfg = model_config(opts["model"], mesh)
+    model, cfg = model_config(opts["model"], mesh, opts["generic"])
+    probe_generic(cfg)
     specs = model.specs(cfg, mesh)
     if opts["lora"]:
         lora_parts(opts, model, cfg, mesh, specs)
@@ -555,7 +573,8 @@ def plan(argv: list[str]) -> None:
         dp, micro = mesh.axis_size("dp"), opts["micro_batches"]
         if opts["global_batch"] % (dp * micro):
             raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro}")
-        model, cfg = model_config(opts["model"], mesh)  # funcpar's errors are ValueErrors: rank_meshes notes them
+        # (funcpar's errors are ValueErrors: rank_meshes notes them)
+        model, cfg = model_config(opts["model"], mesh, opts["generic"])
         try:
             step = build_step({**opts, "zero": zero}, model, cfg, mesh, model.specs(cfg, mesh))
         except SystemExit as e:  # an option this mesh cannot take (--seq-len over cp, ...): a reason, not the end
@@ -564,7 +583,8 @@ def plan(argv: list[str]) -> None:
 
     if ranking.devices:
         memory = ranking.memory * 2**30
-        context = model_config(opts["model"], None)[0].context_parallel  # cp candidates: where the model has it
+        # cp candidates: where the model has it
+        context = model_config(opts["model"], None, opts["generic"])[0].context_parallel
         rows = rank_meshes(build, ranking.devices, memory, context=context,
                            estimate=estimate if ranking.gpu else None, documents=not opts["cross_document"] and None)
         print_ranking(rows, ranking.devices, memory)
@@ -585,7 +605,8 @@ def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:
     model = fp.get_model(cfg.model_type)
     step = fp.compile_step(lambda p, b: 0.0, model.specs(cfg, mesh), mesh=mesh, optimizer=fp.optim.sgd(0.0))
     step.init(params)
-    step.save(dst, fp.TrainState(params, None, 0), extra={"model": cfg.model_type, "config": cfg.to_hf()},
+    extra = {"model": cfg.model_type, "generic": generic_path(cfg), "config": cfg.to_hf()}
+    step.save(dst, fp.TrainState(params, None, 0), extra=extra,
               overwrite=overwrite, latest=False)  # DST is the checkpoint: nothing is written beside it
     return "funcpar checkpoint"
 
@@ -602,7 +623,7 @@ def _to_hf(src: Path, dst: str, mesh, max_shard_size, overwrite: bool, tokenizer
                          f"{','.join(lo['targets'])}), not a model: funcpar convert exports whole models. Its run "
                          f"wrote the model with the adapters merged to {run / 'hf'} and the adapters alone (a PEFT "
                          f"folder) to {run / 'adapter'}")
-    model = fp.get_model(extra["model"])
+    model = fp.get_model(extra["model"], generic=bool(extra.get("generic")))
     fp.checkpoint.export_hf(src, dst, model, model.config(extra["config"], mesh), mesh, max_shard_size=max_shard_size,
                             overwrite=overwrite, tokenizer=tokenizer)
     return "transformers folder"

@@ -62,6 +62,9 @@ class ModelOptions:
                                      "or funcpar's User:/Assistant: template (builtin)")
     lora: str = opt("", "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports "
                         "the merged model to hf/ and a PEFT adapter folder to adapter/")
+    generic: bool = opt(False, "run the model as transformers writes it, split by its config's tp plan (the path every "
+                               "type without a built-in takes), even where funcpar has a built-in model of its type",
+                        plan=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -470,15 +473,16 @@ def _check_options(opts: dict[str, Any], config: str | None) -> None:
 # ------------------------------------------------------------------------------------------ model, data, step
 
 
-def model_config(name: str, mesh):
-    """``(model, cfg)`` for a built-in model name or an HF folder's ``config.json``, padded for ``mesh``."""
+def model_config(name: str, mesh, generic: bool = False):
+    """``(model, cfg)`` for a built-in model name or an HF folder's ``config.json``, padded for ``mesh``; ``generic``:
+    transformers' own module of its type (:func:`funcpar.get_model`'s ``generic``)."""
     if name in BUILTIN_MODELS:
         raw = BUILTIN_MODELS[name]
     elif Path(name).is_dir():
         raw = fp.hf.read_config(Path(name))  # an object, or an error naming the file
     else:
         raise SystemExit(f"funcpar: --model '{name}' is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a folder")
-    model = fp.get_model(raw.get("model_type"))
+    model = fp.get_model(raw.get("model_type"), generic=generic)
     if name in BUILTIN_MODELS:
         return model, model.config(raw, mesh)
     try:

@@ -30,6 +30,8 @@ def choose(loss: Loss, mesh, options: StepOptions, compile) -> "Mode":
     take them); ``compile`` as :func:`funcpar.train.options.resolve_compile` resolved it."""
     zero, o = options.parallel.zero, options
     check_zero3(loss, zero)
+    if loss.model is not None and loss.model.check_run is not None:  # (what the model refuses, before step 1)
+        loss.model.check_run(loss.cfg, mesh, staged=zero == 3 or mesh.axis_size("pp") > 1 or loss.remat)
     pipe = pipeline_executor(loss, mesh, zero, o.accum_steps, o.has_aux, compile, o.pipelining)
     if pipe is not None:
         return (StagedZero3 if zero == 3 else Pipelined)(loss, mesh, options, compile, pipe)
