@@ -27,7 +27,7 @@ MFU_TARGETS = {("small", "dp2"): 0.65}  # the issue's (#14): funcpar's MFU at dp
 # --precision: fp32 everywhere, or bf16 compute with fp32 master weights and optimizer state (funcpar's
 # param_dtype=torch.bfloat16; the eager loop's forward under torch.autocast), for the implementations listed
 PRECISIONS = ("fp32", "bf16")
-BF16_IMPLS = ("funcpar", "hf-eager")
+BF16_IMPLS = ("funcpar", "funcpar-generic", "hf-eager")
 # --compile: funcpar's compile_step(compile=...) (auto: its default)
 COMPILE = {"auto": "auto", "on": True, "off": False}
 
@@ -41,6 +41,7 @@ def precision_short(impl: str, precision: str) -> str | None:
 # implementation id -> what it is (the table's wording)
 IMPLS = {
     "funcpar": "funcpar",
+    "funcpar-generic": "funcpar, generic path (transformers' LlamaForCausalLM split by its tp plan)",
     "hf-eager": "transformers eager + torch.optim.AdamW",
     "ds-zero1": "DeepSpeed ZeRO-1",
     "ds-zero2": "DeepSpeed ZeRO-2",
@@ -60,10 +61,11 @@ NEEDS = {"ds-zero1": "deepspeed", "ds-zero2": "deepspeed", "ds-autotp": "deepspe
 # mesh name -> its axes, its local processes, threads per process, the implementations run on it (funcpar first) and
 # the micro-batches a step's global batch is cut into (a pipeline's; 1 elsewhere)
 MESHES = {
-    "1": dict(axes={}, nproc=1, threads=2, impls=["funcpar", "hf-eager"]),
+    "1": dict(axes={}, nproc=1, threads=2, impls=["funcpar", "funcpar-generic", "hf-eager"]),
     "dp2": dict(axes={"dp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-zero1", "ds-zero2", "torch-fsdp2"]),
     "tp2": dict(axes={"tp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-autotp", "torch-tp"]),
-    "tp2dp2": dict(axes={"tp": 2, "dp": 2}, nproc=4, threads=1, impls=["funcpar", "ds-autotp-zero1", "torch-tp-fsdp2"]),
+    "tp2dp2": dict(axes={"tp": 2, "dp": 2}, nproc=4, threads=1,
+                   impls=["funcpar", "funcpar-generic", "ds-autotp-zero1", "torch-tp-fsdp2"]),
     "pp2": dict(axes={"pp": 2}, nproc=2, threads=1, impls=["funcpar", "ds-pipe"], micro=4,
                 pipeline={"pipeline": "zb"}),
 }

@@ -65,15 +65,16 @@ def _mean_over_world(loss, world: int) -> float:
     return t.item() / world
 
 
-def build_funcpar(args, size, rank, world, lora: bool = False):
+def build_funcpar(args, size, rank, world, lora: bool = False, generic: bool = False):
     """funcpar's step on the weights; with ``lora``, adapters ``common.LORA`` on the base frozen
-    (``--impl funcpar-lora``, for benchmarks/lora.py)."""
+    (``--impl funcpar-lora``, for benchmarks/lora.py); with ``generic``, transformers' own Llama through the generic
+    path instead of the built-in model (``--impl funcpar-generic``)."""
     import torch
 
     import funcpar as fp
 
     mesh = fp.Mesh(device=args.dev, **C.MESHES[args.mesh]["axes"])
-    model = fp.get_model("llama")
+    model = fp.get_model("llama", generic=generic)
     params, cfg = fp.hf.load(args.weights, model, mesh)
     loss, specs, init = model.loss_fn(cfg, mesh), model.specs(cfg, mesh), params
     if lora:
@@ -293,6 +294,7 @@ def build_torch(args, size, rank, world):
 
 
 BUILDERS = {"funcpar": build_funcpar, "funcpar-lora": functools.partial(build_funcpar, lora=True),
+            "funcpar-generic": functools.partial(build_funcpar, generic=True),
             "hf-eager": build_hf_eager, "ds-zero1": build_deepspeed,
             "ds-zero2": build_deepspeed, "ds-autotp": build_deepspeed, "ds-autotp-zero1": build_deepspeed,
             "torch-fsdp2": build_torch, "torch-tp": build_torch, "torch-tp-fsdp2": build_torch,

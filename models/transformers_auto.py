@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import functools
 import json
@@ -343,14 +344,99 @@ def _parameters_on_meta():
         torch.nn.Module.register_parameter = own
 
 
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention interface, as funcpar computes plain causal attention (:func:`funcpar.attention.causal`:
+    block-causal on the CPU, GQA without repeated keys); anything else (a mask, dropout, soft-capping, another
+    scale, a position bias) is transformers' sdpa function, as before."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    t, d = query.shape[2], query.shape[-1]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    plain = (attention_mask is None and not dropout and causal and t > 1 and key.shape[2] == t
+             and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+             and query.shape[1] % key.shape[1] == 0
+             and (scaling is None or abs(scaling * d ** 0.5 - 1) <= 1e-7))
+    if not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    return fp.attention.causal(query, key, value).transpose(1, 2), None  # (B, T, H, D), as sdpa's
+
+
+def _source(fn) -> str | None:
+    import inspect
+    import textwrap
+
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def _reference_sources() -> dict:
+    """The forwards funcpar has kernels for, by their source text: transformers' Llama RMSNorm and MLP (dozens of
+    models carry them copied, word for word)."""
+    from transformers.models.llama import modeling_llama as ml
+
+    return {_source(ml.LlamaRMSNorm.forward): "rms_norm", _source(ml.LlamaMLP.forward): "mlp"}
+
+
+def _use_funcpar_kernels(module) -> None:
+    """Where a module's forward is word for word transformers' Llama RMSNorm or SwiGLU MLP, run it through funcpar's
+    Functions of the same formulas (:func:`funcpar.layers.rms_norm`: the values bit for bit, the gradients to
+    round-off, one ``x``-sized tensor kept instead of two; :func:`funcpar.layers.swiglu`: bit for bit, ``silu(gate)``
+    not kept): the generic path's activations then weigh what the built-in models' do."""
+    refs = _reference_sources()
+    for m in module.modules():
+        kind = refs.get(_source(type(m).forward))
+        if kind == "rms_norm":
+            _install_rms_norm(m)
+        elif kind == "mlp" and getattr(m.config, "hidden_act", None) == "silu":
+            _install_swiglu(m)
+
+
+def _install_rms_norm(module) -> None:
+    own = module.forward
+
+    def forward(x):
+        if x.dtype != torch.float32 or module.weight.dtype != torch.float32:
+            return own(x)
+        return L.rms_norm(x, module.weight, module.variance_epsilon)
+    module.forward = forward
+
+
+def _install_swiglu(module) -> None:
+    def forward(x):
+        return module.down_proj(L.swiglu(module.gate_proj(x), module.up_proj(x)))
+    module.forward = forward
+
+
+def _use_funcpar_attention(module) -> None:
+    """Where the model attends through transformers' sdpa function, attend through :func:`_attention` (registered
+    as ``"funcpar"``, its masks sdpa's); a model on eager attention (soft-capping) keeps it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(module.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register("funcpar", _attention)
+    AttentionMaskInterface.register("funcpar", sdpa_mask)
+    for m in module.modules():
+        c = getattr(m, "config", None)
+        if c is not None and getattr(c, "_attn_implementation", None) == "sdpa":
+            c._attn_implementation = "funcpar"
+
+
 def _build(cfg: Config) -> Built:
     from transformers import AutoModelForCausalLM
 
     mt = cfg.model_type
-    hc = cfg.hf_config
+    hc = copy.deepcopy(cfg.hf_config)  # (its attention implementation is switched below: the module's own copy)
     with _parameters_on_meta():
         module = AutoModelForCausalLM.from_config(hc)
     module.tie_weights()  # (transformers ties as it initialises, which no_init_weights skips)
+    _use_funcpar_attention(module)
+    _use_funcpar_kernels(module)
     module.eval()  # (dropout is refused by check_mesh, so train and eval modes compute alike)
     prefix = module.base_model_prefix
     base = getattr(module, prefix, None)
