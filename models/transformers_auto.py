@@ -154,6 +154,7 @@ class _Call:
 
     mesh: Any
     copies: dict = dataclasses.field(default_factory=dict)
+    weights: dict = dataclasses.field(default_factory=dict)  # module name -> a weight that is not a tensor (LoRA's)
     route: tuple | None = None  # ("embed",) | ("block", i, carry) | ("head", carry)
 
     def copy(self, x):
@@ -163,6 +164,13 @@ class _Call:
         if hit is None or hit[0] is not x:
             hit = self.copies[id(x)] = (x, C.copy_to_region(x, self.mesh, "tp"))
         return hit[1]
+
+
+def _weight(module):
+    """The weight a Linear computes with: the module's, or what stands for it in the call (a LoRA weight, whose
+    ``F.linear`` adds its adapters' product)."""
+    hit = _call().weights.get(getattr(module, "funcpar_name", None))
+    return module.weight if hit is None else hit
 
 
 _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("funcpar_generic_call")
@@ -185,8 +193,14 @@ def _linear_only(module, name: str, style: str, mt: str) -> None:
 def _install_colwise(module, gather: bool) -> None:
     def forward(x):
         call = _call()
-        y = F.linear(call.copy(x), module.weight, module.bias)
+        y = F.linear(call.copy(x), _weight(module), module.bias)
         return C.gather_from_region(y, call.mesh, "tp", -1) if gather else y
+    module.forward = forward
+
+
+def _install_linear(module) -> None:
+    def forward(x):
+        return F.linear(x, _weight(module), module.bias)
     module.forward = forward
 
 
@@ -195,7 +209,7 @@ def _install_rowwise(module, split: bool) -> None:
         mesh = _call().mesh
         if split:
             x = C.scatter_to_region(x, mesh, "tp", -1)
-        y = C.reduce_from_region(F.linear(x, module.weight), mesh, "tp")
+        y = C.reduce_from_region(F.linear(x, _weight(module)), mesh, "tp")
         return y if module.bias is None else y + module.bias
     module.forward = forward
 
@@ -268,6 +282,7 @@ class Built:
     groups: dict  # root param name -> (group, key) with group in embed_tokens/embed/layers/head
     styles: dict  # root param name -> (style, "weight" | "bias" | "param"): how its spec splits it
     grad_allreduce: set  # root param names whose gradients are summed over tp
+    planned: set  # root module names the tp plan names
     packed: set  # root param names of fused halves (gate and up): two leaves ":0" and ":1", each split over tp
     staged: bool  # the config has a pp plan: the staged form is known
     refusals: list  # (style, module) pairs the plan uses that this path does not run
@@ -285,9 +300,17 @@ class Built:
             for k, v in lp.items():
                 if v is not None:
                     out[f"{self.prefix}{self.layers}.{i}.{k}"] = v
-        # (a ZeRO-3 embedding left in its parts, funcpar.train.zero3.ZeroRows, is gathered: functional_call takes
-        # tensors, and the module's own lookup runs on the table)
-        out = {k: v if isinstance(v, torch.Tensor) else v.whole() for k, v in out.items()}
+        # functional_call takes tensors: a LoRA weight stands in the call for its Linear (its base in the module), a
+        # ZeRO-3 embedding left in its parts (funcpar.train.zero3.ZeroRows) is gathered for the module's own lookup
+        weights = {}
+        for k, v in list(out.items()):
+            if isinstance(v, torch.Tensor):
+                continue
+            if hasattr(v, "base") and k.endswith(".weight"):
+                weights[k[: -len(".weight")]], out[k] = v, v.base
+            else:
+                out[k] = v.whole()
+        _call().weights.update(weights)
         out = join_packed(out)
         tp = mesh.axis_size("tp") > 1
         return {k[len(self.prefix):]: (C.copy_to_region(v, mesh, "tp") if tp and k in self.grad_allreduce else v)
@@ -470,7 +493,7 @@ def _build(cfg: Config) -> Built:
         else:
             groups[n] = ("head", n)
     b = Built(cfg, module, base, prefix + ".", layers, len(getattr(base, layers)), embed_module, head_module, tied,
-              groups, {}, set(), set(), bool(pp_plan), [])
+              groups, {}, set(), set(), set(), bool(pp_plan), [])
     _install(b, hc)
     return b
 
@@ -489,10 +512,15 @@ def _install(b: Built, hc) -> None:
         style = next((s for rx, s in rules if rx.match(name)), None)
         if style is None or name == b.head_module:
             continue
+        b.planned.add(name)
         if _install_module(b, name, m, style, hc):
             experts.add(name)
         for p, _ in m.named_parameters(recurse=False):
             b.styles.setdefault(f"{name}.{p}", (style, "bias" if p == "bias" else "weight"))
+    for name, m in modules.items():  # every Linear computes with what stands for its weight in the call
+        m.funcpar_name = name
+        if name not in b.planned and type(m) is torch.nn.Linear and name != b.head_module:
+            _install_linear(m)
     for name in params:  # plan entries naming a parameter: an expert stack's weights, split inside its owner
         style = next((s for rx, s in rules if rx.match(name)), None)
         if style is None:

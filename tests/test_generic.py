@@ -203,3 +203,62 @@ def test_cli_trains_a_qwen3_folder_resumes_on_another_mesh_and_exports(tmp_path)
     assert (ours - theirs).abs().max().item() <= 1e-4
     generated = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert generated.shape == (1, 16)
+
+
+def _lora_run(folder, out):
+    from funcpar.train.lora import Lora, LoraConfig
+
+    mesh = harness.mesh(tp=2)
+    model = fp.get_model("qwen3")
+    params, cfg = fp.hf.load(folder, mesh=mesh)
+    lora = Lora(model, cfg, LoraConfig.parse("r=4,alpha=8,targets=q,v"), mesh)
+    init = lora.init(seed=0)
+    lora.save_peft(out, init, base_model=folder)
+    step = fp.compile_step(lora.loss_fn(model.loss_fn(cfg, mesh), params), lora.specs(), mesh=mesh, clip_norm=g.CLIP,
+                           optimizer=fp.optim.adamw(g.LR, eps=g.EPS, weight_decay=g.WD))
+    state = step.init(init)
+    losses = []
+    for b in g.batches():
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return losses
+
+
+def test_lora_by_hf_module_names_against_peft(tmp_path):
+    """LoRA on q/v of a generic Qwen3 at tp=2, held to peft + torch AdamW from the same adapters (funcpar's initial
+    adapters exported as a PEFT folder, which peft loads): the same losses."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    folder = str(tmp_path / "qwen3")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3"].from_dict(g.tiny_config("qwen3"))).save_pretrained(folder)
+    losses = harness.run(2, _lora_run, folder, str(tmp_path / "a0"))[0]
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(tmp_path / "a0"),
+                                           is_trainable=True)
+    model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    opt = torch.optim.AdamW(trained, lr=g.LR, weight_decay=g.WD, eps=g.EPS)
+    for b, got in zip(g.batches(), losses, strict=True):
+        loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, g.CLIP)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - got) <= 1e-5 * loss.item(), (loss.item(), got)
+
+
+def _verify(hf, init):
+    mesh = harness.mesh(pp=2, tp=2)
+    spec = fp.get_model(hf["model_type"])
+    cfg = spec.config(hf)
+    report = fp.verify(lambda m: spec.loss_fn(cfg, m), spec.specs(cfg, mesh), G.tree_of(cfg, init), g.batches(2),
+                       mesh, zero=3, accum_steps=2)
+    return report.ok, str(report)
+
+
+def test_verify_passes_a_generic_model_on_pipeline_stages_at_zero3():
+    hf = g.tiny_config("gemma2")
+    ok, text = harness.run(4, _verify, hf, g.reference(hf, steps=0)["init"])[0]
+    assert ok, text
