@@ -461,7 +461,7 @@ def _build(cfg: Config) -> Built:
     _use_funcpar_attention(module)
     _use_funcpar_kernels(module)
     module.eval()  # (dropout is refused by check_mesh, so train and eval modes compute alike)
-    prefix = module.base_model_prefix
+    prefix = _base_name(module)
     base = getattr(module, prefix, None)
     if base is None or base is module:
         raise GenericError(f"model_type '{mt}': its causal LM has no base model under '{prefix}'")
@@ -704,12 +704,16 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
     (``staged``: the run needs the staged form: pipeline stages, ZeRO-3 or remat)."""
     b = built(cfg)
     mt, tp = cfg.model_type, mesh.axis_size("tp")
-    if (staged or mesh.axis_size("pp") > 1) and not b.staged:
-        try:  # (no pipeline plan says the layers take and give the hidden states alone: the probe finds out)
-            probe(cfg, staged=True)
-        except GenericError as e:
-            raise GenericError(f"{e}; without a pipeline plan (base_model_pp_plan) in its config, pipeline stages, "
-                               f"ZeRO-3 and remat, which run its layers one at a time, are refused") from None
+    staged = staged or mesh.axis_size("pp") > 1
+    if tp > 1 and isinstance(mesh, fp.Mesh):
+        probe_mesh(cfg, mesh)
+    try:  # (the forward, and the staged form where the run needs it, against transformers' own: once per config)
+        probe(cfg, staged=staged)
+    except GenericError as e:
+        if not staged or "staged form" not in str(e):
+            raise
+        raise GenericError(f"{e}; pipeline stages, ZeRO-3 and remat, which run its layers one at a time, are "
+                           f"refused") from None
     drop = sorted(k for k, v in cfg.hf.items() if "dropout" in k and isinstance(v, (int, float)) and v
                   and not isinstance(v, bool))
     if drop:
@@ -824,6 +828,10 @@ SMALL = dict(
     pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, decoder_sparse_step=1,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
     num_nextn_predict_layers=0, num_shared_experts=1, attention_chunk_size=8, router_aux_loss_coef=0.0,
+    rotary_dim=8, index_n_heads=4, index_head_dim=16, index_topk=8, qk_head_dim=16, num_experts_per_token=2,
+    linear_head_dim=16, linear_num_heads=4, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+    sliding_window_size=8, unpadded_vocab_size=128, ffn_hidden_size=96, expert_ffn_hidden_size=32, zero_expert_num=2,
+    keep_window_size=8,
 )
 
 
@@ -866,20 +874,67 @@ def probe(cfg: Config, seed: int = 0, staged: bool = False) -> None:
         raise GenericError(_PROBED[key])
 
 
-def _probe(cfg: Config, seed: int, staged: bool) -> str:
+def _reference(cfg: Config, seed: int):
+    """transformers' own run of the small copy of ``cfg``: the copy, its parameters, a batch, the loss, the
+    gradients by name."""
     from transformers import AutoModelForCausalLM
 
     small = Config.from_hf(small_config(cfg.hf))
-    mt = cfg.model_type
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         m = AutoModelForCausalLM.from_config(small.hf_config, dtype=torch.float32)
         ids = torch.randint(0, SMALL["vocab_size"], (2, 16))
     m.train()
-    batch = {"input_ids": ids}
     ref = m(input_ids=ids, labels=ids).loss
     ref.backward()
-    want = {n: p.grad for n, p in m.named_parameters()}
+    return small, m, {"input_ids": ids}, ref, {n: p.grad for n, p in m.named_parameters()}
+
+
+def probe_mesh(cfg: Config, mesh, seed: int = 0) -> None:
+    """:func:`probe` on ``mesh``'s tp groups (collective: every rank calls it): the small copy's loss and gradients
+    split as the tp plan splits them, gathered, against transformers' own in one process. What only a split shows
+    (a module that counts all heads on its shard, a norm over a split dimension the plan does not name) is refused
+    here, before step 1. Once per config and mesh."""
+    key = (cfg.key, "mesh", id(mesh))
+    if key not in _PROBED:
+        _PROBED[key] = _probe_mesh(cfg, mesh, seed)
+    if _PROBED[key]:
+        raise GenericError(_PROBED[key])
+
+
+def _probe_mesh(cfg: Config, mesh, seed: int) -> str:
+    small, m, batch, ref, want = _reference(cfg, seed)
+    sp = specs(small, mesh)
+    whole = tree_of(small, {n: p.detach().clone() for n, p in m.named_parameters()})
+    local = fp.tree.map_with_path(lambda _, x: x.requires_grad_(), fp.shard(whole, sp, mesh))
+    try:
+        value = loss(local, batch, small, mesh)
+        leaves = [x for _, x in fp.tree.leaves_with_path(local)]
+        grads = torch.autograd.grad(value, leaves, allow_unused=True)
+    except Exception as e:  # noqa: BLE001 - what the path cannot run is refused, with the error
+        return (f"model_type '{cfg.model_type}': the generic path fails on a small copy of the config split over "
+                f"tp={mesh.axis_size('tp')} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+    import optree
+
+    tree = optree.tree_unflatten(optree.tree_structure(local), [torch.zeros_like(x) if g is None else g
+                                                               for g, x in zip(grads, leaves, strict=True)])
+    got = named_of(small, fp.gather(tree, sp, mesh))
+    named = {n: _Grad(g) for n, g in got.items()}
+    bad = _differs(value.detach(), ref, named, want)
+    if bad:
+        return (f"model_type '{cfg.model_type}': split over tp={mesh.axis_size('tp')} the generic path does not "
+                f"reproduce transformers' own on a small copy of the config ({bad}), so it is not run")
+    return ""
+
+
+@dataclasses.dataclass
+class _Grad:
+    grad: Any
+
+
+def _probe(cfg: Config, seed: int, staged: bool) -> str:
+    small, m, batch, ref, want = _reference(cfg, seed)
+    mt = cfg.model_type
     forms = [("its forward", loss)] + ([("its staged form", STAGES.loss)] if staged or built(small).staged else [])
     for what, fn in forms:
         named = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
@@ -901,14 +956,26 @@ def _differs(value, ref, named: dict, want: dict) -> str:
         return f"loss {value.item():.7g} vs {ref.item():.7g}"
     for n, p in named.items():
         g, w = p.grad, want.get(n)
-        if (g is None) != (w is None):
-            return f"'{n}' has a gradient in one and not the other"
-        if g is not None and not (g - w).abs().max().item() <= 1e-4 * max(w.abs().max().item(), 1e-8):
+        if g is None and w is None:
+            continue
+        g, w = (torch.zeros_like(w) if g is None else g), (torch.zeros_like(g) if w is None else w)  # (unused: 0)
+        if not (g - w).abs().max().item() <= 1e-4 * max(w.abs().max().item(), 1e-8):
             return f"gradient of '{n}' off by {(g - w).abs().max().item():.3g}"
     return ""
 
 
 # ------------------------------------------------------------------------------------------------ the spec
+
+
+def _init_attributes(cls) -> set:
+    """The attributes ``cls.__init__`` assigns (``self.model = ...``), read from its source."""
+    return set(re.findall(r"self\.(\w+)\s*=", _source(cls.__init__) or ""))
+
+
+def _base_name(module) -> str:
+    """The base model's attribute in a causal LM: ``base_model_prefix``, else ``model``."""
+    prefix = module.base_model_prefix
+    return prefix if isinstance(getattr(module, prefix, None), torch.nn.Module) else "model"
 
 
 def _names(model_type: str) -> tuple[str, str]:
@@ -918,7 +985,10 @@ def _names(model_type: str) -> tuple[str, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    prefix = MODEL_FOR_CAUSAL_LM_MAPPING[config_class].base_model_prefix
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    prefix = cls.base_model_prefix
+    if prefix not in _init_attributes(cls) and "model" in _init_attributes(cls):
+        prefix = "model"  # (a text model split from a multimodal one keeps the latter's prefix: Llama-4's)
     try:
         plan = getattr(config_class(), "base_model_pp_plan", None) or {}
     except Exception:  # noqa: BLE001 - a default config that does not build: fall back on the common name
