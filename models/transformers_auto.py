@@ -714,11 +714,12 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
             raise
         raise GenericError(f"{e}; pipeline stages, ZeRO-3 and remat, which run its layers one at a time, are "
                            f"refused") from None
-    drop = sorted(k for k, v in cfg.hf.items() if "dropout" in k and isinstance(v, (int, float)) and v
-                  and not isinstance(v, bool))
+    drop = sorted(k for k, v in cfg.hf.items() if ("dropout" in k or "jitter" in k) and isinstance(v, (int, float))
+                  and v and not isinstance(v, bool))
     if drop:
         raise GenericError(f"model_type '{mt}': config key '{drop[0]}' is {cfg.hf[drop[0]]}: the generic path runs "
-                           f"without dropout; set it to 0 in config.json")
+                           f"without random noise in the forward (dropout, router jitter); set it to 0 in "
+                           f"config.json")
     if tp > 1 and b.refusals:
         style, name = b.refusals[0]
         why = _WHY.get(style, "a style transformers added after this path was written")
@@ -851,7 +852,7 @@ def small_config(hf: dict) -> dict:
     for k in ("layer_types", "mlp_layer_types"):
         if isinstance(full.get(k), list) and full[k]:
             over[k] = (full[k] * n)[:n] if len(full[k]) < n else full[k][:n]
-    over.update({k: 0.0 for k, v in full.items() if "dropout" in k and isinstance(v, float)})
+    over.update({k: 0.0 for k, v in full.items() if ("dropout" in k or "jitter" in k) and isinstance(v, float)})
     d = {k: v for k, v in full.items() if k != "model_type"}
     out = cls(**{**d, **over}).to_dict()
     out["model_type"] = mt

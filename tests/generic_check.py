@@ -5,7 +5,12 @@ Shared by tests/test_generic.py (a representative subset in CI) and scripts/supp
 transformers, the table in docs/SUPPORTED.md). Gloo workers import this module by name.
 
 The bar (issue 55): per step the loss and the gradient norm within 1e-5 relative, and after the 3 steps each
-leaf's update (final minus initial) within 1e-4 of its size.
+leaf's update (final minus initial) within 1e-4 of its size, or within 4 times what transformers' own run differs
+by when the same batches are summed in another order (two micro-batches each: ``reference``'s ``noise``). Adam
+divides each gradient entry by its own root mean square, so an entry that is round-off (a cancelled sum; a
+parameter barely used) moves a whole learning rate either way: such leaves (a gated-delta ``dt_bias``, rare
+embedding rows) differ from transformers by what transformers differs from itself. Nor is an update seen more
+finely than its parameter's float32 spacing (2 ulp of the leaf's norm: a ``dt_bias`` of values near 1 moved 1e-3).
 """
 
 from __future__ import annotations
@@ -40,8 +45,12 @@ def batches(n: int = STEPS) -> list[dict]:
     return harness.token_batches(n, V, B, T, seed=55, masked=3)
 
 
-def reference(hf: dict, steps: int = STEPS) -> dict:
-    """transformers' run: the initial named parameters, per-step loss and gradient norm, final parameters."""
+def reference(hf: dict, steps: int = STEPS, micro: int = 1) -> dict:
+    """transformers' run: the initial named parameters, per-step loss and gradient norm, final parameters;
+    ``micro``: each batch as that many micro-batches (each one's mean loss weighted by its share of the targets:
+    the same objective, summed in another order), and without ``noise``. With ``micro=1`` the result also holds
+    ``noise``: per leaf, how far the final parameters of the two-micro-batch run are from this one's (transformers
+    against itself: the round-off the bar allows beside its 1e-4 of the update's size)."""
     from transformers import AutoModelForCausalLM, CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[hf["model_type"]].from_dict({k: v for k, v in hf.items() if k != "model_type"})
@@ -52,14 +61,25 @@ def reference(hf: dict, steps: int = STEPS) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     losses, norms = [], []
     for b in batches(steps):
-        out = model(input_ids=b["input_ids"], labels=b["labels"])
-        out.loss.backward()
+        total, loss = _targets(b["labels"]), 0.0
+        for ids, labels in zip(b["input_ids"].chunk(micro), b["labels"].chunk(micro), strict=True):
+            out = model(input_ids=ids, labels=labels)
+            (out.loss * (_targets(labels) / total if micro > 1 else 1)).backward()
+            loss += out.loss.item() * _targets(labels) / total
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        losses.append(out.loss.item())
+        losses.append(loss)
         opt.step()
         opt.zero_grad()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"init": init, "losses": losses, "norms": norms, "final": final}
+    out = {"init": init, "losses": losses, "norms": norms, "final": final}
+    if micro == 1 and steps:
+        other = reference(hf, steps, micro=2)["final"]
+        out["noise"] = {n: (other[n] - final[n]).norm().item() for n in final}
+    return out
+
+
+def _targets(labels) -> int:
+    return int((labels[:, 1:] != -100).sum())
 
 
 def train_generic(hf: dict, init: dict, axes: dict, options: dict, steps: int = STEPS):
@@ -103,8 +123,11 @@ def compare(ref: dict, got: tuple) -> list[str]:
     for n, want in ref["final"].items():
         du, dr = final[n] - ref["init"][n], want - ref["init"][n]
         err, size = (du - dr).norm().item(), dr.norm().item()
-        if not err <= 1e-4 * size + 1e-12 or not math.isfinite(err):
-            bad.append(f"update of '{n}' off by {err:.3g} ({err / max(size, 1e-30):.2g} of its size)")
+        noise = ref.get("noise", {}).get(n, 0.0)
+        ulp = 2 * torch.finfo(torch.float32).eps * want.norm().item()  # (an update is seen through float32 values)
+        if not err <= max(1e-4 * size, 4 * noise, ulp) + 1e-12 or not math.isfinite(err):
+            bad.append(f"update of '{n}' off by {err:.3g} ({err / max(size, 1e-30):.2g} of its size; transformers "
+                       f"against itself {noise:.2g})")
     return bad
 
 
