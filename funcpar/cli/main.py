@@ -573,8 +573,7 @@ def plan(argv: list[str]) -> None:
         dp, micro = mesh.axis_size("dp"), opts["micro_batches"]
         if opts["global_batch"] % (dp * micro):
             raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro}")
-        # (funcpar's errors are ValueErrors: rank_meshes notes them)
-        model, cfg = model_config(opts["model"], mesh, opts["generic"])
+        model, cfg = model_config(opts["model"], mesh, opts["generic"])  # (ValueErrors: rank_meshes notes them)
         try:
             step = build_step({**opts, "zero": zero}, model, cfg, mesh, model.specs(cfg, mesh))
         except SystemExit as e:  # an option this mesh cannot take (--seq-len over cp, ...): a reason, not the end
@@ -583,8 +582,7 @@ def plan(argv: list[str]) -> None:
 
     if ranking.devices:
         memory = ranking.memory * 2**30
-        # cp candidates: where the model has it
-        context = model_config(opts["model"], None, opts["generic"])[0].context_parallel
+        context = model_config(opts["model"], None, opts["generic"])[0].context_parallel  # (cp: where it has it)
         rows = rank_meshes(build, ranking.devices, memory, context=context,
                            estimate=estimate if ranking.gpu else None, documents=not opts["cross_document"] and None)
         print_ranking(rows, ranking.devices, memory)
