@@ -564,7 +564,8 @@ def _source_stream(path: str, tok, choice: str):
 def documents_on(opts, cfg) -> bool:
     """Whether packed rows keep each sample to itself (``position_ids`` in the batches: attention inside the sample,
     positions from 0): by default, where the model takes packed documents; ``--cross-document`` turns it off."""
-    return bool(opts["pack"]) and not opts["cross_document"] and fp.get_model(cfg.model_type).documents
+    model = fp.get_model(cfg.model_type, generic=bool(getattr(cfg, "generic", False)))
+    return bool(opts["pack"]) and not opts["cross_document"] and model.documents
 
 
 def datasets(opts, cfg):
