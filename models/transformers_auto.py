@@ -113,7 +113,12 @@ class Config:
         mt = self.hf.get("model_type")
         if mt not in CONFIG_MAPPING:
             raise GenericError(f"model_type '{mt}': the installed transformers defines no such model")
-        return CONFIG_MAPPING[mt].from_dict({k: v for k, v in self.hf.items() if k != "model_type"})
+        try:
+            return CONFIG_MAPPING[mt].from_dict({k: v for k, v in self.hf.items() if k != "model_type"})
+        except Exception as e:  # noqa: BLE001 - (an AttributeError here would read as a missing attribute)
+            raise GenericError(f"model_type '{mt}': transformers' {CONFIG_MAPPING[mt].__name__} does not take this "
+                               f"config.json ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                               ) from None
 
     @property
     def model_type(self) -> str:

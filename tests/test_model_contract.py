@@ -110,8 +110,10 @@ def test_registry_lookups_and_errors():
     assert fp.get_model(llama) is llama.MODEL and fp.get_model("qwen2") is llama.MODEL
     assert fp.get_model(gpt2.MODEL) is gpt2.MODEL
     assert set(fp.known_models()) >= {"llama", "mistral", "qwen2", "gpt2", "tinylm"}
-    with pytest.raises(fp.ModelError, match=r"no model is registered for 'falcon'; funcpar knows: baichuan, bloom"):
-        fp.get_model("falcon")
+    with pytest.raises(fp.ModelError, match=r"no model is registered for 'nobody', and the installed transformers "
+                                            r"defines no causal LM of that type; funcpar knows: baichuan, bloom"):
+        fp.get_model("nobody")
+    assert fp.get_model("falcon").name == "falcon (transformers)"  # (transformers' own: the generic path)
     other = fp.ModelSpec(**{**tinylm.MODEL.__dict__, "name": "impostor"})
     with pytest.raises(fp.ModelError, match=r"model_type 'tinylm' is already registered to model 'tinylm'"):
         fp.register_model(other)
