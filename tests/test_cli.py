@@ -44,7 +44,7 @@ def test_bare_train_writes_everything_and_the_loss_falls(bare_run):
     tf = pytest.importorskip("transformers")
 
     out, stdout = bare_run
-    assert "funcpar train: llama on Mesh(pp=1, dp=2, tp=2) (4 process(es), cpu)" in stdout
+    assert "funcpar train: llama (funcpar's built-in model) on Mesh(pp=1, dp=2, tp=2) (4 process(es), cpu)" in stdout
     assert "layers.*.wq (x2)" in stdout and "P('tp', None)" in stdout  # the sharding table
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -89,7 +89,8 @@ def test_two_torchrun_agents_train_as_one_node_and_resume_on_one_node(bare_run, 
     done = [a.communicate(timeout=300) for a in agents]
     for a, (o, e) in zip(agents, done, strict=True):
         assert a.returncode == 0, o[-2000:] + e[-3000:]
-    assert "funcpar train: llama on Mesh(pp=1, dp=2, tp=2) (4 process(es), cpu)" in "".join(o for o, _ in done)
+    assert "funcpar train: llama (funcpar's built-in model) on Mesh(pp=1, dp=2, tp=2) (4 process(es), cpu)" in \
+        "".join(o for o, _ in done)
     assert losses(out2) == losses(out)[:3]  # the same global ranks, the same numbers, bit for bit
     stdout = run(["-m", "funcpar", "train", *TINY, "--steps", "6", "--out", out2, "--resume"])  # one node now
     assert "resumed from" in stdout and "at step 3" in stdout
