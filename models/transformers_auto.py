@@ -478,8 +478,8 @@ def _build(cfg: Config) -> Built:
     head = module.get_output_embeddings()
     names = {id(m): n for n, m in module.named_modules()}
     embed_module, head_module = names[id(emb)], names.get(id(head)) if head is not None else None
-    if head is None or getattr(head, "bias", None) is not None:
-        raise GenericError(f"model_type '{mt}': its LM head is not a bias-free linear layer")
+    if not isinstance(head, torch.nn.Linear):
+        raise GenericError(f"model_type '{mt}': its LM head is not a linear layer")
     tied = head.weight is emb.weight
     children = [n for n, _ in base.named_children()]
     after = set(children[children.index(layers) + 1:])
@@ -696,7 +696,7 @@ def specs(cfg: Config, mesh=None):
 
     def spec(n, p):
         if n.startswith(b.embed_module + ".") or (b.head_module and n.startswith(b.head_module + ".")):
-            return fp.P("tp", None) if p.ndim == 2 else fp.P()
+            return fp.P("tp", None) if p.ndim == 2 else fp.P("tp") if n == f"{b.head_module}.bias" else fp.P()
         style, role = b.styles.get(n, (None, None))
         dim = (_packed_dim(p.ndim) if style in COLUMN else
                p.ndim - 1 if style in ROW and role != "bias" else None)
@@ -762,6 +762,11 @@ def _head_weight(b: Built, params):
     return params["head"][b.head_module + ".weight"]
 
 
+def _head_bias(b: Built, params):
+    """The LM head's bias (this rank's vocab block), where it has one (Phi's, GPT-J's)."""
+    return (params.get("head") or {}).get(b.head_module + ".bias")
+
+
 def _scaled(x, cfg: Config):
     """The hidden states as the head's logits need them: Cohere's ``logit_scale`` and Granite's ``logits_scaling``
     are scalings of the logits, applied to the states (the same product)."""
@@ -782,7 +787,8 @@ def _softcap(cfg: Config):
 def _head(params, x, batch, cfg, mesh, reduction: str = "mean"):
     """The LM head's loss on the last hidden states: funcpar's vocab-parallel fused head (logits never held)."""
     b = built(cfg)
-    return D.head_loss(_scaled(x, cfg), _head_weight(b, params), batch, cfg, mesh, reduction, softcap=_softcap(cfg))
+    return D.head_loss(_scaled(x, cfg), _head_weight(b, params), batch, cfg, mesh, reduction, softcap=_softcap(cfg),
+                       bias=_head_bias(b, params))
 
 
 def _embed(params, batch, cfg, mesh):
@@ -817,7 +823,7 @@ def forward(params, tokens, cfg, mesh):
     """This rank's vocab block of the logits, (B, T, V/tp), with the head's scalings and soft-capping."""
     b = built(cfg)
     h = _scaled(b.base_forward(params, mesh, input_ids=tokens), cfg)
-    logits = F.linear(C.copy_to_region(h, mesh, "tp"), _head_weight(b, params))
+    logits = F.linear(C.copy_to_region(h, mesh, "tp"), _head_weight(b, params), _head_bias(b, params))
     cap = _softcap(cfg)
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -837,7 +843,8 @@ SMALL = dict(
     rotary_dim=8, index_n_heads=4, index_head_dim=16, index_topk=8, qk_head_dim=16, num_experts_per_token=2,
     linear_head_dim=16, linear_num_heads=4, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
     sliding_window_size=8, unpadded_vocab_size=128, ffn_hidden_size=96, expert_ffn_hidden_size=32, zero_expert_num=2,
-    keep_window_size=8,
+    keep_window_size=8, mamba_n_heads=4, mamba_d_head=32, mamba_expand=2, mamba_d_state=16, mamba_n_groups=1,
+    mamba_chunk_size=16,
 )
 
 
@@ -851,20 +858,42 @@ def small_config(hf: dict) -> dict:
     full = {**cls().to_dict(), **{k: v for k, v in hf.items() if k != "architectures"}}
     keys = set(full) | set(getattr(cls, "attribute_map", {}))
     over = {k: v for k, v in SMALL.items() if k in keys}
+    if full.get("num_key_value_heads") == full.get("num_attention_heads") and "num_key_value_heads" in over:
+        over["num_key_value_heads"] = over["num_attention_heads"]  # (a type without GQA stays without)
     if "qk_rope_head_dim" in keys:  # (latent attention: its head_dim is the rotary part's)
         over["head_dim"] = over["qk_rope_head_dim"]
-    n = over.get("num_hidden_layers", 2)
-    for k in ("layer_types", "mlp_layer_types"):
-        if isinstance(full.get(k), list) and full[k]:
-            over[k] = (full[k] * n)[:n] if len(full[k]) < n else full[k][:n]
+    if {"n_input_layers", "n_recurrent_layers", "n_output_layers"} <= keys:  # (a looped model: one of each; Dory
+        over.update(n_input_layers=2, n_recurrent_layers=2, n_output_layers=2, num_hidden_layers=6)  # writes 2x)
+    over.update(_per_layer(full, over.get("num_hidden_layers", 2)))
     over.update({k: 0.0 for k, v in full.items() if ("dropout" in k or "jitter" in k) and isinstance(v, float)})
     d = {k: v for k, v in full.items() if k != "model_type"}
-    out = cls(**{**d, **over}).to_dict()
+    out = cls.from_dict({**d, **over}).to_dict()  # (as a config.json is read: to_dict's own form)
     out["model_type"] = mt
     return out
 
 
 _PROBED: dict[tuple, str] = {}  # (config, staged) -> "" (it reproduces transformers) or why not
+
+
+def _per_layer(full: dict, n: int) -> dict:
+    """The per-layer keys of a config cut to ``n`` layers: lists as long as its layer count, at the first layers
+    that show each distinct combination of their values (a hybrid keeps a layer of each kind), per-layer head counts
+    the small one, ``per_layer_config`` keys below ``n``."""
+    layers = full.get("num_hidden_layers")
+    lists = {k: v for k, v in full.items() if isinstance(v, list) and v and isinstance(layers, int)
+             and len(v) == layers and k != "architectures"}
+    picked, seen = [], set()
+    for i in range(layers if lists else 0):
+        combo = tuple(str(v[i]) for v in lists.values())
+        if combo not in seen:
+            seen.add(combo)
+            picked.append(i)
+    picked = sorted((picked + [i for i in range(layers or 0) if i not in picked])[:n])
+    out = {k: [SMALL["num_attention_heads"] if "heads" in k and isinstance(v[i], int) else v[i] for i in picked]
+           for k, v in lists.items()}
+    if isinstance(full.get("per_layer_config"), dict):
+        out["per_layer_config"] = {k: v for k, v in full["per_layer_config"].items() if int(k) < n}
+    return out
 
 
 def probe(cfg: Config, seed: int = 0, staged: bool = False) -> None:
@@ -941,7 +970,7 @@ class _Grad:
 def _probe(cfg: Config, seed: int, staged: bool) -> str:
     small, m, batch, ref, want = _reference(cfg, seed)
     mt = cfg.model_type
-    forms = [("its forward", loss)] + ([("its staged form", STAGES.loss)] if staged or built(small).staged else [])
+    forms = [("its forward", loss)] + ([("its staged form", STAGES.loss)] if staged else [])
     for what, fn in forms:
         named = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
         try:

@@ -124,15 +124,18 @@ def rms_head_loss(params, x: torch.Tensor, batch: dict, cfg, mesh, reduction: st
 
 
 def head_loss(x: torch.Tensor, head, batch: dict, cfg, mesh, reduction: str = "mean",
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' ``labels=`` loss of the vocab-parallel head ``head`` (this rank's rows, (V/tp, d)) on the final
     states ``x`` (B, T, d), or this rank's block of the sequence under sequence parallelism: :func:`lm_loss` of
     ``x @ head.T``, computed by :func:`funcpar.nn.headloss.head_loss` in row chunks without holding the logits (each
     counted target weighted 1/count for ``"mean"``, 1 for ``"sum"``). A head that is not a plain tensor (LoRA's
     :class:`funcpar.train.lora.LoraWeight`) and ``FUSED_HEAD = False`` take the unfused composition. ``softcap``:
-    the logits soft-capped, ``softcap * tanh(logits / softcap)`` (Gemma's)."""
+    the logits soft-capped, ``softcap * tanh(logits / softcap)`` (Gemma's); ``bias``: this rank's block of the
+    head's bias (V/tp,), added before the cap."""
     if not FUSED_HEAD or not isinstance(head, torch.Tensor):
         logits = L.column_parallel(x, [head], mesh)[0]
+        if bias is not None:
+            logits = logits + bias
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         return lm_loss(logits, batch, cfg, mesh, reduction)
@@ -143,7 +146,7 @@ def head_loss(x: torch.Tensor, head, batch: dict, cfg, mesh, reduction: str = "m
     # the states, replicated over tp (gathered along the sequence under sequence parallelism); backward: summed
     x = C.all_gather(x, mesh, "tp", 1) if L.sequence_parallel(mesh) else C.copy_to_region(x, mesh, "tp")
     return HL.head_loss(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1), weights.reshape(-1), mesh, "tp",
-                        cfg.vocab_size, softcap=softcap)
+                        cfg.vocab_size, softcap=softcap, bias=bias)
 
 
 FUSED_HEAD = True  # the models' losses through head_loss's fused path (False: the logits, then lm_loss)

@@ -34,16 +34,18 @@ CHUNK_FLOATS = 1 << 26  # logits per chunk (256 MiB in float32): small next to a
 
 def head_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, mesh: "Mesh",
               axis: str = "tp", vocab_size: int | None = None, chunk_floats: int | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``sum(weights * CE(x @ w.T, targets))``, a scalar in float32. ``x`` (N, d) replicated over ``axis`` (its
     gradient is this rank's part: route it through the region op that sums it, as a column-parallel input is);
     ``w`` (V/tp, d) this rank's rows of the head; ``targets`` (N,) global ids (any id outside the vocabulary, -100
     included, must have weight 0); ``weights`` (N,) float32. Columns at or beyond ``vocab_size`` (a padded
     vocabulary) are left out of the softmax. ``softcap``: the logits are ``softcap * tanh(x @ w.T / softcap)``
-    (Gemma's final soft-capping)."""
+    (Gemma's final soft-capping). ``bias`` (V/tp,): this rank's block of the head's bias, added to the logits before
+    the cap (Phi's, GPT-J's)."""
     rows = max(1, (chunk_floats or CHUNK_FLOATS) // max(1, w.shape[0]))
     grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    return _HeadLoss.apply(x, w, targets, weights.float(), mesh, axis, vocab_size, rows, grads, softcap)[0]
+    grads = grads or (torch.is_grad_enabled() and bias is not None and bias.requires_grad)
+    return _HeadLoss.apply(x, w, targets, weights.float(), mesh, axis, vocab_size, rows, grads, softcap, bias)[0]
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -51,15 +53,18 @@ class _HeadLoss(torch.autograd.Function):
     wanted); the backward scales them by the loss's gradient."""
 
     @staticmethod
-    def forward(x, w, targets, weights, mesh, axis, vocab_size, rows, grads, softcap=None):
+    def forward(x, w, targets, weights, mesh, axis, vocab_size, rows, grads, softcap=None, bias=None):
         n, off = w.shape[0], mesh.coord(axis) * w.shape[0]
         pad = None if vocab_size is None or off + n <= vocab_size else torch.arange(off, off + n,
                                                                                   device=w.device) >= vocab_size
         gx = torch.empty_like(x) if grads else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if grads else None
+        gb = torch.zeros(bias.shape, dtype=torch.float32, device=w.device) if grads and bias is not None else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for a in range(0, x.shape[0], rows):
             logits = (x[a:a + rows] @ w.t()).float()  # (r, V/tp)
+            if bias is not None:
+                logits = logits + bias.float()
             if softcap is not None:  # capped = cap * tanh(logits / cap); its derivative 1 - tanh² kept
                 logits = torch.tanh(logits / softcap)
                 slope = 1 - logits * logits if grads else None
@@ -82,9 +87,11 @@ class _HeadLoss(torch.autograd.Function):
                 g.scatter_add_(-1, at, (-inside.float() * wt)[:, None])
                 if softcap is not None:
                     g = g * slope
+                if gb is not None:
+                    gb.add_(g.sum(0))
                 gx[a:a + rows] = g.to(x.dtype) @ w
                 gw.addmm_(g.t(), x[a:a + rows].float() if x.dtype != torch.float32 else x[a:a + rows])
-        return total, gx, None if gw is None else gw.to(w.dtype)
+        return total, gx, None if gw is None else gw.to(w.dtype), None if gb is None else gb.to(bias.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -93,9 +100,10 @@ class _HeadLoss(torch.autograd.Function):
         ctx.grads = inputs[8]  # (x, w, targets, weights, mesh, axis, vocab_size, rows, grads, softcap)
 
     @staticmethod
-    def backward(ctx, g, _gx, _gw):
+    def backward(ctx, g, _gx, _gw, _gb):
         if not ctx.grads:
             raise RuntimeError("funcpar.nn.headloss: the head's loss was computed without gradients (grad mode off, or "
                                "neither x nor w requiring them) and then differentiated")
-        gx, gw = ctx.saved_tensors  # (first order only: formed in the forward, they are constants here)
-        return g.to(gx.dtype) * gx, g.to(gw.dtype) * gw, None, None, None, None, None, None, None, None
+        gx, gw, *gb = ctx.saved_tensors  # (first order only: formed in the forward, they are constants here)
+        gbias = g.to(gb[0].dtype) * gb[0] if gb else None
+        return g.to(gx.dtype) * gx, g.to(gw.dtype) * gw, None, None, None, None, None, None, None, None, gbias
