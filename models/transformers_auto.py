@@ -693,15 +693,17 @@ def specs(cfg: Config, mesh=None):
     says (column styles their output rows, row styles their input columns, a row style's bias replicated),
     everything else replicated."""
     b = built(cfg)
+    return _tree(b, {n: _spec_of(b, n, p) for n, p in b.module.named_parameters()})
 
-    def spec(n, p):
-        if n.startswith(b.embed_module + ".") or (b.head_module and n.startswith(b.head_module + ".")):
-            return fp.P("tp", None) if p.ndim == 2 else fp.P("tp") if n == f"{b.head_module}.bias" else fp.P()
-        style, role = b.styles.get(n, (None, None))
-        dim = (_packed_dim(p.ndim) if style in COLUMN else
-               p.ndim - 1 if style in ROW and role != "bias" else None)
-        return fp.P(*("tp" if d == dim else None for d in range(p.ndim))) if dim is not None else fp.P()
-    return _tree(b, {n: spec(n, p) for n, p in b.module.named_parameters()})
+
+def _spec_of(b: Built, n: str, p) -> Any:
+    """The ``P`` of parameter ``n`` (a transformers name) of shape ``p.shape``."""
+    if n.startswith(b.embed_module + ".") or (b.head_module and n.startswith(b.head_module + ".")):
+        return fp.P("tp", None) if p.ndim == 2 else fp.P("tp") if n == f"{b.head_module}.bias" else fp.P()
+    style, role = b.styles.get(n, (None, None))
+    dim = (_packed_dim(p.ndim) if style in COLUMN else
+           p.ndim - 1 if style in ROW and role != "bias" else None)
+    return fp.P(*("tp" if d == dim else None for d in range(p.ndim))) if dim is not None else fp.P()
 
 
 def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
@@ -844,7 +846,7 @@ SMALL = dict(
     linear_head_dim=16, linear_num_heads=4, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
     sliding_window_size=8, unpadded_vocab_size=128, ffn_hidden_size=96, expert_ffn_hidden_size=32, zero_expert_num=2,
     keep_window_size=8, mamba_n_heads=4, mamba_d_head=32, mamba_expand=2, mamba_d_state=16, mamba_n_groups=1,
-    mamba_chunk_size=16,
+    mamba_chunk_size=16, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
 )
 
 
@@ -939,27 +941,69 @@ def probe_mesh(cfg: Config, mesh, seed: int = 0) -> None:
 
 def _probe_mesh(cfg: Config, mesh, seed: int) -> str:
     small, m, batch, ref, want = _reference(cfg, seed)
+    tp = mesh.axis_size("tp")
+    for attempt in range(2):
+        got = _split_gradients(small, m, batch, mesh)
+        if isinstance(got, str):
+            return (f"model_type '{cfg.model_type}': the generic path fails on a small copy of the config split over "
+                    f"tp={tp} ({got})")
+        value, grads = got
+        bad = _differs(value, ref, {n: _Grad(g) for n, g in grads.items()}, want)
+        if not bad:
+            return ""
+        partial = _partial_leaves(small, grads, want, mesh) if attempt == 0 else []
+        if not partial:
+            break
+        _sum_gradients(built(small), partial)
+        _sum_gradients(built(cfg), partial)
+    return (f"model_type '{cfg.model_type}': split over tp={tp} the generic path does not reproduce transformers' "
+            f"own on a small copy of the config ({bad}), so it is not run")
+
+
+def _split_gradients(small: Config, m, batch, mesh):
+    """The small copy's loss and gradients on ``mesh`` (split as the plan says), gathered, by name; or the error."""
+    import optree
+
     sp = specs(small, mesh)
     whole = tree_of(small, {n: p.detach().clone() for n, p in m.named_parameters()})
     local = fp.tree.map_with_path(lambda _, x: x.requires_grad_(), fp.shard(whole, sp, mesh))
+    leaves = [x for _, x in fp.tree.leaves_with_path(local)]
     try:
         value = loss(local, batch, small, mesh)
-        leaves = [x for _, x in fp.tree.leaves_with_path(local)]
         grads = torch.autograd.grad(value, leaves, allow_unused=True)
     except Exception as e:  # noqa: BLE001 - what the path cannot run is refused, with the error
-        return (f"model_type '{cfg.model_type}': the generic path fails on a small copy of the config split over "
-                f"tp={mesh.axis_size('tp')} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
-    import optree
-
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     tree = optree.tree_unflatten(optree.tree_structure(local), [torch.zeros_like(x) if g is None else g
                                                                for g, x in zip(grads, leaves, strict=True)])
-    got = named_of(small, fp.gather(tree, sp, mesh))
-    named = {n: _Grad(g) for n, g in got.items()}
-    bad = _differs(value.detach(), ref, named, want)
-    if bad:
-        return (f"model_type '{cfg.model_type}': split over tp={mesh.axis_size('tp')} the generic path does not "
-                f"reproduce transformers' own on a small copy of the config ({bad}), so it is not run")
-    return ""
+    return value.detach(), named_of(small, fp.gather(tree, sp, mesh))
+
+
+def _partial_leaves(small: Config, grads: dict, want: dict, mesh) -> list[str]:
+    """The replicated leaves whose gradient is partial on each tp rank (their sum over tp is transformers' own): a
+    norm or a scale the plan leaves replicated that works on this rank's heads or columns (the plan should name it
+    ``replicated_with_grad_allreduce``). Collective over tp, every replicated leaf in the same order."""
+    b = built(small)
+    params = dict(b.module.named_parameters())
+    out = []
+    for n, g in grads.items():
+        if "tp" in tuple(_spec_of(b, n, params[n])) or want.get(n) is None:
+            continue
+        total = C.all_reduce(g.clone(), mesh, "tp")
+        w = want[n]
+        scale = max(w.abs().max().item(), 1e-8)
+        if (total - w).abs().max().item() <= 1e-4 * scale and not (g - w).abs().max().item() <= 1e-4 * scale:
+            out.append(n)
+    return out
+
+
+def _sum_gradients(b: Built, names: list[str]) -> None:
+    """Route ``names`` (a small copy's; a layer's name stands for that leaf of every layer) through
+    ``copy_to_region``, so their gradients are summed over tp."""
+    pre = b.prefix + b.layers + "."
+    rel = {n[len(pre):].partition(".")[2] for n in names if n.startswith(pre)}
+    for n, _ in b.module.named_parameters():
+        if n in names or (n.startswith(pre) and n[len(pre):].partition(".")[2] in rel):
+            b.grad_allreduce.add(n)
 
 
 @dataclasses.dataclass
