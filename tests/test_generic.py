@@ -30,6 +30,14 @@ def test_exact_against_transformers_at_tp2(model_type):
     assert g.check(model_type, ["tp=2"]) == {"tp=2": "exact"}
 
 
+@pytest.mark.parametrize("model_type", ["phi", "apertus", "qwen3_moe", "granitemoehybrid"])
+def test_more_of_what_the_path_does(model_type):
+    """An LM head with a bias (Phi); an activation's scales that act on each rank's columns, which the plan leaves
+    replicated and the probe routes through copy_to_region (Apertus); experts over tp (Qwen3-MoE); a hybrid of
+    linear and full attention with Mamba and MoE layers (Granite-MoE-hybrid)."""
+    assert g.check(model_type, ["tp=2"]) == {"tp=2": "exact"}
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "phi3", "deepseek_v3"])
 def test_exact_at_zero3_and_on_pipeline_stages(model_type):
     meshes = ["tp=2 x dp=2 zero3", "pp=2 x tp=2"]

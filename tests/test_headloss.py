@@ -99,3 +99,26 @@ def test_under_torch_func_grad_and_without_the_whole_logits():
     with torch.no_grad():  # an evaluation: no gradients formed
         assert torch.allclose(HL.head_loss(x, w, targets, weights, fp.Mesh(), "tp", V),
                               _unfused(x, w, targets, weights, fp.Mesh()), rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_floats", [None, 6 * 52])
+def test_soft_capping_and_a_bias_equal_the_composition(chunk_floats):
+    """Gemma's ``cap * tanh(logits / cap)`` and a head's bias (Phi's), inside the fused chunks: the loss and the
+    gradients of x, w and the bias as the composition's, to round-off."""
+    x, w, targets, weights = _inputs(seed=3)
+    bias = torch.randn(52) * 0.3
+    mesh, cap = fp.Mesh(), 2.0
+    out = []
+    for fused in (True, False):
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, bias))
+        if fused:
+            loss = HL.head_loss(xs, ws, targets, weights, mesh, "tp", V, chunk_floats, softcap=cap, bias=bs)
+        else:
+            logits = torch.tanh((xs @ ws.t() + bs) / cap) * cap
+            tok = fp.layers.vocab_cross_entropy(logits, targets, mesh, "tp", V)
+            loss = (torch.where(targets != -100, tok, torch.zeros(())) * weights).sum()
+        loss.backward()
+        out.append((loss.detach(), xs.grad, ws.grad, bs.grad))
+    for a, b in zip(*out, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert out[0][3][V:].abs().max() == 0  # (the padding columns: no gradient)
