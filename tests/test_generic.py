@@ -44,6 +44,14 @@ def test_exact_at_zero3_and_on_pipeline_stages(model_type):
     assert g.check(model_type, meshes) == dict.fromkeys(meshes, "exact")
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_pipeline_schedules_exact(schedule):
+    hf = g.tiny_config("gemma2")
+    ref = g.reference(hf)
+    res = harness.run(2, g.train_generic, hf, ref["init"], {"pp": 2}, {"pipeline": schedule, "accum_steps": 4})
+    assert g.compare(ref, res[0]) == []
+
+
 def test_remat_and_accumulation_exact():
     hf = g.tiny_config("qwen3")
     ref = g.reference(hf)
