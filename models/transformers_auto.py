@@ -885,9 +885,13 @@ def _per_layer(full: dict, n: int) -> dict:
     lists = {k: v for k, v in full.items() if isinstance(v, list) and v and isinstance(layers, int)
              and len(v) == layers and k != "architectures"}
     picked, seen = [], set()
+    kinds = lists.get("layer_types") or []
+    for i in range(layers if lists else 0):  # (each attention kind first, then each combination of the lists)
+        if kinds and kinds[i] not in {kinds[j] for j in picked}:
+            picked.append(i)
     for i in range(layers if lists else 0):
         combo = tuple(str(v[i]) for v in lists.values())
-        if combo not in seen:
+        if combo not in seen and i not in picked:
             seen.add(combo)
             picked.append(i)
     picked = sorted((picked + [i for i in range(layers or 0) if i not in picked])[:n])
@@ -1031,14 +1035,17 @@ def _probe(cfg: Config, seed: int, staged: bool) -> str:
 
 
 def _differs(value, ref, named: dict, want: dict) -> str:
+    """What differs: the loss beyond 1e-5, a gradient beyond 1e-4 of its leaf's largest element (or, for a leaf
+    whose gradient is tiny, 1e-6 of the largest of any leaf: round-off in a sum over tp)."""
     if not abs(value.item() - ref.item()) <= 1e-5 * abs(ref.item()):
         return f"loss {value.item():.7g} vs {ref.item():.7g}"
+    floor = 1e-6 * max((w.abs().max().item() for w in want.values() if w is not None and w.numel()), default=0.0)
     for n, p in named.items():
         g, w = p.grad, want.get(n)
         if g is None and w is None:
             continue
         g, w = (torch.zeros_like(w) if g is None else g), (torch.zeros_like(g) if w is None else w)  # (unused: 0)
-        if not (g - w).abs().max().item() <= 1e-4 * max(w.abs().max().item(), 1e-8):
+        if not (g - w).abs().max().item() <= max(1e-4 * w.abs().max().item(), floor, 1e-12):
             return f"gradient of '{n}' off by {(g - w).abs().max().item():.3g}"
     return ""
 
