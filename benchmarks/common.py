@@ -35,7 +35,7 @@ COMPILE = {"auto": "auto", "on": True, "off": False}
 def precision_short(impl: str, precision: str) -> str | None:
     """Why ``impl`` does not run at ``precision`` here (bf16 is wired for funcpar and the eager loop), or None."""
     if precision != "fp32" and impl.removesuffix("-lora") not in BF16_IMPLS:
-        return f"--precision {precision} is wired for {' and '.join(BF16_IMPLS)} only"
+        return f"--precision {precision} is wired for {', '.join(BF16_IMPLS[:-1])} and {BF16_IMPLS[-1]} only"
     return None
 
 # implementation id -> what it is (the table's wording)

@@ -338,7 +338,7 @@ def test_bf16_runs_funcpar_and_the_eager_loop_only_and_the_report_says_bf16(monk
     assert run.not_runnable("1", "hf-eager", "cpu", 0, "bf16") is None
     assert run.not_runnable("1", "funcpar-lora", "cpu", 0, "bf16") is None  # (build_funcpar: param_dtype too)
     assert run.not_runnable("1", "funcpar", "cuda", 1, "bf16") is None
-    assert "wired for funcpar and hf-eager only" in run.not_runnable("dp2", "ds-zero1", "cpu", 0, "bf16")
+    assert "wired for funcpar, funcpar-generic and hf-eager only" in run.not_runnable("dp2", "ds-zero1", "cpu", 0, "bf16")
     assert run.not_runnable("dp2", "ds-zero1", "cuda", 1, "bf16").startswith("needs 2 GPUs")
     seen = {}
 
