@@ -356,7 +356,10 @@ def built(cfg: Config) -> Built:
 def _parameters_on_meta():
     """Build a module with its parameters on meta (each moved there as it is registered, uninitialised) and its
     buffers real: the rotary tables and masks a forward reads are computed from the config in ``__init__``."""
-    from transformers.initialization import no_init_weights
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # (transformers 4)
+        from transformers.modeling_utils import no_init_weights
 
     own = torch.nn.Module.register_parameter
 
