@@ -146,11 +146,12 @@ def test_hub_folder_in_and_out(tmp_path):
 
 def test_refusals_name_the_model_and_the_reason():
     """Before step 1, in one line naming the model type: a style the path does not run at tp=2, a type without a
-    pipeline plan on pipeline stages, dropout, a size tp does not divide, a type transformers does not define."""
+    pipeline plan whose layers its staged form cannot run alone (the probe's finding), dropout, heads tp does not
+    divide, a type transformers does not define."""
     mesh = fp.Mesh.abstract(tp=2)
     cases = [
         ("qwen3", {}, fp.Mesh.abstract(tp=2), None),  # (a supported one: no refusal)
-        ("biogpt", {}, fp.Mesh.abstract(pp=2), "no pipeline plan"),
+        ("biogpt", {}, fp.Mesh.abstract(pp=2), r"its staged form\) fails .*pipeline stages, ZeRO-3 and remat"),
         ("qwen3", {"attention_dropout": 0.1}, mesh, "attention_dropout"),
         ("qwen3", {"num_key_value_heads": 1}, mesh, "tp=2 does not divide"),
     ]
@@ -184,6 +185,7 @@ def test_probe_refuses_what_differs_from_transformers(monkeypatch):
     cfg = G.Config.from_hf(g.tiny_config("cohere"))
     G.probe(cfg)
     monkeypatch.setattr(G, "_scaled", lambda x, cfg: x)  # (Cohere's logit_scale forgotten)
+    monkeypatch.setattr(G, "_PROBED", {})  # (a probe's verdict is kept per config)
     with pytest.raises(G.GenericError, match="does not reproduce transformers"):
         G.probe(cfg)
 
