@@ -1100,12 +1100,18 @@ def spec_for(model_type: str) -> fp.ModelSpec:
         raise GenericError(f"model_type '{model_type}': the installed transformers defines no causal LM of that "
                            f"type")
     prefix, layers = _names(model_type)
-    hf = fp.HFNames(table=[("layers.{i}.{*}:0", prefix + "." + layers + ".{i}.{*}"),
-                           ("layers.{i}.{*}:1", prefix + "." + layers + ".{i}.{*}"),
-                           ("layers.{i}.{*}", prefix + "." + layers + ".{i}.{*}"), ("embed_tokens.{*}", "{*}"),
-                           ("embed.{*}", "{*}"), ("head.{*}", "{*}")],
+    pre = prefix + "." + layers + ".{i}."
+    rest = [("layers.{i}.{*}", pre + "{*}"), ("embed_tokens.{*}", "{*}"), ("embed.{*}", "{*}"), ("head.{*}", "{*}")]
+    tied = [r"^lm_head\.weight$"]
+    # the experts as save_pretrained and the Hub write them, one tensor per expert (transformers 5 fuses them in
+    # memory): read too, never written (the fused layout is the export's, which from_pretrained loads as well)
+    per_expert = fp.HFNames(table=[("layers.{i}.{*}.experts.gate_up_proj:0", pre + "{*}.experts.{j}.gate_proj.weight"),
+                                   ("layers.{i}.{*}.experts.gate_up_proj:1", pre + "{*}.experts.{j}.up_proj.weight"),
+                                   ("layers.{i}.{*}.experts.down_proj", pre + "{*}.experts.{j}.down_proj.weight"),
+                                   *rest], ignored_if_tied=tied)
+    hf = fp.HFNames(table=[("layers.{i}.{*}:0", pre + "{*}"), ("layers.{i}.{*}:1", pre + "{*}"), *rest],
                     splits={"layers.{i}.{*}:0": (-2, 0, 2), "layers.{i}.{*}:1": (-2, 1, 2)},
-                    ignored_if_tied=[r"^lm_head\.weight$"])
+                    ignored_if_tied=tied, alternates=[per_expert])
     spec = fp.ModelSpec(name=f"{model_type} (transformers)", init=init, specs=specs, forward=forward, loss=loss,
                         Config=Config, model_types=(model_type,), hf=hf, config_types={"model_type": (str,)},
                         batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
