@@ -24,7 +24,6 @@ import optree
 import torch
 
 import funcpar as fp
-from funcpar.model import generic_module
 from funcpar.parallel.lifeline import LAUNCHER_ENV
 from funcpar.cli.launch import (INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, restarted,
                             run_and_exit)
@@ -33,8 +32,8 @@ from funcpar.parallel.mesh import resolve_device
 from funcpar.cli.generate import read_prompts, sample_on_mesh, show_arithmetic
 from funcpar.cli.preflight import RUN_FILES, check_run, claim_out, lock_out, run_files
 from funcpar.cli.progress import Progress, flops_per_token, measure_peak_flops
-from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step, datasets, lora_parts, model_config,
-                             parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs,
+from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step, datasets, generic_path, lora_parts,
+                             model_config, parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs,
                              with_tokenizer)
 from funcpar.cli.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan,
                                   print_ranking, rank_meshes, sharding_table, vocab_note)
@@ -79,18 +78,6 @@ class _Run:
                        overwrite=self.opts["overwrite"])
 
 
-def generic_path(cfg) -> bool:
-    """Whether ``cfg`` is run by the generic transformers path (``funcpar.models.transformers_auto``)."""
-    return bool(getattr(cfg, "generic", False))
-
-
-def probe_generic(cfg) -> None:
-    """The generic path held to transformers' own forward on a small copy of the model's config (its refusal, one
-    line); nothing for a built-in model."""
-    if generic_path(cfg):
-        generic_module().probe(cfg)
-
-
 CHOSEN_DEVICE = "FUNCPAR_CHOSEN_DEVICE"  # funcpar's launcher tells the ranks it starts the device it chose for them
 
 
@@ -106,8 +93,6 @@ def _run_mesh(opts, sizes) -> tuple[Any, str | None]:
 def _setup_run(opts, mesh, why_not_gpu: str | None = None) -> _Run:
     """Build the model, data, train step, its initial state and the data loader on ``mesh``."""
     model, cfg = model_config(opts["model"], mesh, opts["generic"])
-    if os.environ.get(LAUNCHER_ENV) != "1":  # (funcpar's launcher probed it before starting the ranks)
-        probe_generic(cfg)
     opts = with_tokenizer(opts)  # (auto: the model folder's own; what the checkpoints and config.json then record)
     specs = model.specs(cfg, mesh)
     data, train_data, eval_data = datasets(opts, cfg)
@@ -477,7 +462,6 @@ def _preflight(opts, sizes) -> None:
     data mix or --lora is refused here, not after the ranks have started and loaded it)."""
     mesh = fp.Mesh.abstract(**sizes)
     model, cfg = model_config(opts["model"], mesh, opts["generic"])
-    probe_generic(cfg)
     specs = model.specs(cfg, mesh)
     if opts["lora"]:
         lora_parts(opts, model, cfg, mesh, specs)

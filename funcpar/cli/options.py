@@ -564,8 +564,14 @@ def _source_stream(path: str, tok, choice: str):
 def documents_on(opts, cfg) -> bool:
     """Whether packed rows keep each sample to itself (``position_ids`` in the batches: attention inside the sample,
     positions from 0): by default, where the model takes packed documents; ``--cross-document`` turns it off."""
-    model = fp.get_model(cfg.model_type, generic=bool(getattr(cfg, "generic", False)))
+    model = fp.get_model(cfg.model_type, generic=generic_path(cfg))
     return bool(opts["pack"]) and not opts["cross_document"] and model.documents
+
+
+def generic_path(cfg) -> bool:
+    """Whether ``cfg`` is run by the generic transformers path (``funcpar.models.transformers_auto``); its probe
+    and refusals run in ``compile_step`` (``ModelSpec.check_run``), as the step is built."""
+    return bool(getattr(cfg, "generic", False))
 
 
 def datasets(opts, cfg):
