@@ -131,6 +131,24 @@ def test_a_damaged_cache_entry_is_refused_naming_the_folder_to_delete(tmp_path):
         tokencache.stream(src, TOK, str(tmp_path / "cache"))
 
 
+def test_a_cache_file_overwritten_with_same_size_garbage_is_refused_and_an_entry_without_meta_rebuilt(tmp_path):
+    """Issue 56, WEAK: a token cache was trusted by its files' sizes (ids.bin overwritten with garbage of the same
+    size trained on it), and an entry left without its meta.json could never be rebuilt ("Directory not empty")."""
+    src = tmp_path / "corpus.txt"
+    _corpus(src, 200)
+    cache = tmp_path / "cache"
+    good = np.asarray(tokencache.stream(src, TOK, str(cache)).ids)
+    entry = next(p for p in cache.iterdir() if p.is_dir())
+    assert np.array_equal(np.asarray(tokencache.stream(src, TOK, str(cache)).ids), good)  # (checked, then kept)
+    size = (entry / "ids.bin").stat().st_size
+    (entry / "ids.bin").write_bytes(bytes(size))
+    with pytest.raises(DataError, match=rf"the token cache {entry} is damaged \({entry / 'ids.bin'}: its CRC-32 is "
+                                        rf"[0-9a-f]{{8}}, not the [0-9a-f]{{8}} its meta.json recorded .*delete that"):
+        tokencache.stream(src, TOK, str(cache))
+    (entry / "meta.json").unlink()  # (a builder's entry without meta.json: rebuilt in its place)
+    assert np.array_equal(np.asarray(tokencache.stream(src, TOK, str(cache)).ids), good)
+
+
 def test_ranks_that_start_together_build_one_entry(tmp_path):
     """Two processes asking for the same uncached source at once: one tokenizes, the other waits and reads it."""
     src = tmp_path / "corpus.txt"

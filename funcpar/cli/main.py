@@ -27,12 +27,13 @@ import funcpar as fp
 from funcpar.parallel.lifeline import LAUNCHER_ENV
 from funcpar.cli.launch import (INTERRUPTED, USER_ERRORS, StopRequest, debug, fail, launch_if_needed, restarted,
                             run_and_exit)
-from funcpar.io.atomic import agree, open_own, refuse_links
+from funcpar.io.atomic import agree, open_own, refuse_links, write_file
 from funcpar.parallel.mesh import resolve_device
 from funcpar.cli.generate import read_prompts, sample_on_mesh, show_arithmetic
-from funcpar.cli.preflight import RUN_FILES, check_run, claim_out, lock_out, run_files
+from funcpar.cli.preflight import RUN_FILES, check_run, claim_out, lock_out, mark_run, read_paths, run_files
 from funcpar.cli.progress import Progress, flops_per_token, measure_peak_flops
-from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step, datasets, generic_path, lora_parts,
+from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step, data_differences, data_record,
+                             datasets, generic_path, lora_parts,
                              model_config, parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs,
                              with_tokenizer)
 from funcpar.cli.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan,
@@ -64,16 +65,24 @@ class _Run:
     lora: Any = None  # --lora: the adapters' Lora, and the frozen base parameters (this rank's shards)
     base: Any = None
     lock: int | None = None  # rank 0: the run folder's lock (preflight.lock_out), held until the run ends
+    _data_record: dict | None = None
 
     def __post_init__(self):
         self.rank0, self.out = self.mesh.rank == 0, Path(self.opts["out"])
         self.ckpts, self.metrics_file = self.out / "checkpoints", self.out / "metrics.jsonl"
 
+    def data_record(self) -> dict:
+        """The run's :func:`~funcpar.cli.options.data_record` (its sources hashed once a run)."""
+        if self._data_record is None:
+            self._data_record = data_record(self.opts)
+        return self._data_record
+
     def save(self) -> None:
         """A checkpoint of the state and the data position at the current step (keeping the last ``--keep``)."""
         extra = {"model": self.cfg.model_type, "generic": generic_path(self.cfg), "config": self.cfg.to_hf(),
                  "tokenizer": self.opts["tokenizer"],
-                 "data": self.loader.state_dict(), "seq_len": self.opts["seq_len"], "lora": _lora_fields(self.opts)}
+                 "data": self.loader.state_dict(), "data_record": self.data_record(),
+                 "seq_len": self.opts["seq_len"], "lora": _lora_fields(self.opts)}
         self.step.save(self.ckpts / f"step-{self.state.step}", self.state, extra=extra, keep=self.opts["keep"],
                        overwrite=self.opts["overwrite"])
 
@@ -173,8 +182,29 @@ def _same_run(opts, extra: dict, src: Path, loader=None) -> None:
         if changed:
             raise SystemExit(f"funcpar: --lora {', '.join(changed)} differs from the run being resumed ({src}): its "
                              f"adapters were trained under the checkpoint's settings; resume with them")
+    if _data_changed(opts, extra, src):
+        return  # (--data-changed: the data order starts afresh, the saved position is not read)
     if loader is not None and isinstance(extra.get("data"), dict):
         _same_data(opts, extra["data"], loader.state_dict(), src)
+
+
+def _data_changed(opts, extra: dict, src: Path) -> bool:
+    """Whether the run's data differs from what the checkpoint recorded (``extra["data_record"]``: each source's
+    size and content hash, the held-out split, packing): refused in one line naming the difference, or with
+    ``--data-changed`` True (the caller then starts the data order afresh). Rows trained on would otherwise turn
+    into held-out rows, and the saved position would replay over other rows."""
+    saved = extra.get("data_record")
+    if not isinstance(saved, dict):
+        return False  # (a checkpoint from before the record: not checked)
+    diff = data_differences(saved, data_record(opts))
+    if not diff:
+        return False
+    if opts.get("data_changed"):
+        return True
+    raise SystemExit(f"funcpar: --resume: the data differs from the checkpoint's ({src}): {'; '.join(diff)}; its "
+                     f"saved position would continue over other rows (and rows it trained on could be held out): "
+                     f"resume with the data as it was, or pass --data-changed to go on with the model and start the "
+                     f"data order afresh on the new data")
 
 
 def _shown(v):
@@ -228,9 +258,16 @@ def _resume(run: _Run) -> None:
         if run.rank0:
             print(f"funcpar: --resume: {run.ckpts} holds no checkpoint yet: starting at step 0", flush=True)
         return
-    _same_run(run.opts, fp.checkpoint.metadata(src).get("extra") or {}, src, run.loader)
+    meta = fp.checkpoint.metadata(src).get("extra") or {}
+    _same_run(run.opts, meta, src, run.loader)
+    fresh = _data_changed(run.opts, meta, src)  # (--data-changed, and the data did change)
     run.state, extra = run.step.load(src)
-    run.loader.load_state_dict(extra["data"])
+    if fresh:
+        if run.rank0:
+            print(f"funcpar: --data-changed: the data differs from the checkpoint's; the data order starts afresh "
+                  f"on it at step {run.state.step}", flush=True)
+    else:
+        run.loader.load_state_dict(extra["data"])
     if run.rank0:
         print(f"resumed from {fp.checkpoint.resolve(src)} at step {run.state.step}", flush=True)
         if src != run.ckpts:
@@ -245,19 +282,20 @@ def _announce(run: _Run) -> None:
 
     def prepare():
         refuse_links(run.out, RUN_FILES + ("checkpoints/latest", "checkpoints/.latest.tmp"))
-        claim_out(run.out, opts["resume"], opts["overwrite"])
+        reads = read_paths(opts)
+        claim_out(run.out, opts["resume"], opts["overwrite"], check_only=True, reads=reads)  # (refusals only)
         run.out.mkdir(parents=True, exist_ok=True)
         run.lock = lock_out(run.out)  # (kept open: the lock lasts as long as this process)
+        claim_out(run.out, opts["resume"], opts["overwrite"], reads=reads)  # (--overwrite: only once the lock is held)
+        mark_run(run.out)
         for log in (run.metrics_file, run.out / "samples.jsonl"):  # (a resumed run repeats the steps after `step`)
             old = log.read_text().splitlines() if log.exists() and step else []
             kept = [line for line in old if _parsed_row(line, log).get("step", 0) <= step]
             if kept or log == run.metrics_file:
-                with open_own(log) as fh:
-                    fh.write("".join(line + "\n" for line in kept))
+                write_file(log, "".join(line + "\n" for line in kept))  # (whole or not at all: the run's history)
             elif log.exists():
                 log.unlink()
-        with open_own(run.out / "config.json") as fh:  # a --config
-            fh.write(json.dumps(saved_options(opts), indent=2) + "\n")
+        write_file(run.out / "config.json", json.dumps(saved_options(opts), indent=2) + "\n")  # (a --config)
 
     error = None
     if run.rank0:
@@ -469,7 +507,7 @@ def _preflight(opts, sizes) -> None:
         build_step(opts, model, cfg, mesh, specs)
     data, train_data, eval_data = datasets(opts, cfg)
     check_run(with_epochs(opts, len(train_data)), cfg, mesh, len(train_data), len(eval_data), data.tokens)
-    claim_out(Path(opts["out"]), opts["resume"], opts["overwrite"], check_only=True)
+    claim_out(Path(opts["out"]), opts["resume"], opts["overwrite"], check_only=True, reads=read_paths(opts))
     lock_out(Path(opts["out"]), hold=False)
     src = _resume_source(opts) if opts["resume"] else None
     if src is not None:  # (the checkpoint's meta.json only: what it recorded, not a tensor)

@@ -162,6 +162,9 @@ class RunFolderOptions:
     out: str = opt("out", "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/")
     resume: bool = opt(False, "continue the run in --out from its latest checkpoint")
     overwrite: bool = opt(False, "replace an earlier run in --out, or folders funcpar did not write")
+    data_changed: bool = opt(False, "with --resume: continue though the data differs from the checkpoint's (a source's "
+                                    "files, --data, --eval-data, --eval-fraction, --no-pack): the model and optimizer "
+                                    "state go on, the data order starts afresh on the new data")
     save_every: int = opt(100, "checkpoint every N steps (0: only at the end)", at_least=0)
     keep: int = opt(2, "checkpoints of this run to keep", at_least=1)
     log_every: int = opt(20, "a log line every N steps", at_least=1)
@@ -377,6 +380,8 @@ def run_options(opts: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     flag that changes ``--steps`` is said (the learning-rate schedule is stretched or cut from the step resumed)."""
     saved = Path(opts["out"]) / "config.json"
     run = saved_run_options(saved) if opts["resume"] and "--config" not in argv else None
+    if run is None and opts["resume"] and "--config" not in argv:
+        _lost_options(saved)
     if run is None:  # (none, or not a run's options: claim_out and the checkpoint say what the folder is)
         _one_length(opts, argv, None)
         return opts
@@ -387,6 +392,28 @@ def run_options(opts: dict[str, Any], argv: list[str]) -> dict[str, Any]:
               f"{out['schedule']} learning-rate schedule is laid over {out['steps']} steps from here on, so the "
               f"rate at the step resumed changes too", flush=True)
     return out
+
+
+def _lost_options(saved: Path) -> None:
+    """Refuse ``--resume`` of a run that has checkpoints but whose config.json (its options) is missing, empty or
+    not its options (a full disk or a kill at its write in an older funcpar, a hand edit): resuming on the defaults
+    would train on other data at another rate without a word."""
+    ckpts = saved.parent / "checkpoints"
+    if not ckpts.is_dir() or not any(ckpts.iterdir()):
+        return  # (no run to continue: what --resume then says is _resume_source's)
+    if not saved.exists():
+        what = "is missing"
+    elif saved.is_file() and saved.stat().st_size == 0:
+        what = "is empty"
+    else:
+        try:
+            json.loads(saved.read_text())
+            what = "does not hold a run's options"
+        except (OSError, ValueError) as e:
+            what = f"is unreadable ({type(e).__name__})"
+    raise SystemExit(f"funcpar: --resume: {saved} {what}: the run's options (data, learning rate, schedule, ...) "
+                     f"are not known, and the defaults would continue it as another run; restore the file, or "
+                     f"give the run's options with --config FILE")
 
 
 def _given(argv: list[str]) -> dict[str, Any]:
@@ -430,7 +457,7 @@ PATH_OPTIONS = ("model", "data", "tokenizer", "out")  # options that may name fi
 def saved_options(opts: dict[str, Any]) -> dict[str, Any]:
     """``opts`` as a run's config.json holds them: the paths made absolute (a --config read from another working
     directory, or ``--resume`` from one, names the same files); built-in names stay as they are."""
-    out = dict(opts)
+    out = {k: v for k, v in opts.items() if k != "data_changed"}  # (said for one resume, never for the next)
     for key in PATH_OPTIONS:
         v = out[key]
         if isinstance(v, str) and v not in BUILTIN_MODELS and not v.startswith("builtin:") and v != "byte" and (
@@ -552,6 +579,71 @@ def data_sources(text: str) -> list[tuple[str, float]]:
             raise SystemExit(f"funcpar: bad --data '{text}': expected FILE or FILE:WEIGHT,FILE:WEIGHT,... (weights "
                              f"positive numbers)")
         out.append((path, weight))
+    return out
+
+
+def _fingerprint(path: str) -> dict[str, Any]:
+    """What a resume compares of one data source: its path, size and a SHA-256 of its bytes (a folder: of each
+    file's name and bytes, in order), and its mtime (recorded, not compared: a copy keeps the content)."""
+    import hashlib
+
+    p = Path(path)
+    if not p.exists():
+        return {"path": path}  # (a built-in source)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    h, size, mtime = hashlib.sha256(), 0, 0
+    for f in files:
+        if p.is_dir():
+            h.update(str(f.relative_to(p)).encode() + b"\0")
+        st = f.stat()
+        h.update(_file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns).encode())
+        size, mtime = size + st.st_size, max(mtime, st.st_mtime_ns)
+    return {"path": str(p.resolve()), "size": size, "mtime_ns": mtime, "sha256": h.hexdigest()}
+
+
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """A file's SHA-256, read once per process while its size and mtime stay (the checks before the ranks start
+    and at the resume, and every checkpoint's record)."""
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def data_record(opts: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records of the run's data, so that ``--resume`` knows it continues on the same rows: each
+    source's :func:`_fingerprint` and weight, the held-out data or fraction, and packing."""
+    return {"sources": [{**_fingerprint(p), "weight": w} for p, w in data_sources(opts["data"])],
+            "eval_data": [_fingerprint(p) for p, _ in data_sources(opts["eval_data"])] if opts["eval_data"] else [],
+            "eval_fraction": opts["eval_fraction"], "pack": opts["pack"]}
+
+
+def data_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the data of ``now`` (:func:`data_record`) differs from the checkpoint's ``saved``, in words naming the
+    flag or the file (empty: the same rows)."""
+    out = []
+
+    def files(key: str, flag: str) -> None:
+        was, is_ = saved.get(key, []), now.get(key, [])
+        if [s["path"] for s in was] != [s["path"] for s in is_]:
+            shown = lambda xs: ",".join(s["path"] for s in xs) or "none"  # noqa: E731
+            out.append(f"{flag} is {shown(is_)}, the checkpoint's {shown(was)}")
+            return
+        for a, b in zip(was, is_, strict=True):
+            if a.get("size") != b.get("size"):
+                out.append(f"{b['path']} is {b.get('size')} bytes, {a.get('size')} at the checkpoint")
+            elif a.get("sha256") != b.get("sha256"):
+                out.append(f"{b['path']} has other contents than at the checkpoint (the same size)")
+    files("sources", "--data")
+    if not out and [s.get("weight") for s in saved["sources"]] != [s.get("weight") for s in now["sources"]]:
+        out.append("--data weighs its sources otherwise")
+    files("eval_data", "--eval-data")
+    if not now["eval_data"] and saved.get("eval_fraction") != now["eval_fraction"]:
+        out.append(f"--eval-fraction is {now['eval_fraction']:g}, the checkpoint's {saved.get('eval_fraction'):g}")
+    if saved.get("pack") != now["pack"]:
+        out.append("--no-pack is " + ("off" if now["pack"] else "on") + " (at the checkpoint " +
+                   ("off" if saved.get("pack") else "on") + ")")
     return out
 
 

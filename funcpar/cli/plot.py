@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from funcpar.io.atomic import open_own
+from funcpar.io.atomic import write_file
 
 __all__ = ["plot_metrics"]
 
@@ -47,7 +47,10 @@ def plot_metrics(metrics_file: str | os.PathLike, out_png: str | os.PathLike, ti
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    with open_own(out_png, "wb") as fh:  # (never through a link planted where the plot goes)
-        fig.savefig(fh, dpi=110, format="png")
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    write_file(out_png, buf.getvalue())  # (whole or not at all; never through a link planted where the plot goes)
     plt.close(fig)
     return drawn

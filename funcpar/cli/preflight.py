@@ -12,7 +12,7 @@ from typing import Any
 
 from funcpar.cli import trackers
 
-__all__ = ["check_run", "claim_out", "run_files", "lock_out", "RUN_FILES"]
+__all__ = ["check_run", "claim_out", "run_files", "lock_out", "RUN_FILES", "mark_run", "read_paths"]
 
 
 def _seq_len_that_fits(opts: dict[str, Any], tokens: int | None) -> int:
@@ -111,6 +111,7 @@ def _samples(opts, mesh, cfg) -> None:
 # what a run writes in --out (logs/: rank-N.log, the traceback of a rank that failed under funcpar's launcher)
 RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter", "samples.jsonl",
              "trackers.json", "wandb", "logs")
+RUN_MARKER = ".funcpar"  # in --out: {"kind": "run"}, written when a run claims the folder (io.atomic.MARKER's name)
 
 
 def _run_config(path: Path) -> bool:
@@ -120,38 +121,141 @@ def _run_config(path: Path) -> bool:
     return saved_run_options(path) is not None
 
 
+def _rows(path: Path) -> bool:
+    """Whether ``path`` is a file of funcpar's rows (metrics.jsonl, samples.jsonl): every whole line a JSON object
+    with a ``step``; a last line cut short by a kill is allowed, an empty file holds nothing to lose."""
+    import json
+
+    if not path.is_file() or path.is_symlink():
+        return False
+    lines = path.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                continue
+            return False
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            return False
+    return True
+
+
+def _checkpoints(path: Path) -> bool:
+    """Whether ``path`` is a run's checkpoints/: only funcpar's checkpoint folders (their marker), ``latest`` and
+    the temporary names a save leaves."""
+    from funcpar.io.atomic import MARKER
+
+    if not path.is_dir() or path.is_symlink():
+        return False
+    for e in path.iterdir():
+        temp = e.name.startswith(".") and e.name.endswith((".tmp", ".old"))
+        if not (temp or e.name == "latest" and e.is_file() or e.is_dir() and (e / MARKER).is_file()):
+            return False
+    return True
+
+
+def _marked(path: Path) -> bool:
+    from funcpar.io.atomic import MARKER
+
+    return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
+
+
 def _rank_logs(path: Path) -> bool:
     """Whether ``path`` is a run's logs/ folder: only ranks' logs (``rank-N.log``) in it."""
     return path.is_dir() and all(p.name.startswith("rank-") and p.name.endswith(".log") for p in path.iterdir())
 
 
+# how an entry of --out is known as a run's by what it holds, not by its name (a Lightning checkpoints/ folder, a
+# user's metrics.jsonl are someone else's); the others are a run's only in a folder a run has marked
+_KNOWN_BY_CONTENT = {"config.json": _run_config, "metrics.jsonl": _rows, "samples.jsonl": _rows,
+                     "checkpoints": _checkpoints, "hf": _marked, "adapter": _marked, "logs": _rank_logs}
+
+
+def run_marked(out: Path) -> bool:
+    """Whether a run has claimed ``out`` (its :data:`RUN_MARKER` says so)."""
+    import json
+
+    try:
+        said = json.loads((out / RUN_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(said, dict) and said.get("kind") == "run"
+
+
+def mark_run(out: Path) -> None:
+    """Mark ``out`` as a run's folder (:data:`RUN_MARKER`), so that what the run writes there is known as its own."""
+    import json
+
+    from funcpar.io.atomic import write_file
+
+    write_file(out / RUN_MARKER, json.dumps({"written_by": "funcpar", "kind": "run"}) + "\n")
+
+
 def run_files(out: Path) -> list[str]:
-    """The entries of ``out`` a funcpar run wrote (its config.json only if it holds funcpar's options, logs/ only if
-    it holds ranks' logs)."""
-    return [n for n in RUN_FILES if (out / n).exists() and (n != "config.json" or _run_config(out / n))
-            and (n != "logs" or _rank_logs(out / n))]
+    """The entries of ``out`` a funcpar run wrote: each known by its content (:data:`_KNOWN_BY_CONTENT`), the
+    others (loss.png, tensorboard/, wandb/, trackers.json) only in a folder a run has marked (or whose config.json
+    holds a run's options: a run from before the marker)."""
+    marked = run_marked(out) or _run_config(out / "config.json")
+    return [n for n in RUN_FILES if (out / n).exists() and not (out / n).is_symlink()
+            and (_KNOWN_BY_CONTENT[n](out / n) if n in _KNOWN_BY_CONTENT else marked)]
 
 
-def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False) -> None:
-    """``out`` for a run: a new or empty folder, or one a funcpar run wrote (its metrics, checkpoints or options
-    are there). Another run's folder is refused unless ``resume`` continues it or ``overwrite`` replaces it (then
-    only the files a run writes are removed; others in ``out`` stay). A folder that is not a run's (a model folder,
-    a user's files) is refused whatever the flags: funcpar writes only into new, empty or its own folders.
-    ``check_only``: refuse as that would, remove nothing (the launcher's check, before the ranks start)."""
+def read_paths(opts: dict[str, Any]) -> list[tuple[str, Path]]:
+    """The files and folders a run reads, as ``(flag, resolved path)``: the model, the tokenizer, every data source,
+    the held-out data and the sample prompts (built-in names are not paths)."""
+    from funcpar.cli.options import data_sources
+
+    out = []
+    for flag, text in (("--model", opts.get("model")), ("--tokenizer", opts.get("tokenizer"))):
+        if isinstance(text, str) and text and Path(text).exists():
+            out.append((f"{flag} {text}", Path(text).resolve()))
+    for flag in ("data", "eval_data"):
+        text = opts.get(flag)
+        if isinstance(text, str) and text:
+            for path, _ in data_sources(text):
+                if Path(path).exists():
+                    out.append((f"--{flag.replace('_', '-')} {path}", Path(path).resolve()))
+    text = opts.get("sample_prompts")
+    if isinstance(text, str) and text and Path(text).exists():
+        out.append((f"--sample-prompts {text}", Path(text).resolve()))
+    return out
+
+
+def claim_out(out: Path, resume: bool, overwrite: bool, check_only: bool = False,
+              reads: list[tuple[str, Path]] = ()) -> None:
+    """``out`` for a run: a new or empty folder, or one a funcpar run wrote (marked as a run's, or its options,
+    metrics, checkpoints or ranks' logs there, each known by its content). Another run's folder is refused unless
+    ``resume`` continues it or ``overwrite`` replaces it: then only the entries the run wrote are removed (others in
+    ``out`` stay), never one that holds what this run reads (``reads``: :func:`read_paths`). A folder that is not a
+    run's (a model folder, a user's files, a Lightning ``checkpoints/``), or an entry named as a run's that holds
+    someone else's files, is refused whatever the flags: funcpar writes only into new, empty or its own folders.
+    ``check_only``: refuse as that would, remove nothing (the launcher's check before the ranks start, and the
+    run's own before it takes the folder's lock)."""
     if not out.is_dir():
         return  # (new; or not a folder: creating it says why)
-    entries = sorted(e.name for e in out.iterdir() if e.name != LOCK)
+    entries = sorted(e.name for e in out.iterdir() if e.name not in (LOCK, RUN_MARKER))
     found = run_files(out)
-    ours = [n for n in found if n in ("metrics.jsonl", "checkpoints", "config.json", "logs")]
-    if entries and not ours:
+    if entries and not found and not run_marked(out):
         shown = ", ".join(entries[:6]) + (" ..." if len(entries) > 6 else "")
         raise SystemExit(f"funcpar: --out {out} holds files funcpar did not write ({shown}): funcpar writes only "
                          "into a new or empty folder or one of its own runs; choose another --out")
-    if not found or resume or (overwrite and check_only):
+    stray = [n for n in RUN_FILES if n in entries and n not in found]
+    if stray:
+        raise SystemExit(f"funcpar: --out {out}: its {stray[0]} holds files funcpar did not write (a run writes its "
+                         f"own {stray[0]} there): move it away or choose another --out")
+    if not found or resume:
         return
     if not overwrite:
         raise SystemExit(f"funcpar: --out {out} holds an earlier run ({', '.join(found)}): pass --resume to continue "
                          "it, --overwrite to replace it, or choose another --out")
+    for flag, path in reads:
+        inside = next((n for n in found if path == (out / n).resolve() or (out / n).resolve() in path.parents), None)
+        if inside is not None:
+            raise SystemExit(f"funcpar: --overwrite would delete {out / inside}, which this run reads ({flag}): copy "
+                             f"it out of --out first, or choose another --out")
+    if check_only:
+        return
     for name in found:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()

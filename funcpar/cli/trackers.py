@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from funcpar.io.atomic import open_own
+from funcpar.io.atomic import write_file
 
 __all__ = ["TRACKERS", "parse", "check", "open_trackers", "FILE"]
 
@@ -88,8 +88,7 @@ class Trackers:
         ids = ids if isinstance(ids, dict) and isinstance(ids.get("run_id"), str) else {"run_id": uuid.uuid4().hex}
         kinds = {"wandb": _Wandb, "mlflow": _Mlflow}
         self.open = [kinds[n](ids, opts, out, opts.get("project") or "funcpar") for n in names]
-        with open_own(path) as fh:
-            fh.write(json.dumps(ids, indent=1) + "\n")
+        write_file(path, json.dumps(ids, indent=1) + "\n")  # (whole or not at all: the run's identity)
         self.run_id = ids["run_id"]
 
     def log(self, step: int, row: dict) -> None:

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from pathlib import Path
 
 from funcpar.data.samples import data_files, iter_samples
@@ -29,7 +30,7 @@ __all__ = ["stream", "cache_root", "FileArray", "AUTO_BYTES", "CACHE_ENV", "VERS
 
 AUTO_BYTES = 256 << 20  # a source this large is cached under --token-cache auto (tokenizing it takes a minute)
 CACHE_ENV = "FUNCPAR_TOKEN_CACHE"  # the cache folder of --token-cache auto (default ~/.cache/funcpar/tokens)
-VERSION = 1  # of the files' layout and of what a sample tokenizes to: a change makes every key new
+VERSION = 2  # of the files' layout and of what a sample tokenizes to: a change makes every key new (2: CRCs)
 
 
 def cache_root(choice: str) -> Path | None:
@@ -85,10 +86,14 @@ def _build(source, files: list[Path], size: int, tok, folder: Path) -> None:
               file=sys.stderr, flush=True)
         t0, handles = time.perf_counter(), {}
 
+        crcs = {}
+
         def sink(name, array):
             if name not in handles:
                 handles[name] = open(tmp / f"{name}.bin", "wb")
-            array.tofile(handles[name])
+            data = array.tobytes()
+            crcs[f"{name}.bin"] = zlib.crc32(data, crcs.get(f"{name}.bin", 0))
+            handles[name].write(data)
 
         try:
             counts = tokenize(iter_samples(source), tok, sink)
@@ -98,7 +103,12 @@ def _build(source, files: list[Path], size: int, tok, folder: Path) -> None:
                     "tokenizer": tok.fingerprint, "seconds": round(time.perf_counter() - t0, 1), **counts}
             if meta["all_trained"]:
                 (tmp / "mask.bin").unlink(missing_ok=True)  # (every token trained on: no mask to store)
+                crcs.pop("mask.bin", None)
+            meta["crc32"] = {n: crcs.get(n, 0) for n in ("ids.bin", "starts.bin", "mask.bin")
+                             if (tmp / n).exists()}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            if folder.exists():  # (an entry left without its meta.json: never trusted, replaced now)
+                shutil.rmtree(folder)
             os.replace(tmp, folder)
         except BaseException:
             for fh in handles.values():
@@ -161,6 +171,31 @@ class FileArray:
             pass
 
 
+def _check_crc(path: Path, want: int) -> None:
+    """Hold a cache file to the CRC-32 its meta.json recorded when it was built (a file overwritten with other
+    bytes of the same size would otherwise train as tokens). Read whole once; the verdict is kept beside it
+    (``.verified-<name>``, with the size and mtime it held for), so later runs and ranks read it only if it changed."""
+    st = path.stat()
+    stamp = path.with_name(f".verified-{path.name}")
+    seen = f"{st.st_size} {st.st_mtime_ns} {want}"
+    try:
+        if stamp.read_text() == seen:
+            return
+    except OSError:
+        pass
+    crc = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            crc = zlib.crc32(block, crc)
+    if crc != want:
+        raise DataError(f"{path}: its CRC-32 is {crc:08x}, not the {want:08x} its meta.json recorded (the file was "
+                        f"changed after the entry was built)")
+    try:
+        stamp.write_text(seen)
+    except OSError:
+        pass  # (a read-only cache: checked again next time)
+
+
 def _open(folder: Path) -> Stream:
     """The stream of a cache entry, its arrays read on demand (nothing is read until a row is taken)."""
     import numpy as np
@@ -177,6 +212,8 @@ def _open(folder: Path) -> Stream:
                 raise DataError(f"{folder / name} holds {got} bytes, not the {want} its meta.json says")
         if meta.get("version") != VERSION:
             raise DataError(f"{folder}: a token cache of format {meta.get('version')}, not {VERSION}")
+        for name in sizes:
+            _check_crc(folder / name, meta["crc32"][name])
 
         return Stream(FileArray(folder / "ids.bin", dtype, n),
                       None if meta["all_trained"] else FileArray(folder / "mask.bin", np.uint8, n),

@@ -17,6 +17,7 @@ is unavailable, ``NAME`` is first renamed to ``.NAME.old``; a crash between the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -32,7 +33,7 @@ from funcpar.parallel import collectives as C
 if TYPE_CHECKING:  # pragma: no cover
     from funcpar.parallel.mesh import Mesh
 
-__all__ = ["write_folder", "swap_into_place", "recover", "agree", "MARKER", "open_own", "refuse_links"]
+__all__ = ["write_folder", "swap_into_place", "recover", "agree", "MARKER", "open_own", "refuse_links", "write_file"]
 
 MARKER = ".funcpar"  # in every folder funcpar writes: what may be replaced without overwrite=True
 _MESSAGE_BYTES = 2048
@@ -54,6 +55,43 @@ def open_own(path: str | os.PathLike, mode: str = "w"):
                           f"links in its run folder; remove it") from None
         raise e
     return os.fdopen(fd, mode)
+
+
+def write_file(path: str | os.PathLike, data: str | bytes | Callable[[Path], None]) -> None:
+    """Replace the file ``path`` whole or not at all, as checkpoints are written: ``data`` (or what ``data(tmp)``
+    writes) goes to ``.NAME.tmp`` beside it, is flushed to disk, and is renamed over ``path``; a full disk or a kill
+    at any point leaves ``path`` as it was (and a stale ``.NAME.tmp`` the next write replaces). The rename makes a
+    new file: a hard link to the old one (a snapshot of the folder) keeps the old contents, and a symbolic link at
+    ``path`` is replaced, never written through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        if callable(data):
+            data(tmp)
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        else:
+            raw = data.encode() if isinstance(data, str) else data
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # (the rename itself on disk: the folder's entry)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def refuse_links(folder: Path, names) -> None:
@@ -204,6 +242,33 @@ def _attempt(fn: Callable[[], None], error: BaseException | None) -> BaseExcepti
     return None
 
 
+LOCK_WAIT = float(os.environ.get("FUNCPAR_SAVE_LOCK_WAIT", "600"))  # seconds a save waits for another's
+
+
+def lock_folder(folder: Path, error: type[Exception] = RuntimeError, wait: float | None = None) -> int:
+    """An exclusive lock (``flock`` on the folder itself) that every funcpar write into ``folder`` holds from its
+    temporary folder to its rename and ``latest``: two processes saving into one folder (two jobs through the API)
+    take turns instead of writing one temporary folder together. Waits up to ``wait`` seconds (default
+    :data:`LOCK_WAIT`, ``FUNCPAR_SAVE_LOCK_WAIT``) for a write in progress, then raises ``error`` naming the folder.
+    Returns the descriptor to close."""
+    import fcntl
+    import time
+
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    end = time.monotonic() + (LOCK_WAIT if wait is None else wait)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= end:
+                os.close(fd)
+                raise error(f"{folder}: another process has been writing into it for "
+                            f"{LOCK_WAIT if wait is None else wait:g} s (a save or an export of another job); "
+                            f"nothing was written: save elsewhere, or once that process is done") from None
+            time.sleep(0.05)
+
+
 def write_folder(
     path: str | os.PathLike,
     mesh: "Mesh",
@@ -225,9 +290,11 @@ def write_folder(
     """
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
-    rank0, made = mesh.rank == 0, []
+    rank0, made, held = mesh.rank == 0, [], []
 
     def make_tmp():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        held.append(lock_folder(path.parent, error))
         check_owned(recover(path), overwrite, error, kind, owner)
         made.append(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -244,6 +311,8 @@ def write_folder(
             err = _attempt(lambda: swap_into_place(tmp, path), err)
             err = _attempt(lambda: (publish or (lambda p: None))(path), err)
     message = agree(err, mesh)
+    for fd in held:
+        os.close(fd)  # (the folder's lock: released with its descriptor)
     if message is None:
         return
     if made:
