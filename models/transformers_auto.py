@@ -16,8 +16,9 @@ What it is
       plan's boundaries (each planned module's ``forward`` replaced once, as transformers' own tensor parallelism
       does, reading the mesh of the call in progress), then the LM head and the cross-entropy through funcpar's
       vocab-parallel fused head loss on the module's last hidden states (the logits never gathered), with the
-      head's scalings transformers applies (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma's
-      ``final_logit_softcapping``).
+      head's scalings transformers applies (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Inkling's
+      ``logits_mup_width_multiplier``, Gemma's ``final_logit_softcapping``); an LM head with a forward of its own
+      (Dory's per-token logit scale) runs as the plain head its forward on the identity gives.
 
     The input embedding and the LM head are always vocab-parallel over tp (exact whatever the plan says of them:
     each id's row is on one rank). The staged form (pipelines, ZeRO-3, remat) runs the base model's forward with
@@ -33,7 +34,8 @@ Why
 What it refuses, by name and before step 1
     A tp plan style not in :data:`STYLES`; a size tp does not divide; dropout (funcpar's steps are deterministic); an
     LM head with a bias; sequence and context parallelism and packed documents; a model whose staged form the config
-    does not describe (no ``base_model_pp_plan``) at ``zero=3`` or on pipeline stages. :func:`probe` holds the path
+    does not describe (no ``base_model_pp_plan``, or no list of decoder layers where it says: HRM's stacks run in
+    cycles, which runs whole) at ``zero=3`` or on pipeline stages. :func:`probe` holds the path
     to transformers' own loss and gradients on a small copy of the config before a run starts (``funcpar train``
     runs it), so a model whose forward does something this path does not know is refused rather than trained wrong.
 """
@@ -76,10 +78,12 @@ STYLES = COLUMN | ROW | {
     "mla_kv_a_proj",  # latent attention's rotary key, used on this rank's heads: its gradient summed
     "local_params",  # a module whose bare parameters are split by their own entries (functional_call gives it them)
     "all_reduce",  # a module whose output is partial: summed over tp
+    "packed_rowwise",  # a fused gate|up stack stored transposed: each half split along its last dim (the outputs)
+    "moe_identity_expert",  # an identity expert inside a tp-split expert layer: counted on one rank of the sum
 }
+# module styles whose bare parameters may carry entries of their own (split inside the module, which runs on them)
+LOCAL = {"moe_tp_experts", "local_params", "all_reduce"}
 _WHY = {
-    "packed_rowwise": "fused weights split per half along their last dimension",
-    "moe_identity_expert": "identity experts inside a tp-split expert layer",
     "sequence_parallel": "sequence-parallel norms",
 }
 
@@ -221,7 +225,7 @@ def _install_rowwise(module, split: bool) -> None:
 
 def _install_embedding(module) -> None:
     """The input embedding, vocab-parallel: each rank looks up the ids it holds with the module's own forward (its
-    scaling, its padding row shifted to this rank's rows), zeros elsewhere, summed over tp."""
+    scaling, a norm of its own, its padding row shifted to this rank's rows), zeros elsewhere, summed over tp."""
     own = module.forward
 
     def forward(ids):
@@ -288,9 +292,11 @@ class Built:
     styles: dict  # root param name -> (style, "weight" | "bias" | "param"): how its spec splits it
     grad_allreduce: set  # root param names whose gradients are summed over tp
     planned: set  # root module names the tp plan names
-    packed: set  # root param names of fused halves (gate and up): two leaves ":0" and ":1", each split over tp
-    staged: bool  # the config has a pp plan: the staged form is known
+    packed: dict  # root param name of fused halves (gate and up) -> whether along its last dim: two leaves (":0",
+    # ":1" along the rows; ":0r", ":1r" along the last dim), each split over tp
+    staged: bool  # the config has a pp plan and the base model the list of layers it names: the staged form is known
     refusals: list  # (style, module) pairs the plan uses that this path does not run
+    head_forward: bool  # the LM head has a forward of its own (Dory's per-token logit scale): see _head_affine
 
     def root_params(self, params, mesh) -> dict:
         """The tree as ``{root name: tensor}`` for functional_call of the base model (names relative to it)."""
@@ -381,6 +387,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     scale, a position bias) is transformers' sdpa function, as before."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    attention_mask = _heads_of_rank(attention_mask, query.shape[1])
     t, d = query.shape[2], query.shape[-1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     plain = (attention_mask is None and not dropout and causal and t > 1 and key.shape[2] == t
@@ -391,6 +398,22 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     return fp.attention.causal(query, key, value).transpose(1, 2), None  # (B, T, H, D), as sdpa's
+
+
+def _heads_of_rank(mask, heads: int):
+    """An attention mask with a slice per head of the whole model (Doge's dynamic mask, from its ``dt_proj``, a
+    rowwise projection: the same on every rank) where the query holds this rank's ``heads`` of them: this rank's
+    block of heads (q's colwise split gives each rank a contiguous block), its gradient summed over tp (each rank's
+    covers its heads)."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[1] in (1, heads):
+        return mask
+    mesh = _call().mesh
+    tp = mesh.axis_size("tp")
+    if tp == 1 or mask.shape[1] != heads * tp:
+        return mask
+    if mask.requires_grad:
+        mask = C.copy_to_region(mask, mesh, "tp")
+    return mask.narrow(1, mesh.coord("tp") * heads, heads)
 
 
 def _source(fn) -> str | None:
@@ -444,11 +467,12 @@ def _install_swiglu(module) -> None:
 
 def _use_funcpar_attention(module) -> None:
     """Where the model attends through transformers' sdpa function, attend through :func:`_attention` (registered
-    as ``"funcpar"``, its masks sdpa's); a model on eager attention (soft-capping) keeps it."""
+    as ``"funcpar"``, its masks sdpa's); a model on eager attention (soft-capping) keeps it, and so does one whose
+    code reads the implementation's name (:func:`_reads_attention_name`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if getattr(module.config, "_attn_implementation", None) != "sdpa":
+    if getattr(module.config, "_attn_implementation", None) != "sdpa" or _reads_attention_name(module):
         return
     AttentionInterface.register("funcpar", _attention)
     AttentionMaskInterface.register("funcpar", sdpa_mask)
@@ -456,6 +480,28 @@ def _use_funcpar_attention(module) -> None:
         c = getattr(m, "config", None)
         if c is not None and getattr(c, "_attn_implementation", None) == "sdpa":
             c._attn_implementation = "funcpar"
+
+
+_NAMES_SDPA = re.compile(r"""_attn_implementation[^\n]*["']sdpa["']|["']sdpa["'][^\n]*_attn_implementation""")
+
+
+def _reads_attention_name(module) -> bool:
+    """Whether a module of the model comes from a file whose code compares ``_attn_implementation`` with
+    ``"sdpa"``: under another name it would take another branch (DeepSeek-V3.2's sparse indexer mask is applied
+    only ``if _attn_implementation in ("eager", "sdpa")``)."""
+    files = {type(m).__module__ for m in module.modules()}
+    return any(_NAMES_SDPA.search(_module_source(f)) for f in files)
+
+
+@functools.cache
+def _module_source(name: str) -> str:
+    import inspect
+    import sys
+
+    try:
+        return inspect.getsource(sys.modules[name])
+    except (KeyError, OSError, TypeError):
+        return ""
 
 
 def _build(cfg: Config) -> Built:
@@ -475,8 +521,9 @@ def _build(cfg: Config) -> Built:
         raise GenericError(f"model_type '{mt}': its causal LM has no base model under '{prefix}'")
     pp_plan = getattr(hc, "base_model_pp_plan", None) or {}
     layers = _names(mt)[1]
-    if not isinstance(getattr(base, layers, None), torch.nn.ModuleList):
-        raise GenericError(f"model_type '{mt}': no list of decoder layers '{layers}' in its base model")
+    stack = getattr(base, layers, None)
+    if not isinstance(stack, torch.nn.ModuleList):  # (HRM's two stacks, run in cycles): run whole, never staged
+        stack, pp_plan = [], {}
     emb = module.get_input_embeddings()
     head = module.get_output_embeddings()
     names = {id(m): n for n, m in module.named_modules()}
@@ -485,7 +532,7 @@ def _build(cfg: Config) -> Built:
         raise GenericError(f"model_type '{mt}': its LM head is not a linear layer")
     tied = head.weight is emb.weight
     children = [n for n, _ in base.named_children()]
-    after = set(children[children.index(layers) + 1:])
+    after = set(children[children.index(layers) + 1:]) if stack else set()
     groups = {}
     pre = f"{prefix}.{layers}."
     for n, _ in module.named_parameters():
@@ -500,8 +547,8 @@ def _build(cfg: Config) -> Built:
             groups[n] = ("embed", n)
         else:
             groups[n] = ("head", n)
-    b = Built(cfg, module, base, prefix + ".", layers, len(getattr(base, layers)), embed_module, head_module, tied,
-              groups, {}, set(), set(), set(), bool(pp_plan), [])
+    b = Built(cfg, module, base, prefix + ".", layers, len(stack), embed_module, head_module, tied,
+              groups, {}, set(), set(), {}, bool(pp_plan), [], type(head).forward is not torch.nn.Linear.forward)
     _install(b, hc)
     return b
 
@@ -512,48 +559,63 @@ def _install(b: Built, hc) -> None:
     plan = dict(getattr(hc, "base_model_tp_plan", None) or {})
     rules = [(_plan_regex(b.prefix + k), style) for k, style in plan.items()]
     modules, params = dict(b.module.named_modules()), dict(b.module.named_parameters())
-    experts = set()
+    local = {}  # module name -> its style, for those whose bare parameters may have entries (LOCAL)
     for name, m in modules.items():
         if name == b.embed_module:
             _install_embedding(m)
+            # the embedding's other parameters (Inkling's norm of the rows) see this rank's ids only: summed over tp
+            b.grad_allreduce.update(f"{name}.{p}" for p, _ in m.named_parameters() if p != "weight")
             continue
         style = next((s for rx, s in rules if rx.match(name)), None)
         if style is None or name == b.head_module:
             continue
         b.planned.add(name)
-        if _install_module(b, name, m, style, hc):
-            experts.add(name)
+        _install_module(b, name, m, style, hc)
+        if style in LOCAL:
+            local[name] = style
         for p, _ in m.named_parameters(recurse=False):
             b.styles.setdefault(f"{name}.{p}", (style, "bias" if p == "bias" else "weight"))
     for name, m in modules.items():  # every Linear computes with what stands for its weight in the call
         m.funcpar_name = name
         if name not in b.planned and type(m) is torch.nn.Linear and name != b.head_module:
             _install_linear(m)
+    split = set()
     for name in params:  # plan entries naming a parameter: an expert stack's weights, split inside its owner
         style = next((s for rx, s in rules if rx.match(name)), None)
         if style is None:
             continue
-        owner = name.rpartition(".")[0]
-        if owner not in experts or style not in COLUMN | ROW:
+        owner, _, leaf = name.rpartition(".")
+        if owner not in local or style not in COLUMN | ROW | {"packed_rowwise"}:
             b.refusals.append((style, name))
             continue
+        if style == "colwise" and _fused_gate_up(modules[owner], leaf):
+            style = "packed_colwise"
         b.styles[name] = (style, "param")
-        if style == "packed_colwise":
-            b.packed.add(name)
-    for i, layer in enumerate(getattr(b.base, b.layers)):
+        split.add(owner)
+        if style == "packed_colwise" or (style == "packed_rowwise" and params[name].ndim > 1):
+            b.packed[name] = style == "packed_rowwise"
+    for name, style in local.items():  # a summed module computing on split parameters of its own: its inputs too
+        if style == "all_reduce" and name in split:
+            _install_sum(modules[name], copy_inputs=True)
+    for i, layer in enumerate(getattr(b.base, b.layers) if b.n_layers else []):
         _install_layer(layer, i)
+    if b.head_forward:  # a head parameter not split with the vocabulary works on this rank's rows: summed over tp
+        head = modules[b.head_module]
+        b.grad_allreduce.update(f"{b.head_module}.{p}" for p, t in head.named_parameters()
+                                if not _vocab_rows(head, t))
 
 
-def _install_module(b: Built, name: str, m, style: str, hc) -> bool:
-    """Install ``style`` on module ``name``; whether it is an expert layer (whose parameters have entries)."""
+def _install_module(b: Built, name: str, m, style: str, hc) -> None:
+    """Install ``style`` on module ``name`` (a ``local_params`` module runs as it is: its parameters' own entries
+    split them, functional_call gives it the local tensors)."""
     mt = b.cfg.model_type
-    if style not in STYLES:
+    if style not in STYLES or style == "packed_rowwise":  # (packed_rowwise names parameters, not modules)
         b.refusals.append((style, name))
     elif style in COLUMN:
         _linear_only(m, name, style, mt)
         _install_colwise(m, gather=style in ("colwise_gather_output", "colwise_rep"))
         if style == "packed_colwise":
-            b.packed.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+            b.packed.update({f"{name}.{p}": False for p, _ in m.named_parameters(recurse=False)})
     elif style in ROW:
         _linear_only(m, name, style, mt)
         _install_rowwise(m, split=style != "rowwise")
@@ -561,18 +623,25 @@ def _install_module(b: Built, name: str, m, style: str, hc) -> bool:
         b.grad_allreduce.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
     elif style == "moe_tp_experts":
         _install_experts(m)
-        return True
-    elif style == "local_params":
-        return True  # (its parameters' own entries split them; its forward runs on the local tensors it is given)
     elif style == "all_reduce":
         _install_sum(m)
+    elif style == "moe_identity_expert":
+        _install_identity_expert(m)
     elif style == "mla_kv_a_proj":
         text = hc.get_text_config() if hasattr(hc, "get_text_config") else hc
         _install_mla(m, text.qk_rope_head_dim)
     elif style.startswith("embedding"):
         raise GenericError(f"model_type '{mt}': tp plan style '{style}' on '{name}', which is not the input "
                            f"embedding")
-    return False
+
+
+def _fused_gate_up(module, leaf: str) -> bool:
+    """Whether ``leaf`` of an expert layer is its gate and up stacked one after the other along the output rows
+    (transformers' experts interface marks such layers ``has_gate`` and ``is_concatenated``): a plain ``colwise``
+    entry on it is then split per half (Inkling's plans say ``colwise`` of a checkpoint tensor stored interleaved,
+    which transformers' loader cuts before de-interleaving it: per half in memory)."""
+    return (leaf == "gate_up_proj" and getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
+            and not getattr(module, "is_transposed", False))
 
 
 def _install_experts(module) -> None:
@@ -594,13 +663,39 @@ def _install_experts(module) -> None:
     module.forward = forward
 
 
-def _install_sum(module) -> None:
-    """A module whose output is this rank's part of a sum (``all_reduce``): summed over tp."""
-    own = module.forward
+def _install_sum(module, copy_inputs: bool = False) -> None:
+    """A module whose output is this rank's part of a sum (``all_reduce``): summed over tp. ``copy_inputs``: the
+    module computes on split parameters of its own (Inkling's shared experts), so each rank's gradient of its
+    floating inputs is partial: they enter through ``copy_to_region``."""
+    own = getattr(module, "funcpar_own_forward", module.forward)
+    module.funcpar_own_forward = own
 
     def forward(*args, **kwargs):
+        mesh = _call().mesh
+        if copy_inputs and mesh.axis_size("tp") > 1:
+            args = tuple(_copied(a) for a in args)
+            kwargs = {k: _copied(v) for k, v in kwargs.items()}
         out = own(*args, **kwargs)
-        return None if out is None else C.reduce_from_region(out, _call().mesh, "tp")
+        return None if out is None else C.reduce_from_region(out, mesh, "tp")
+    module.forward = forward
+
+
+def _copied(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return _call().copy(x)
+    return x
+
+
+def _install_identity_expert(module) -> None:
+    """An identity expert inside an expert layer whose output is summed over tp (``moe_identity_expert``): its
+    output counted on tp rank 0 only, zeros elsewhere, so the sum holds it once (transformers divides its input by
+    tp instead; this is exact for any tp)."""
+    own = module.forward
+
+    def forward(x, *args, **kwargs):
+        mesh = _call().mesh
+        out = own(x, *args, **kwargs)
+        return out if mesh.axis_size("tp") == 1 or mesh.coord("tp") == 0 else torch.zeros_like(out)
     module.forward = forward
 
 
@@ -619,19 +714,26 @@ def _install_mla(module, rope_dim: int) -> None:
     module.forward = forward
 
 
-def _packed_dim(ndim: int) -> int:
+_HALVES = {False: (":0", ":1"), True: (":0r", ":1r")}  # a fused pair's leaves: along the rows | the last dim
+
+
+def _packed_dim(ndim: int, last: bool = False) -> int:
+    if last:
+        return ndim - 1  # (packed_rowwise: a transposed expert stack's output columns)
     return max(0, ndim - 2)  # a weight's rows, a bias's only dim, an expert stack's rows
 
 
 def join_packed(named: dict) -> dict:
-    """``{name: tensor}`` with each fused pair of halves (``name:0``, ``name:1``) joined back into ``name``."""
+    """``{name: tensor}`` with each fused pair of halves (``name:0``, ``name:1``; ``name:0r``, ``name:1r``)
+    joined back into ``name``."""
     out = {}
     for k, v in named.items():
-        if k.endswith(":1"):
+        last = k.endswith(":0r")
+        if k.endswith((":1", ":1r")):
             continue
-        if k.endswith(":0"):
-            w = named[k[:-2] + ":1"]
-            out[k[:-2]] = torch.cat([v, w], dim=_packed_dim(v.ndim))
+        if k.endswith((":0", ":0r")):
+            base = k[: -len(_HALVES[last][0])]
+            out[base] = torch.cat([v, named[base + _HALVES[last][1]]], dim=_packed_dim(v.ndim, last))
         else:
             out[k] = v
     return out
@@ -676,7 +778,7 @@ def _tree(b: Built, named: dict) -> dict:
         group, key = b.groups[n]
         parts = None
         if n in b.packed:  # a fused gate/up: its halves, each split over tp (a strided shard of the fused one)
-            parts = list(zip((":0", ":1"), _halves(t), strict=True))
+            parts = list(zip(_HALVES[b.packed[n]], _halves(t, b.packed[n]), strict=True))
         for suffix, x in parts or [("", t)]:
             if group == "layers":
                 out["layers"][key[0]][key[1] + suffix] = x
@@ -685,9 +787,9 @@ def _tree(b: Built, named: dict) -> dict:
     return {k: v for k, v in out.items() if v or k == "layers"}
 
 
-def _halves(t):
+def _halves(t, last: bool = False):
     if isinstance(t, torch.Tensor):
-        return t.chunk(2, dim=_packed_dim(t.ndim))
+        return t.chunk(2, dim=_packed_dim(t.ndim, last))
     return (t, t)  # (a spec: both halves alike)
 
 
@@ -701,11 +803,14 @@ def specs(cfg: Config, mesh=None):
 
 def _spec_of(b: Built, n: str, p) -> Any:
     """The ``P`` of parameter ``n`` (a transformers name) of shape ``p.shape``."""
-    if n.startswith(b.embed_module + ".") or (b.head_module and n.startswith(b.head_module + ".")):
-        return fp.P("tp", None) if p.ndim == 2 else fp.P("tp") if n == f"{b.head_module}.bias" else fp.P()
+    if n.startswith(b.embed_module + "."):
+        return fp.P("tp", None) if p.ndim == 2 else fp.P()
+    if b.head_module and n.startswith(b.head_module + "."):  # (the weight, a bias, a per-token scale: by vocab rows)
+        head = b.module.get_submodule(b.head_module)
+        return fp.P("tp", *[None] * (p.ndim - 1)) if _vocab_rows(head, p) else fp.P()
     style, role = b.styles.get(n, (None, None))
     dim = (_packed_dim(p.ndim) if style in COLUMN else
-           p.ndim - 1 if style in ROW and role != "bias" else None)
+           p.ndim - 1 if (style in ROW and role != "bias") or (style == "packed_rowwise" and p.ndim > 1) else None)
     return fp.P(*("tp" if d == dim else None for d in range(p.ndim))) if dim is not None else fp.P()
 
 
@@ -715,6 +820,10 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
     b = built(cfg)
     mt, tp = cfg.model_type, mesh.axis_size("tp")
     staged = staged or mesh.axis_size("pp") > 1
+    if staged and not b.n_layers:
+        raise GenericError(f"model_type '{mt}': no list of decoder layers '{b.layers}' in its base model, which "
+                           f"pipeline stages, ZeRO-3 and remat run one at a time: they are refused (tp and dp run the "
+                           f"model whole)")
     if tp > 1 and isinstance(mesh, fp.Mesh):
         probe_mesh(cfg, mesh)
     try:  # (the forward, and the staged form where the run needs it, against transformers' own: once per config)
@@ -761,6 +870,11 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
 # -------------------------------------------------------------------------------------------- the loss
 
 
+def _vocab_rows(head, p) -> bool:
+    """Whether LM head parameter ``p`` has a row per token of the vocabulary (split with the weight's rows)."""
+    return p.ndim >= 1 and p.shape[0] == head.weight.shape[0]
+
+
 def _head_weight(b: Built, params):
     if b.tied:
         return params["embed_tokens"][b.embed_module + ".weight"]
@@ -772,15 +886,41 @@ def _head_bias(b: Built, params):
     return (params.get("head") or {}).get(b.head_module + ".bias")
 
 
+def _head_affine(b: Built, params, mesh):
+    """The LM head as ``(weight, bias)`` of this rank's vocab block. A head with a forward of its own (Dory's
+    per-token logit scale) is taken to be affine in the states, as the probe checks: its weight is its forward on
+    the identity (less its value at 0, the bias, where it has a bias), each row exact, so the fused head loss
+    runs it as a plain head."""
+    weight, bias = _head_weight(b, params), _head_bias(b, params)
+    if not b.head_forward:
+        return weight, bias
+    pre, tp = b.head_module + ".", mesh.axis_size("tp") > 1
+    own = {k[len(pre):]: (C.copy_to_region(v, mesh, "tp") if tp and k in b.grad_allreduce else v)
+           for k, v in (params.get("head") or {}).items() if k.startswith(pre)}
+    own["weight"] = weight
+    head = b.module.get_submodule(b.head_module)
+
+    def run(x):
+        return torch.func.functional_call(head, own, (x,), strict=False)
+    eye = torch.eye(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    if bias is None:
+        return run(eye).t().to(weight.dtype), None
+    at0 = run(torch.zeros_like(eye[:1]))
+    return (run(eye) - at0).t().to(weight.dtype), at0[0].to(weight.dtype)
+
+
 def _scaled(x, cfg: Config):
     """The hidden states as the head's logits need them: Cohere's ``logit_scale`` and Granite's ``logits_scaling``
-    are scalings of the logits, applied to the states (the same product)."""
+    are scalings of the logits, applied to the states (the same product); Inkling's ``logits_mup_width_multiplier``
+    divides the states before its head. (Config keys the causal LMs' own forwards read, between the base model
+    and the head: the loss runs the base model only.)"""
     scale = getattr(cfg.hf_config, "logit_scale", None)
     if isinstance(scale, (int, float)) and scale != 1:
         x = x * scale
-    div = getattr(cfg.hf_config, "logits_scaling", None)
-    if isinstance(div, (int, float)) and div != 1:
-        x = x / div
+    for key in ("logits_scaling", "logits_mup_width_multiplier"):
+        div = getattr(cfg.hf_config, key, None)
+        if isinstance(div, (int, float)) and div != 1:
+            x = x / div
     return x
 
 
@@ -791,9 +931,8 @@ def _softcap(cfg: Config):
 
 def _head(params, x, batch, cfg, mesh, reduction: str = "mean"):
     """The LM head's loss on the last hidden states: funcpar's vocab-parallel fused head (logits never held)."""
-    b = built(cfg)
-    return D.head_loss(_scaled(x, cfg), _head_weight(b, params), batch, cfg, mesh, reduction, softcap=_softcap(cfg),
-                       bias=_head_bias(b, params))
+    weight, bias = _head_affine(built(cfg), params, mesh)
+    return D.head_loss(_scaled(x, cfg), weight, batch, cfg, mesh, reduction, softcap=_softcap(cfg), bias=bias)
 
 
 def _embed(params, batch, cfg, mesh):
@@ -828,7 +967,7 @@ def forward(params, tokens, cfg, mesh):
     """This rank's vocab block of the logits, (B, T, V/tp), with the head's scalings and soft-capping."""
     b = built(cfg)
     h = _scaled(b.base_forward(params, mesh, input_ids=tokens), cfg)
-    logits = F.linear(C.copy_to_region(h, mesh, "tp"), _head_weight(b, params), _head_bias(b, params))
+    logits = F.linear(C.copy_to_region(h, mesh, "tp"), *_head_affine(b, params, mesh))
     cap = _softcap(cfg)
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -1109,8 +1248,10 @@ def spec_for(model_type: str) -> fp.ModelSpec:
                                    ("layers.{i}.{*}.experts.gate_up_proj:1", pre + "{*}.experts.{j}.up_proj.weight"),
                                    ("layers.{i}.{*}.experts.down_proj", pre + "{*}.experts.{j}.down_proj.weight"),
                                    *rest], ignored_if_tied=tied)
-    hf = fp.HFNames(table=[("layers.{i}.{*}:0", pre + "{*}"), ("layers.{i}.{*}:1", pre + "{*}"), *rest],
-                    splits={"layers.{i}.{*}:0": (-2, 0, 2), "layers.{i}.{*}:1": (-2, 1, 2)},
+    hf = fp.HFNames(table=[("layers.{i}.{*}:0", pre + "{*}"), ("layers.{i}.{*}:1", pre + "{*}"),
+                           ("layers.{i}.{*}:0r", pre + "{*}"), ("layers.{i}.{*}:1r", pre + "{*}"), *rest],
+                    splits={"layers.{i}.{*}:0": (-2, 0, 2), "layers.{i}.{*}:1": (-2, 1, 2),
+                            "layers.{i}.{*}:0r": (-1, 0, 2), "layers.{i}.{*}:1r": (-1, 1, 2)},
                     ignored_if_tied=tied, alternates=[per_expert])
     spec = fp.ModelSpec(name=f"{model_type} (transformers)", init=init, specs=specs, forward=forward, loss=loss,
                         Config=Config, model_types=(model_type,), hf=hf, config_types={"model_type": (str,)},

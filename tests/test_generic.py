@@ -38,6 +38,15 @@ def test_more_of_what_the_path_does(model_type):
     assert g.check(model_type, ["tp=2"]) == {"tp=2": "exact"}
 
 
+@pytest.mark.parametrize("model_type", ["aria_text", "doge", "inkling_text", "dory"])
+def test_plans_that_need_more_than_their_styles_say(model_type):
+    """Experts stored transposed, their fused gate|up split per half along the last dimension (`packed_rowwise`:
+    Aria); a dynamic mask computed for every head, cut to each rank's heads (Doge); a fused gate|up the plan calls
+    `colwise`, split per half, shared experts summed over tp, an embedding norm and a muP head scale (Inkling); an
+    LM head with a learned per-token scale, run as an equivalent plain weight (Dory)."""
+    assert g.check(model_type, ["tp=2"]) == {"tp=2": "exact"}
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "phi3", "deepseek_v3"])
 def test_exact_at_zero3_and_on_pipeline_stages(model_type):
     meshes = ["tp=2 x dp=2 zero3", "pp=2 x tp=2"]
@@ -177,13 +186,18 @@ def test_refusals_name_the_model_and_the_reason():
 
 
 def test_refused_style_at_tp2():
-    """A tp plan style the generic path does not run yet is named with the module it is on."""
-    hf = g.tiny_config("aria_text")
-    spec = fp.get_model("aria_text")
+    """A tp plan style the generic path does not run is named with the module it is on (every style transformers
+    5.24's causal LMs use runs now: a plan naming sequence-parallel norms stands for the next one it adds)."""
+    from transformers import CONFIG_MAPPING
+
+    hf = g.tiny_config("qwen3")
+    plan = dict(CONFIG_MAPPING["qwen3"]().base_model_tp_plan)
+    hf["base_model_tp_plan"] = {**plan, "layers.*.post_attention_layernorm": "sequence_parallel"}
+    spec = fp.get_model("qwen3", generic=True)
     cfg = spec.config(hf)
-    if not G.built(cfg).refusals:
-        pytest.fail("aria_text's plan is run whole now: pick another type with a style the path refuses")
-    with pytest.raises(fp.ModelError, match="tp plan style"):
+    assert G.built(cfg).refusals[0] == ("sequence_parallel", "model.layers.0.post_attention_layernorm")
+    with pytest.raises(fp.ModelError, match=r"tp plan style 'sequence_parallel' \(model.layers.0.post_attention_"
+                                            r"layernorm\): sequence-parallel norms; the generic path does not split"):
         spec.loss_fn(cfg, fp.Mesh.abstract(tp=2))
     spec.loss_fn(cfg, fp.Mesh.abstract(dp=2))  # (tp=1: nothing to split, nothing refused)
 
