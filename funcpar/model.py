@@ -38,6 +38,9 @@ inside a model module; everything it needs is named here:
                    refusals)
 ``documents``      capability: a batch's ``position_ids`` mark packed samples, each attending only to itself at
                    its own positions (:mod:`funcpar.nn.documents`; ``mesh.documents`` in the layers)
+``frozen``         optional, ``frozen(cfg) -> tree of bool`` (or ``None``): the leaves the model's forward never
+                   gives a gradient (a module run under ``torch.no_grad``); ``compile_step`` leaves them alone, as
+                   torch's optimizers skip a parameter whose ``grad`` is ``None`` (no update, no weight decay)
 =================  =====================================================================================
 
 A model module builds one ``ModelSpec`` and calls :func:`register_model` on it. The built-in models are registered
@@ -182,6 +185,7 @@ class ModelSpec:
     context_parallel: bool = False
     documents: bool = False
     check_run: Callable | None = None
+    frozen: Callable | None = None
 
     def __post_init__(self):
         if isinstance(self.model_types, str):
@@ -258,7 +262,8 @@ class ModelSpec:
         kw = {"remat": True} if remat else {}
         check = self.batch_checks(cfg)
         return Loss(fn=functools.partial(self.loss, cfg=cfg, mesh=mesh, **kw), model=self, cfg=cfg, mesh=mesh,
-                    remat=remat, batch_weight=weight, check_batch=check)
+                    remat=remat, batch_weight=weight, check_batch=check,
+                    frozen=self.frozen(cfg) if self.frozen is not None else None)
 
 
 # The JSON types of the config.json keys transformers' decoders share, as transformers writes them: the models built
@@ -314,7 +319,9 @@ class Loss:
     (default the model's). ``remat``: it recomputes each block in the backward pass. ``batch_weight``:
     ``weight(micro_batch) -> number``, a micro-batch's weight in the step's mean (``None``: rows). ``check_batch``:
     ``check(batch) -> [messages]``, what is wrong with a batch, run by the step on every batch (``None``: nothing
-    checked).
+    checked). ``frozen``: a tree of bool over the parameters, True where the loss never gives a gradient (the
+    step leaves those leaves alone, as torch's optimizers skip a parameter whose ``grad`` is ``None``; ``None``:
+    every leaf trains).
 
     A model of one's own needs no :class:`ModelSpec` and no registry: ``fp.Loss(stages=fp.Stages(...), init=init,
     mesh=mesh)`` (``cfg=`` where its functions take one) is a loss for every mode, ``zero=3`` and pipeline stages
@@ -331,6 +338,7 @@ class Loss:
     stages: Stages | None = None
     init: Callable | None = None
     name: str | None = None
+    frozen: Any = None
 
     def __post_init__(self):
         if self.model is not None:  # what the model has and the loss does not say

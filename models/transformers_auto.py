@@ -989,59 +989,121 @@ SMALL = dict(
     sliding_window_size=8, unpadded_vocab_size=128, ffn_hidden_size=96, expert_ffn_hidden_size=32, zero_expert_num=2,
     keep_window_size=8, mamba_n_heads=4, mamba_d_head=32, mamba_expand=2, mamba_d_state=16, mamba_n_groups=1,
     mamba_chunk_size=16, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+    # (mamba_d_ssm: mamba_n_heads x mamba_d_head, as Falcon-H1's validator checks)
+    mamba_d_ssm=128, num_dense_layers=1, hc_lowrank=32, intermediate_size_mlp=96,
+    # a sparse-attention indexer whose type's default leaves it unset (None) though its layers build one (Qwen4-Exp)
+    indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
 )
+
+# what a type's default config lacks but its modeling reads (its checkpoints carry it): filled in where unset, for
+# the few types no general rule can derive it for
+MISSING = {
+    # no rope at all (its default has no rope_theta), read per layer kind
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # layer_types None, indexed by every layer: LFM2's convolution layers between attention ones
+    "lfm2_moe": {"layer_types": lambda full: ["conv", "full_attention"] * (full["num_hidden_layers"] // 2)
+                 + ["conv"] * (full["num_hidden_layers"] % 2)},
+    # DbrxAttention reads attn_config.rope_theta (stored, unused), a field DbrxAttentionConfig does not have, and
+    # clamps by clip_qkv, which fails at its default None (DBRX's checkpoints clip at 8)
+    "dbrx.attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0},
+}
 
 
 def small_config(hf: dict) -> dict:
     """A small copy of a ``config.json`` dict: its flags kept, its sizes those of :data:`SMALL` where its type has
-    the keys, per-layer lists cut to the layer count, dropout off."""
+    the keys, per-layer lists cut to the layer count, dropout off; its sub-configs (a multimodal model's
+    ``text_config``, ...) shrunk alike, so that the causal LM inside is small too."""
     from transformers import CONFIG_MAPPING
 
     mt = hf["model_type"]
     cls = CONFIG_MAPPING[mt]
-    full = {**cls().to_dict(), **{k: v for k, v in hf.items() if k != "architectures"}}
-    keys = set(full) | set(getattr(cls, "attribute_map", {}))
+    d = _shrunk(cls, {k: v for k, v in hf.items() if k != "architectures"}, mt)
+    out = cls.from_dict({k: v for k, v in d.items() if k != "model_type"}).to_dict()  # (as a config.json is read)
+    out["model_type"] = mt
+    return out
+
+
+def _shrunk(cls, hf: dict, name: str) -> dict:
+    """The small form of ``hf`` (a dict of config class ``cls``, ``name`` its type or ``type.sub_config_key``) as
+    the dict :func:`small_config` builds it from, sub-configs included."""
+    from transformers import CONFIG_MAPPING, PreTrainedConfig
+
+    full = {**cls().to_dict(), **hf}
+    for k, v in MISSING.get(name, {}).items():
+        if not full.get(k):
+            full[k] = v(full) if callable(v) else v
+    amap = getattr(cls, "attribute_map", {}) or {}
+    keys = set(full) | set(amap)
     over = {k: v for k, v in SMALL.items() if k in keys}
     if full.get("num_key_value_heads") == full.get("num_attention_heads") and "num_key_value_heads" in over:
         over["num_key_value_heads"] = over["num_attention_heads"]  # (a type without GQA stays without)
-    if "qk_rope_head_dim" in keys:  # (latent attention: its head_dim is the rotary part's)
-        over["head_dim"] = over["qk_rope_head_dim"]
+    if "qk_rope_head_dim" in keys and (full.get("head_dim") in (None, full.get("qk_rope_head_dim"))
+                                       or not full.get("qk_nope_head_dim")):
+        over["head_dim"] = over["qk_rope_head_dim"]  # (latent attention whose head_dim is the rotary part's; a
+        # head_dim of another size stays SMALL's, the two parts' sum: Dots3's sliding layers check that)
     if {"n_input_layers", "n_recurrent_layers", "n_output_layers"} <= keys:  # (a looped model: one of each; Dory
         over.update(n_input_layers=2, n_recurrent_layers=2, n_output_layers=2, num_hidden_layers=6)  # writes 2x)
-    over.update(_per_layer(full, over.get("num_hidden_layers", 2)))
+    over.update(_per_layer(full, over.get("num_hidden_layers", 2), over))
     over.update({k: 0.0 for k, v in full.items() if ("dropout" in k or "jitter" in k) and isinstance(v, float)})
-    d = {k: v for k, v in full.items() if k != "model_type"}
-    out = cls.from_dict({**d, **over}).to_dict()  # (as a config.json is read: to_dict's own form)
-    out["model_type"] = mt
-    return out
+    # (an alias as the name to_dict writes: where both were given, the field's value would win over the alias's)
+    over = {**{k: v for k, v in over.items() if k not in amap}, **{amap[k]: v for k, v in over.items() if k in amap}}
+    for key, sub_cls in cls.sub_configs.items():  # (a sub-config left None stays None: the type's default)
+        if isinstance(full.get(key), dict):
+            if not (isinstance(sub_cls, type) and issubclass(sub_cls, PreTrainedConfig)):  # (AutoConfig)
+                sub_cls = CONFIG_MAPPING[full[key]["model_type"]]
+            over[key] = _shrunk(sub_cls, full[key], f"{name}.{key}")
+    return {**full, **over}
 
 
 _PROBED: dict[tuple, str] = {}  # (config, staged) -> "" (it reproduces transformers) or why not
 
 
-def _per_layer(full: dict, n: int) -> dict:
+def _per_layer(full: dict, n: int, over: dict) -> dict:
     """The per-layer keys of a config cut to ``n`` layers: lists as long as its layer count, at the first layers
     that show each distinct combination of their values (a hybrid keeps a layer of each kind), per-layer head counts
-    the small one, ``per_layer_config`` keys below ``n``."""
+    and sizes (a list per layer of a :data:`SMALL` key) the small ones; lists of layer indices (``moe_layers``) those
+    of the layers kept (being in one is a kind too), ``per_layer_config`` their overrides (sizes as ``over`` has
+    them). Where the last layers reuse earlier ones' caches (``num_kv_shared_layers``), one of those is kept too."""
     layers = full.get("num_hidden_layers")
-    lists = {k: v for k, v in full.items() if isinstance(v, list) and v and isinstance(layers, int)
-             and len(v) == layers and k != "architectures"}
+    if not isinstance(layers, int):
+        return {}
+    index = {k: v for k, v in full.items() if k.endswith(("layers", "layer_ids")) and isinstance(v, list) and v
+             and all(type(i) is int for i in v) and v == sorted(set(v)) and v[-1] < layers}  # (MoE layers, ...)
+    lists = {k: v for k, v in full.items() if isinstance(v, list) and v and len(v) == layers
+             and k not in index and k != "architectures"}
+    kinds = {**lists, **{k: [i in v for i in range(layers)] for k, v in index.items()}}  # (in a list: a kind)
+    shared = full.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < layers:  # (every kind kept unshared, then one sharing layer)
+        picked = _picks(kinds, range(layers - shared), n) + _picks(kinds, range(layers - shared, layers), 1)
+        out = {"num_hidden_layers": n + 1, "num_kv_shared_layers": 1}
+    else:
+        picked, out = _picks(kinds, range(layers), n), {}
+    out.update({k: [j for j, i in enumerate(picked) if i in v] for k, v in index.items()})
+    size = {k: SMALL["num_attention_heads"] if "heads" in k else SMALL.get(k) for k in lists}
+    out.update({k: [size[k] if size[k] and isinstance(v[i], int) else v[i] for i in picked] for k, v in lists.items()})
+    plc = full.get("per_layer_config")
+    if isinstance(plc, dict) and plc:
+        plc = {int(k): v for k, v in plc.items()}
+        out["per_layer_config"] = {j: {k: over.get(k, v) for k, v in plc[i].items()}
+                                   for j, i in enumerate(picked) if i in plc}
+    return out
+
+
+def _picks(lists: dict, among: range, n: int) -> list[int]:
+    """``n`` of the layers ``among``, in order: each attention kind's first, then each combination of the lists'
+    values first seen, then the first layers."""
     picked, seen = [], set()
     kinds = lists.get("layer_types") or []
-    for i in range(layers if lists else 0):  # (each attention kind first, then each combination of the lists)
+    for i in among if lists else ():
         if kinds and kinds[i] not in {kinds[j] for j in picked}:
             picked.append(i)
-    for i in range(layers if lists else 0):
+    for i in among if lists else ():
         combo = tuple(str(v[i]) for v in lists.values())
         if combo not in seen and i not in picked:
             seen.add(combo)
             picked.append(i)
-    picked = sorted((picked + [i for i in range(layers or 0) if i not in picked])[:n])
-    out = {k: [SMALL["num_attention_heads"] if "heads" in k and isinstance(v[i], int) else v[i] for i in picked]
-           for k, v in lists.items()}
-    if isinstance(full.get("per_layer_config"), dict):
-        out["per_layer_config"] = {k: v for k, v in full["per_layer_config"].items() if int(k) < n}
-    return out
+    return sorted((picked + [i for i in among if i not in picked])[:n])
 
 
 def probe(cfg: Config, seed: int = 0, staged: bool = False) -> None:
@@ -1192,6 +1254,46 @@ def _differs(value, ref, named: dict, want: dict) -> str:
     return ""
 
 
+def frozen(cfg: Config):
+    """The leaves transformers' own forward gives no gradient (a sparse-attention indexer run under
+    ``torch.no_grad``; a compressor whose output goes nowhere), as a tree of bool, or ``None``: torch's optimizers
+    skip a parameter whose ``grad`` is ``None`` (no update, no weight decay), and ``compile_step`` does as they do.
+    Read from the probe's small copy (:func:`_reference`): where the copy keeps every layer (as many as the config
+    has), layer by layer; else a layer's parameter is frozen in every layer if it has no gradient in every layer
+    of the copy that has it (a layer kind the copy left out trains as usual). Once per config."""
+    names = _FROZEN.get(cfg.key)
+    if names is None:
+        names = _FROZEN[cfg.key] = _no_gradient(cfg)
+    if not names:
+        return None
+    b = built(cfg)
+    pre = b.prefix + b.layers + "."
+
+    def off(n: str) -> bool:
+        return n in names or (n.startswith(pre) and n[len(pre):].partition(".")[2] in names)
+    return _tree(b, {n: off(n) for n, _ in b.module.named_parameters()})
+
+
+_FROZEN: dict[str, frozenset] = {}
+
+
+def _no_gradient(cfg: Config) -> frozenset:
+    """The names (inside a layer: the name after its index) of the parameters without a gradient in transformers'
+    own run of the small copy of ``cfg``."""
+    small, _, _, _, want = _reference(cfg, 0)
+    pre = built(small).prefix + built(small).layers + "."
+    whole = built(small).n_layers == built(cfg).n_layers  # (the copy's layers are the config's, in order)
+    inside: dict[str, bool] = {}
+    out = set()
+    for n, g in want.items():
+        if n.startswith(pre) and not whole:
+            rel = n[len(pre):].partition(".")[2]
+            inside[rel] = inside.get(rel, True) and g is None
+        elif g is None:
+            out.add(n)
+    return frozenset(out | {k for k, none in inside.items() if none})
+
+
 # ------------------------------------------------------------------------------------------------ the spec
 
 
@@ -1256,6 +1358,6 @@ def spec_for(model_type: str) -> fp.ModelSpec:
     spec = fp.ModelSpec(name=f"{model_type} (transformers)", init=init, specs=specs, forward=forward, loss=loss,
                         Config=Config, model_types=(model_type,), hf=hf, config_types={"model_type": (str,)},
                         batch_weight=L.count_targets, check_batch=L.token_range_errors, remat=True, stages=STAGES,
-                        check_run=check_mesh)
+                        check_run=check_mesh, frozen=frozen)
     _SPECS[model_type] = spec
     return spec

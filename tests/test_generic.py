@@ -47,6 +47,18 @@ def test_plans_that_need_more_than_their_styles_say(model_type):
     assert g.check(model_type, ["tp=2"]) == {"tp=2": "exact"}
 
 
+def test_leaves_no_gradient_reaches_are_left_alone_as_torch_does():
+    """GLM-MoE-DSA's sparse-attention indexer runs under torch.no_grad: its weights get no gradient, so
+    torch.optim.AdamW skips them (no weight decay either); the generic model names them (``ModelSpec.frozen``) and
+    the step masks them out of the optimizer."""
+    spec = fp.get_model("glm_moe_dsa")
+    cfg = spec.config(g.tiny_config("glm_moe_dsa"))
+    off = sorted(p for p, f in fp.tree.leaves_with_path(G.frozen(cfg)) if f)
+    assert off and all(".indexer." in p for p in off), off
+    assert G.frozen(spec.config(g.tiny_config("qwen3"))) is None
+    assert g.check("glm_moe_dsa", ["tp=2"]) == {"tp=2": "exact"}  # (weight decay 0.1 on every other leaf)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "phi3", "deepseek_v3"])
 def test_exact_at_zero3_and_on_pipeline_stages(model_type):
     meshes = ["tp=2 x dp=2 zero3", "pp=2 x tp=2"]

@@ -37,7 +37,8 @@ import torch
 from funcpar.io import checkpoint
 from funcpar.io.atomic import agree
 from funcpar.model import Loss
-from funcpar.optim import ABSENT, EVERYTHING, WRITTEN, GradientTransformation, adamw, schedule_of, update_with
+from funcpar.optim import (ABSENT, EVERYTHING, WRITTEN, GradientTransformation, adamw, masked, schedule_of,
+                           update_with)
 from funcpar.optim.loss_scale import loss_scale
 from funcpar.parallel import collectives as C
 from funcpar.parallel.layout import ZeroLayout
@@ -94,6 +95,8 @@ class Step:
         self.model_axes = tuple(a for a in mesh.axis_names if a != "pp" and a not in par.data_axes)
         base = o.optimizer if o.optimizer is not None else default_optimizer()
         self.schedule = schedule_of(base)  # (the learning rate the metrics report; None: none reported)
+        if loss.frozen is not None and any(optree.tree_leaves(loss.frozen)):  # (leaves no gradient reaches: left
+            base = masked(base, optree.tree_map(lambda f: not f, loss.frozen))  # alone, as torch's optimizers do)
         self.optimizer = wrapped_optimizer(base, o.clip_norm, o.precision)
         self.mode = choose(loss, mesh, o, compile)  # the one dispatch on the mode: every branch on it lives there
         self.mode.gradient.reason = reason
