@@ -182,29 +182,30 @@ def _same_run(opts, extra: dict, src: Path, loader=None) -> None:
         if changed:
             raise SystemExit(f"funcpar: --lora {', '.join(changed)} differs from the run being resumed ({src}): its "
                              f"adapters were trained under the checkpoint's settings; resume with them")
-    if _data_changed(opts, extra, src):
+    diff = _data_diff(opts, extra)
+    if diff and opts.get("data_changed"):
         return  # (--data-changed: the data order starts afresh, the saved position is not read)
     if loader is not None and isinstance(extra.get("data"), dict):
-        _same_data(opts, extra["data"], loader.state_dict(), src)
+        _same_data(opts, extra["data"], loader.state_dict(), src)  # (another mix or batch: said in its flags)
+    if diff:
+        raise SystemExit(f"funcpar: --resume: the data differs from the checkpoint's ({src}): {'; '.join(diff)}; "
+                         f"its saved position would continue over other rows (and rows it trained on could be held "
+                         f"out): resume with the data as it was, or pass --data-changed to go on with the model and "
+                         f"start the data order afresh on the new data")
 
 
-def _data_changed(opts, extra: dict, src: Path) -> bool:
-    """Whether the run's data differs from what the checkpoint recorded (``extra["data_record"]``: each source's
-    size and content hash, the held-out split, packing): refused in one line naming the difference, or with
-    ``--data-changed`` True (the caller then starts the data order afresh). Rows trained on would otherwise turn
-    into held-out rows, and the saved position would replay over other rows."""
+def _data_diff(opts, extra: dict) -> list[str]:
+    """How the run's data differs from what the checkpoint recorded (``extra["data_record"]``: each source's size
+    and content hash, the held-out split, packing), in words; empty where it does not or the checkpoint predates
+    the record. Rows trained on would otherwise turn into held-out rows, and the saved position would replay over
+    other rows."""
     saved = extra.get("data_record")
-    if not isinstance(saved, dict):
-        return False  # (a checkpoint from before the record: not checked)
-    diff = data_differences(saved, data_record(opts))
-    if not diff:
-        return False
-    if opts.get("data_changed"):
-        return True
-    raise SystemExit(f"funcpar: --resume: the data differs from the checkpoint's ({src}): {'; '.join(diff)}; its "
-                     f"saved position would continue over other rows (and rows it trained on could be held out): "
-                     f"resume with the data as it was, or pass --data-changed to go on with the model and start the "
-                     f"data order afresh on the new data")
+    return data_differences(saved, data_record(opts)) if isinstance(saved, dict) else []
+
+
+def _data_changed(opts, extra: dict) -> bool:
+    """Whether ``--data-changed`` applies: the flag given and the data differing (the data order starts afresh)."""
+    return bool(opts.get("data_changed")) and bool(_data_diff(opts, extra))
 
 
 def _shown(v):
@@ -237,9 +238,10 @@ def _resume_source(opts) -> Path | None:
     src = resume_point(out / "checkpoints")
     if src is not None or restarted():
         return src
+    if out.is_dir():
+        refuse_links(out, RUN_FILES)  # (what the run would refuse first: a link is no run's file)
     found = run_files(out) if out.is_dir() else []
     if found:
-        refuse_links(out, RUN_FILES)  # (what the run would refuse first)
         raise SystemExit(f"funcpar: --resume: --out {out} holds no checkpoint to continue (its earlier run saved none: "
                          f"{', '.join(found)}): drop --resume and pass --overwrite to start a new run there")
     what = "no such folder" if not out.exists() else "no checkpoints in it"
@@ -260,7 +262,7 @@ def _resume(run: _Run) -> None:
         return
     meta = fp.checkpoint.metadata(src).get("extra") or {}
     _same_run(run.opts, meta, src, run.loader)
-    fresh = _data_changed(run.opts, meta, src)  # (--data-changed, and the data did change)
+    fresh = _data_changed(run.opts, meta)  # (--data-changed, and the data did change)
     run.state, extra = run.step.load(src)
     if fresh:
         if run.rank0:
