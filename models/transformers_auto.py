@@ -1119,9 +1119,20 @@ def probe(cfg: Config, seed: int = 0, staged: bool = False) -> None:
         raise GenericError(_PROBED[key])
 
 
+_REFERENCES: dict[tuple, tuple] = {}  # (config, seed) -> _reference's result: the probes and frozen share one run
+
+
 def _reference(cfg: Config, seed: int):
     """transformers' own run of the small copy of ``cfg``: the copy, its parameters, a batch, the loss, the
-    gradients by name."""
+    gradients by name. Run once per config and seed (the one-process probe, the mesh probe and :func:`frozen` each
+    read it)."""
+    key = (cfg.key, seed)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_run(cfg, seed)
+    return _REFERENCES[key]
+
+
+def _reference_run(cfg: Config, seed: int):
     from transformers import AutoModelForCausalLM
 
     small = Config.from_hf(small_config(cfg.hf))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -47,8 +48,6 @@ def plot_metrics(metrics_file: str | os.PathLike, out_png: str | os.PathLike, ti
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, dpi=110, format="png")
     write_file(out_png, buf.getvalue())  # (whole or not at all; never through a link planted where the plot goes)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from funcpar.cli import trackers
+from funcpar.io.atomic import MARKER, write_file, written_as
 
 __all__ = ["check_run", "claim_out", "run_files", "lock_out", "RUN_FILES", "mark_run", "read_paths"]
 
@@ -111,7 +112,7 @@ def _samples(opts, mesh, cfg) -> None:
 # what a run writes in --out (logs/: rank-N.log, the traceback of a rank that failed under funcpar's launcher)
 RUN_FILES = ("metrics.jsonl", "checkpoints", "hf", "loss.png", "config.json", "tensorboard", "adapter", "samples.jsonl",
              "trackers.json", "wandb", "logs")
-RUN_MARKER = ".funcpar"  # in --out: {"kind": "run"}, written when a run claims the folder (io.atomic.MARKER's name)
+RUN_MARKER = MARKER  # in --out too: {"kind": "run"}, written when a run claims the folder
 
 
 def _run_config(path: Path) -> bool:
@@ -144,20 +145,17 @@ def _rows(path: Path) -> bool:
 def _checkpoints(path: Path) -> bool:
     """Whether ``path`` is a run's checkpoints/: only funcpar's checkpoint folders (their marker), ``latest`` and
     the temporary names a save leaves."""
-    from funcpar.io.atomic import MARKER
-
     if not path.is_dir() or path.is_symlink():
         return False
     for e in path.iterdir():
         temp = e.name.startswith(".") and e.name.endswith((".tmp", ".old"))
-        if not (temp or e.name == "latest" and e.is_file() or e.is_dir() and (e / MARKER).is_file()):
+        if not (temp or e.name == "latest" and e.is_file() or _marked(e)):
             return False
     return True
 
 
 def _marked(path: Path) -> bool:
-    from funcpar.io.atomic import MARKER
-
+    """Whether ``path`` is a folder funcpar wrote (its :data:`~funcpar.io.atomic.MARKER`)."""
     return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
 
 
@@ -174,20 +172,12 @@ _KNOWN_BY_CONTENT = {"config.json": _run_config, "metrics.jsonl": _rows, "sample
 
 def run_marked(out: Path) -> bool:
     """Whether a run has claimed ``out`` (its :data:`RUN_MARKER` says so)."""
-    import json
-
-    try:
-        said = json.loads((out / RUN_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(said, dict) and said.get("kind") == "run"
+    return written_as(out).get("kind") == "run"
 
 
 def mark_run(out: Path) -> None:
     """Mark ``out`` as a run's folder (:data:`RUN_MARKER`), so that what the run writes there is known as its own."""
     import json
-
-    from funcpar.io.atomic import write_file
 
     write_file(out / RUN_MARKER, json.dumps({"written_by": "funcpar", "kind": "run"}) + "\n")
 

@@ -57,9 +57,9 @@ def open_own(path: str | os.PathLike, mode: str = "w"):
     return os.fdopen(fd, mode)
 
 
-def write_file(path: str | os.PathLike, data: str | bytes | Callable[[Path], None]) -> None:
-    """Replace the file ``path`` whole or not at all, as checkpoints are written: ``data`` (or what ``data(tmp)``
-    writes) goes to ``.NAME.tmp`` beside it, is flushed to disk, and is renamed over ``path``; a full disk or a kill
+def write_file(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace the file ``path`` whole or not at all, as checkpoints are written: ``data`` goes to ``.NAME.tmp``
+    beside it, is flushed to disk, and is renamed over ``path``; a full disk or a kill
     at any point leaves ``path`` as it was (and a stale ``.NAME.tmp`` the next write replaces). The rename makes a
     new file: a hard link to the old one (a snapshot of the folder) keeps the old contents, and a symbolic link at
     ``path`` is replaced, never written through."""
@@ -68,15 +68,10 @@ def write_file(path: str | os.PathLike, data: str | bytes | Callable[[Path], Non
     try:
         if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
-        if callable(data):
-            data(tmp)
-            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        else:
-            raw = data.encode() if isinstance(data, str) else data
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(fd, view):]
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        view = memoryview(data.encode() if isinstance(data, str) else data)
+        while view:
+            view = view[os.write(fd, view):]
         try:
             os.fsync(fd)
         finally:
