@@ -489,19 +489,10 @@ def _reads_attention_name(module) -> bool:
     """Whether a module of the model comes from a file whose code compares ``_attn_implementation`` with
     ``"sdpa"``: under another name it would take another branch (DeepSeek-V3.2's sparse indexer mask is applied
     only ``if _attn_implementation in ("eager", "sdpa")``)."""
-    files = {type(m).__module__ for m in module.modules()}
-    return any(_NAMES_SDPA.search(_module_source(f)) for f in files)
-
-
-@functools.cache
-def _module_source(name: str) -> str:
-    import inspect
     import sys
 
-    try:
-        return inspect.getsource(sys.modules[name])
-    except (KeyError, OSError, TypeError):
-        return ""
+    files = {type(m).__module__ for m in module.modules()}
+    return any(_NAMES_SDPA.search(_source(sys.modules.get(f)) or "") for f in files)
 
 
 def _build(cfg: Config) -> Built:
