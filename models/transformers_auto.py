@@ -358,10 +358,37 @@ def built(cfg: Config) -> Built:
     return b
 
 
+class _EmptyOnMeta(torch.overrides.TorchFunctionMode):
+    """``torch.empty`` without a device allocates on meta: the storage ``nn.Linear``/``nn.Embedding`` create for
+    their weights is never allocated on the host. Why: a host tensor of the weight's size allocated and freed at
+    build raises glibc's dynamic mmap threshold to that size, and every later tensor below it (the loaded weights,
+    the optimizer state, the activations) then comes from the heap, which fragments: measured +120 MB of peak
+    resident set on the benchmarks' small Llama (docs/MEASUREMENTS.md, "the generic path's memory")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _host_tensors_on_meta(module) -> bool:
+    """Whether a buffer or a plain tensor attribute of ``module`` was left on meta by :class:`_EmptyOnMeta` (a
+    table ``__init__`` fills in place): such a module is built again with every tensor on the host first."""
+    for m in module.modules():
+        own = set(m._parameters)
+        for k, v in list(m._buffers.items()) + list(vars(m).items()):
+            if k not in own and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) \
+                    and v.device.type == "meta":
+                return True
+    return False
+
+
 @contextlib.contextmanager
-def _parameters_on_meta():
-    """Build a module with its parameters on meta (each moved there as it is registered, uninitialised) and its
-    buffers real: the rotary tables and masks a forward reads are computed from the config in ``__init__``."""
+def _parameters_on_meta(empty_on_meta: bool = True):
+    """Build a module with its parameters on meta (each moved there as it is registered, uninitialised; with
+    ``empty_on_meta`` those made by ``torch.empty`` never allocated on the host) and its buffers real: the rotary
+    tables and masks a forward reads are computed from the config in ``__init__``."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # (transformers 4)
@@ -375,7 +402,7 @@ def _parameters_on_meta():
         own(self, name, param)
     torch.nn.Module.register_parameter = register
     try:
-        with no_init_weights():
+        with no_init_weights(), (_EmptyOnMeta() if empty_on_meta else contextlib.nullcontext()):
             yield
     finally:
         torch.nn.Module.register_parameter = own
@@ -432,7 +459,64 @@ def _reference_sources() -> dict:
     models carry them copied, word for word)."""
     from transformers.models.llama import modeling_llama as ml
 
-    return {_source(ml.LlamaRMSNorm.forward): "rms_norm", _source(ml.LlamaMLP.forward): "mlp"}
+    return {_source(ml.LlamaRMSNorm.forward): "rms_norm", _source(ml.LlamaMLP.forward): "mlp",
+            _source(ml.apply_rotary_pos_emb): "rotary", _source(ml.rotate_half): "rotate_half"}
+
+
+def _rotary_pair(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' Llama ``apply_rotary_pos_emb`` through :func:`funcpar.layers.rotary`: the values and gradients
+    bit for bit, two ``q``-sized tensors made each way where the composition makes five."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return L.rotary(q, cos, sin), L.rotary(k, cos, sin)
+
+
+def _rebound(fn, names: dict):
+    """``fn`` (a module's forward, through any ``functools.wraps`` decorators that hold it in their closure) with the
+    globals ``names`` replaced, or None where a decorator does not hold the function it wraps."""
+    import types
+
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        cells, globs = fn.__closure__, {**fn.__globals__, **names}
+    else:
+        new_inner = _rebound(inner, names)
+        held = [c for c in fn.__closure__ or () if _cell(c) is inner]
+        if new_inner is None or not held:
+            return None
+        cells = tuple(types.CellType(new_inner) if _cell(c) is inner else c for c in fn.__closure__)
+        globs = fn.__globals__
+    new = types.FunctionType(fn.__code__, globs, fn.__name__, fn.__defaults__, cells)
+    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    new.__dict__.update(fn.__dict__)
+    if inner is not None:
+        new.__wrapped__ = new_inner
+    return new
+
+
+def _cell(c):
+    try:
+        return c.cell_contents
+    except ValueError:  # (an empty cell)
+        return None
+
+
+def _install_rotary(module, refs: dict) -> None:
+    """Where ``module``'s forward applies rotary embeddings with a word-for-word copy of transformers' Llama
+    ``apply_rotary_pos_emb`` (and ``rotate_half``), its forward calls :func:`_rotary_pair` instead: the rotation's
+    five transient tensors per call were the generic path's largest extra allocation on the benchmarks' Llama."""
+    import inspect
+    import types
+
+    fwd = type(module).forward
+    raw = inspect.unwrap(fwd)
+    rope, half = raw.__globals__.get("apply_rotary_pos_emb"), raw.__globals__.get("rotate_half")
+    if "apply_rotary_pos_emb" not in raw.__code__.co_names or rope is None or half is None:
+        return
+    if refs.get(_source(rope)) != "rotary" or refs.get(_source(half)) != "rotate_half":
+        return
+    new = _rebound(fwd, {"apply_rotary_pos_emb": _rotary_pair})
+    if new is not None:
+        module.forward = types.MethodType(new, module)
 
 
 def _use_funcpar_kernels(module) -> None:
@@ -447,6 +531,8 @@ def _use_funcpar_kernels(module) -> None:
             _install_rms_norm(m)
         elif kind == "mlp" and getattr(m.config, "hidden_act", None) == "silu":
             _install_swiglu(m)
+        elif callable(getattr(type(m), "forward", None)) and hasattr(type(m).forward, "__code__"):
+            _install_rotary(m, refs)
 
 
 def _install_rms_norm(module) -> None:
@@ -500,8 +586,16 @@ def _build(cfg: Config) -> Built:
 
     mt = cfg.model_type
     hc = copy.deepcopy(cfg.hf_config)  # (its attention implementation is switched below: the module's own copy)
-    with _parameters_on_meta():
-        module = AutoModelForCausalLM.from_config(hc)
+    module = None
+    try:
+        with _parameters_on_meta():
+            module = AutoModelForCausalLM.from_config(hc)
+    except Exception:  # (an __init__ that computes with the storage it made by torch.empty: built again below)
+        pass
+    if module is None or _host_tensors_on_meta(module):
+        hc = copy.deepcopy(cfg.hf_config)
+        with _parameters_on_meta(empty_on_meta=False):
+            module = AutoModelForCausalLM.from_config(hc)
     module.tie_weights()  # (transformers ties as it initialises, which no_init_weights skips)
     _use_funcpar_attention(module)
     _use_funcpar_kernels(module)

@@ -136,6 +136,67 @@ def test_llama_generic_equals_builtin(tmp_path):
         assert torch.allclose(ta[n], tb[n], rtol=0, atol=1e-5), n
 
 
+def test_llama_rotary_runs_through_funcpar_bit_for_bit():
+    """A module whose forward calls a word-for-word copy of Llama's ``apply_rotary_pos_emb`` calls funcpar's
+    rotation instead (through the forward's decorators): the values and gradients bit for bit, fewer transient
+    tensors (benchmarks/run.py: the generic path's step allocated 136 MB more than the built-in Llama's, 1154 MB
+    with it)."""
+    from transformers.models.llama import modeling_llama as ml
+
+    cfg = fp.get_model("qwen3").config(g.tiny_config("qwen3"))
+    attn = [m for m in G.built(cfg).module.modules() if type(m).__name__.endswith("Attention")]
+    assert attn and all("forward" in vars(m) for m in attn)  # (each rebound on the instance)
+    import inspect
+
+    inner = inspect.unwrap(attn[0].forward.__func__)
+    assert inner.__globals__["apply_rotary_pos_emb"] is G._rotary_pair
+    assert ml.apply_rotary_pos_emb is not G._rotary_pair  # (transformers' own module untouched)
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 16, 8, requires_grad=True), torch.randn(2, 2, 16, 8, requires_grad=True)
+    ang = torch.randn(2, 16, 4)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    want, got = ml.apply_rotary_pos_emb(q, k, cos, sin), G._rotary_pair(q, k, cos, sin)
+    gw = torch.autograd.grad(sum((w * w.detach().sin()).sum() for w in want), (q, k))
+    gg = torch.autograd.grad(sum((w * w.detach().sin()).sum() for w in got), (q, k))
+    for a, b in zip(want + gw, got + gg, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_build_allocates_no_weight_on_the_host():
+    """The meta build makes ``torch.empty`` weights on meta (a host tensor of a weight's size allocated and freed
+    raises glibc's mmap threshold: the loaded weights and optimizer state then fragment the heap); a module that
+    fills a ``torch.empty`` table in ``__init__`` is found and built with host tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Devices(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty.memory_format:
+                self.seen.append((tuple(out.shape), out.device.type))
+            return out
+
+    with G._parameters_on_meta(), Devices():
+        lin = torch.nn.Linear(512, 256)
+    assert lin.weight.device.type == "meta" and ((256, 512), "meta") in Devices.seen
+    assert not any(d == "cpu" and s == (256, 512) for s, d in Devices.seen)
+
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.empty(4, 3))
+            self.table.copy_(torch.arange(12.0).view(4, 3))
+
+    with G._parameters_on_meta():
+        t = Table()
+    assert G._host_tensors_on_meta(t)
+    with G._parameters_on_meta(empty_on_meta=False):
+        t = Table()
+    assert not G._host_tensors_on_meta(t) and torch.equal(t.table, torch.arange(12.0).view(4, 3))
+    assert not G._host_tensors_on_meta(G.built(fp.get_model("qwen3").config(g.tiny_config("qwen3"))).module)
+
+
 def _load_sharded(folder):
     mesh = harness.mesh(tp=2)
     stats = {}
