@@ -363,7 +363,8 @@ class _EmptyOnMeta(torch.overrides.TorchFunctionMode):
     their weights is never allocated on the host. Why: a host tensor of the weight's size allocated and freed at
     build raises glibc's dynamic mmap threshold to that size, and every later tensor below it (the loaded weights,
     the optimizer state, the activations) then comes from the heap, which fragments: measured +120 MB of peak
-    resident set on the benchmarks' small Llama (docs/MEASUREMENTS.md, "the generic path's memory")."""
+    resident set on the benchmarks' small Llama (docs/MEASUREMENTS.md, "The generic path's memory, fragmentation
+    found")."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
