@@ -90,7 +90,12 @@ def read_prompts(path: str | Path, tok=None) -> list[str]:
     if not path.is_file():
         raise ValueError(f"--sample-prompts {path}: no such file")
     out = []
-    for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # (a binary file, or another encoding)
+        raise ValueError(f"--sample-prompts {path}: not UTF-8 text (byte {e.start}: {e.reason}): give a .txt or "
+                         f".jsonl file of prompts") from None
+    for n, ln in enumerate(text.splitlines(), 1):
         if not ln.strip():
             continue
         try:

@@ -63,7 +63,8 @@ def launch_if_needed(argv: list[str], nproc: int, max_restarts: int = 0, logs: P
     known (``--debug``: torchrun's own logs and the tracebacks too). ``logs``: the folder where a worker that ends
     on an unexpected error appends its traceback (``rank-N.log``; the console gets its one line). ``max_restarts``:
     torchrun restarts every worker when one fails, that many times at most (the restarted ones see
-    ``TORCHELASTIC_RESTART_COUNT`` > 0: :func:`restarted`); each restart is preceded by the failure's lines."""
+    ``TORCHELASTIC_RESTART_COUNT`` > 0: :func:`restarted`); each restart is preceded by the failure's lines. A
+    failure a restart would repeat (a worker's ``fail(retry=False)``: a refusal, a NaN loss) ends the job at once."""
     if nproc <= 1 or "RANK" in os.environ:
         return False
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -111,7 +112,9 @@ def _restarts_said(world: int):
 
     def said(agent, group):
         result = monitor(agent, group)
-        if result.is_failed() and getattr(agent, "_remaining_restarts", 0) > 0:  # (torchrun restarts them next)
+        if result.is_failed() and getattr(agent, "_remaining_restarts", 0) > 0 and not _retried(result.failures):
+            agent._remaining_restarts = 0  # (a restart would fail the same way: the job ends with its reason now)
+        elif result.is_failed() and getattr(agent, "_remaining_restarts", 0) > 0:  # (torchrun restarts them next)
             lines = _failure_summary(result.failures, world)
             if lines:
                 print(lines, file=sys.stderr, flush=True)
@@ -122,6 +125,13 @@ def _restarts_said(world: int):
         yield
     finally:
         LocalElasticAgent._monitor_workers = monitor
+
+
+def _retried(failures: dict) -> bool:
+    """Whether a restart may help: no failed rank said its failure would come again (``lifeline.report``'s
+    ``retry=False``: a user error, such as a refused option or a NaN loss, fails the resumed run the same way)."""
+    return not any(isinstance(f.error_file_data, dict) and f.error_file_data.get("retry") is False
+                   for f in failures.values())
 
 
 def restarted() -> int:
@@ -166,13 +176,14 @@ def debug() -> bool:
 USER_ERRORS = (ValueError, OSError, fp.MeshError, fp.CollectiveError)  # funcpar's own errors and the system's
 
 
-def fail(message: str, code: int = 1) -> None:
-    """End this process with ``message``: once per job (rank 0, or funcpar's launcher), never a traceback."""
+def fail(message: str, code: int = 1, retry: bool = True) -> None:
+    """End this process with ``message``: once per job (rank 0, or funcpar's launcher), never a traceback.
+    ``retry``: False where a restart would fail the same way (:func:`funcpar.parallel.lifeline.report`)."""
     if "RANK" in os.environ:
         if os.environ.get("RANK") == "0" or os.environ.get(lifeline.LAUNCHER_ENV) == "1":
-            lifeline.report(message)
+            lifeline.report(message, retry=retry)
         else:  # under a user's torchrun: only into torchrun's error file (rank 0 prints)
-            lifeline.report(message, echo=False)
+            lifeline.report(message, echo=False, retry=retry)
     else:
         print(message, file=sys.stderr, flush=True)
     raise SystemExit(code)

@@ -34,7 +34,8 @@ from funcpar.cli.preflight import RUN_FILES, check_run, claim_out, lock_out, mar
 from funcpar.cli.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step, data_differences, data_record,
                              datasets, generic_path, lora_parts,
-                             model_config, parse_mesh, read_options, run_options, saved_options, tokenizer, with_epochs,
+                             model_config, parse_mesh, read_options, run_options, saved_options, saved_run_options,
+                             tokenizer, with_epochs,
                              with_tokenizer)
 from funcpar.cli.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan,
                                   print_ranking, rank_meshes, sharding_table, vocab_note)
@@ -233,14 +234,22 @@ def _same_data(opts, saved: dict, now: dict, src: Path) -> None:
 def _resume_source(opts) -> Path | None:
     """With ``--resume``: the checkpoint it continues (:func:`resume_point`). None of them is refused, naming the
     folder (a mistyped --out would otherwise train from scratch), but in a rank torchrun restarted (it continues
-    the run it was; one that failed before its first checkpoint starts again at step 0)."""
+    the run it was; one that failed before its first checkpoint starts again at step 0) unless the folder holds the
+    run's hf/ export without --overwrite (its checkpoints are gone: a start at step 0 would replace the export)."""
     out = Path(opts["out"])
     src = resume_point(out / "checkpoints")
-    if src is not None or restarted():
+    if src is not None:
         return src
     if out.is_dir():
         refuse_links(out, RUN_FILES)  # (what the run would refuse first: a link is no run's file)
     found = run_files(out) if out.is_dir() else []
+    if "hf" in found and not opts["overwrite"]:  # (a finished run: starting at step 0 would replace its export)
+        gone = "is gone" if not (out / "checkpoints").exists() else "holds no checkpoint"
+        raise SystemExit(f"funcpar: --resume: the run in {out} exported {out / 'hf'}, but its {out / 'checkpoints'} "
+                         f"{gone}: there is nothing to continue, and training from step 0 would replace that export; "
+                         f"restore the checkpoints, or pass --overwrite (without --resume) to start a new run there")
+    if restarted():
+        return None
     if found:
         raise SystemExit(f"funcpar: --resume: --out {out} holds no checkpoint to continue (its earlier run saved none: "
                          f"{', '.join(found)}): drop --resume and pass --overwrite to start a new run there")
@@ -517,9 +526,23 @@ def _preflight(opts, sizes) -> None:
         _same_run(opts, fp.checkpoint.metadata(src).get("extra") or {}, src, loader)
 
 
+def _writable_out(out: Path) -> None:
+    """Refuse an ``--out`` this process cannot write (the folder, or the nearest folder above it that exists, when
+    it is to be made), before the model, the data or the ranks are: the run would otherwise find out when it first
+    writes there."""
+    at = out.absolute()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if at.is_dir() and not os.access(at, os.W_OK | os.X_OK):
+        what = "it" if at == out.absolute() else f"the folder {at} it is to be made in"
+        raise SystemExit(f"funcpar: --out {out}: {what} is not writable by this user: make it writable, or choose "
+                         f"another --out")
+
+
 def train(argv: list[str]) -> None:
     """Train a model on a mesh (starting the ranks here unless under torchrun), then export it."""
     opts = run_options(read_options(argv, "train"), argv)
+    _writable_out(Path(opts["out"]))
     sizes = parse_mesh(opts["mesh"])
     nproc = math.prod(sizes.values()) if sizes else 1
     if "RANK" not in os.environ and nproc > 1:
@@ -580,6 +603,7 @@ def plan(argv: list[str]) -> None:
         "--devices N [--memory GiB]: rank the meshes that fit; --gpu h100|h200|a100 [--links INTRA,INTER] "
         "[--gpus-per-node N] [--efficiency F]: estimate each step's time on such GPUs (docs/MEASUREMENTS.md: the "
         "model and its check)"))
+    _check_ranking(ranking)
     links = tuple(ranking.links.split(","))
     if len(links) != 2 or any(x not in LINKS for x in links):
         raise SystemExit(f"funcpar: --links takes two of {', '.join(LINKS)} (within a node, between nodes), not "
@@ -621,6 +645,22 @@ def plan(argv: list[str]) -> None:
                documents=not opts["cross_document"] and None)  # (None: where the model takes them)
 
 
+def _check_ranking(ranking) -> None:
+    """``funcpar plan``'s own numbers in range: a count of devices (not 0, which would plan --mesh instead), a memory
+    and an efficiency that are positive numbers (not NaN, which nothing fits under without a word)."""
+    if ranking.devices is not None and ranking.devices < 1:
+        raise SystemExit(f"funcpar: --devices {ranking.devices}: expected the number of devices to rank meshes of "
+                         f"(1 or more)")
+    if not ranking.memory > 0:
+        raise SystemExit(f"funcpar: --memory {ranking.memory:g}: expected each device's memory in GiB, a positive "
+                         f"number (e.g. 80)")
+    if ranking.gpus_per_node < 1:
+        raise SystemExit(f"funcpar: --gpus-per-node {ranking.gpus_per_node}: expected 1 or more")
+    if not 0 < ranking.efficiency <= 1:
+        raise SystemExit(f"funcpar: --efficiency {ranking.efficiency:g}: expected the share of the datasheet's FLOP "
+                         f"rate a step reaches, above 0 and at most 1 (default {MEASURED_EFFICIENCY})")
+
+
 def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:
     """An HF folder's weights as a parameters-only funcpar checkpoint (a fresh optimizer on resume)."""
     params, cfg = fp.hf.load(src, mesh=mesh)
@@ -651,6 +691,27 @@ def _to_hf(src: Path, dst: str, mesh, max_shard_size, overwrite: bool, tokenizer
     return "transformers folder"
 
 
+def _run_tokenizer(src: Path, speak: bool):
+    """The tokenizer a run trained with, from its checkpoint ``src`` (``--tokenizer``, as the checkpoint records
+    it, with the chat template its config.json names), so that ``convert RUN DST`` writes the tokenizer files its
+    hf/ export has; None where it records none (a converted HF folder) or the folder is not there any more
+    (said)."""
+    name = (fp.checkpoint.metadata(src).get("extra") or {}).get("tokenizer")
+    if not isinstance(name, str) or not name:
+        return None
+    run = src.parent if src.name == "checkpoints" else src.parent.parent
+    saved = saved_run_options(run / "config.json") or {}
+    chat = saved.get("chat_template", DEFAULTS["chat_template"])
+    if name != "byte" and not Path(name).is_dir() and Path(str(saved.get("tokenizer") or name)).is_dir():
+        name = str(saved["tokenizer"])  # (a relative path the run was given: its config.json holds it absolute)
+    if name != "byte" and not Path(name).is_dir():
+        if speak:
+            print(f"funcpar: warning: the run's tokenizer {name} is not there: the export gets no tokenizer files "
+                  f"(give --tokenizer FOLDER)", flush=True)
+        return None
+    return tokenizer({**DEFAULTS, "tokenizer": name, "chat_template": chat})
+
+
 def convert(argv: list[str]) -> None:
     """HF folder -> funcpar checkpoint (parameters; a fresh optimizer on resume), or checkpoint -> HF folder."""
     ap = argparse.ArgumentParser(prog="funcpar convert", description=convert.__doc__)
@@ -678,7 +739,8 @@ def convert(argv: list[str]) -> None:
     if (src / "config.json").exists():
         what = _to_checkpoint(src, args.dst, mesh, args.overwrite)
     else:
-        tok = tokenizer({**DEFAULTS, "tokenizer": args.tokenizer}) if args.tokenizer else None
+        tok = (tokenizer({**DEFAULTS, "tokenizer": args.tokenizer}) if args.tokenizer else
+               _run_tokenizer(src, mesh.rank == 0))
         what = _to_hf(src, args.dst, mesh, args.max_shard_size, args.overwrite, tok)
     if mesh.rank == 0:
         print(f"wrote {what} {args.dst}")
@@ -707,11 +769,11 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as e:
         if not isinstance(e.code, str) or "RANK" not in os.environ:
             raise
-        fail(e.code)
+        fail(e.code, retry=False)  # (a refusal: a restart would refuse again)
     except USER_ERRORS as e:
         if debug():
             raise
-        fail(f"funcpar: {e}")
+        fail(f"funcpar: {e}", retry=not isinstance(e, ValueError))  # (funcpar's own errors: the same again)
     except KeyboardInterrupt:  # before training started (or a second Ctrl-C): nothing to save
         if debug():
             raise

@@ -50,6 +50,23 @@ def _stuck_after(v, where: str) -> str | None:
     return None
 
 
+def _lora_settings(v, where: str) -> str | None:
+    """``--lora`` as :meth:`funcpar.lora.LoraConfig.parse` reads it: refused with the options, before any model."""
+    try:
+        if v:
+            fp.lora.LoraConfig.parse(v)
+    except fp.lora.LoraError as e:
+        return f"funcpar: {e}{where}"
+    return None
+
+
+def _a_folder(v, where: str) -> str | None:
+    if not v.strip():
+        return (f"funcpar: --out {v!r}{where}: name the run folder (an empty --out would write the run into the "
+                f"working directory)")
+    return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelOptions:
     """model and tokenizer"""
@@ -61,7 +78,7 @@ class ModelOptions:
     chat_template: str = opt("auto", "conversations through the HF tokenizer's chat_template when it has one (auto), "
                                      "or funcpar's User:/Assistant: template (builtin)")
     lora: str = opt("", "train low-rank adapters, the base frozen: r=16,alpha=32,targets=q,v[,dropout=0.05]; exports "
-                        "the merged model to hf/ and a PEFT adapter folder to adapter/")
+                        "the merged model to hf/ and a PEFT adapter folder to adapter/", check=_lora_settings)
     generic: bool = opt(False, "run the model as transformers writes it, split by its config's tp plan (the path every "
                                "type without a built-in takes), even where funcpar has a built-in model of its type",
                         plan=True)
@@ -159,7 +176,7 @@ class EvalOptions:
 class RunFolderOptions:
     """run folder, checkpoints and restarts"""
 
-    out: str = opt("out", "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/")
+    out: str = opt("out", "the run folder: metrics.jsonl, loss.png, config.json, checkpoints/, hf/", check=_a_folder)
     resume: bool = opt(False, "continue the run in --out from its latest checkpoint")
     overwrite: bool = opt(False, "replace an earlier run in --out, or folders funcpar did not write")
     data_changed: bool = opt(False, "with --resume: continue though the data differs from the checkpoint's (a source's "
@@ -175,7 +192,8 @@ class RunFolderOptions:
     heartbeat: float = opt(60.0, "seconds without progress after which a stuck rank is reported and the job ends (0: "
                                  "off)", at_least=0, check=_stuck_after)
     max_restarts: int = opt(0, "when a rank dies, restart every rank up to this many times (torchrun's restarts); "
-                               "restarted ranks resume from the run's last complete checkpoint", at_least=0)
+                               "restarted ranks resume from the run's last complete checkpoint (not after an error a "
+                               "restart would repeat: a refusal, a NaN loss)", at_least=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -495,6 +513,8 @@ def _check_options(opts: dict[str, Any], config: str | None) -> None:
         if o.at_least is not None and not (v >= o.at_least and v <= at_most):
             hi = f" and at most {o.at_most}" if o.at_most is not None else ""
             raise SystemExit(f"funcpar: {o.flag} {v!r}{where}: must be a number at least {o.at_least}{hi}")
+        if kind is float and not math.isfinite(v):  # (--lr inf: a NaN at step 1; 0 turns the others off)
+            raise SystemExit(f"funcpar: {o.flag} {v!r}{where}: must be a finite number")
 
 
 # ------------------------------------------------------------------------------------------ model, data, step
@@ -674,12 +694,19 @@ def datasets(opts, cfg):
     tok, seq, pack = tokenizer(opts), opts["seq_len"], opts["pack"]
     rows = functools.partial(fp.data.Dataset, seq_len=seq, pack=pack, pad_id=tok.pad_id,
                              documents=documents_on(opts, cfg))
+    def source(path: str, flag: str):  # (a source too small for one row: named, among several)
+        stream = _source_stream(path, tok, opts["token_cache"])  # (its own errors name the file)
+        try:
+            return rows(stream)
+        except fp.data.DataError as e:
+            raise fp.data.DataError(f"{flag} {path}: {e}") from None
+
     sources = data_sources(opts["data"])
-    whole = [rows(_source_stream(path, tok, opts["token_cache"])) for path, _ in sources]
+    whole = [source(path, "--data") for path, _ in sources]
     names, weights = [p for p, _ in sources], [w for _, w in sources]
     if opts["eval_data"]:
         evals = [p for p, _ in data_sources(opts["eval_data"])]
-        held = [(p, rows(_source_stream(p, tok, opts["token_cache"]))) for p in evals]
+        held = [(p, source(p, "--eval-data")) for p in evals]
         train = whole
     else:
         train, parts = zip(*(d.split(opts["eval_fraction"], seed=opts["seed"]) for d in whole), strict=True)
@@ -721,11 +748,14 @@ def build_optimizer(opts):
 
 
 def _number(text: str, flag: str) -> int | float:
-    """``"3"`` -> 3, ``"2.5"`` -> 2.5 (a count of layers, halves allowed)."""
+    """``"3"`` -> 3, ``"2.5"`` -> 2.5 (a count of layers, halves allowed; not NaN, infinite, negative or beyond any
+    model's layers, which the pipeline's own check would overflow on)."""
     try:
         x = float(text)
     except ValueError:
-        raise SystemExit(f"funcpar: bad {flag} entry '{text}': expected layer counts such as 3,5 or 2.5,1.5") from None
+        x = math.nan
+    if not 0 <= x <= 2**31:
+        raise SystemExit(f"funcpar: bad {flag} entry '{text}': expected layer counts such as 3,5 or 2.5,1.5")
     return int(x) if x.is_integer() else x
 
 

@@ -332,6 +332,13 @@ class MemoryTrace(TorchDispatchMode):
         if src is not None and src.is_meta:
             if func is torch.ops.aten._local_scalar_dense.default:
                 return True if src.dtype == torch.bool else 1
+            if func is torch.ops.aten.bincount.default:  # (no meta kernel: its length is data; ``minlength`` stands)
+                weights = args[1] if len(args) > 1 else kwargs.get("weights")
+                minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+                out = torch.zeros(max(int(minlength), 1), device="meta",
+                                  dtype=torch.int64 if weights is None else weights.dtype)
+                self._track(out)
+                return out
             to = kwargs.get("device")
             if func is torch.ops.aten._to_copy.default and to is not None and torch.device(to).type != "meta":
                 return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device=to)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -248,15 +249,77 @@ def load(
     leaves = broadcast_specs(model.specs(cfg, mesh) if specs is None else specs, shapes)
     reader = Reader(folder)
     plan = _choose_layout(reader, folder, model, cfg, leaves)
+    kept = [(n, meta.dtype) for (p, _, meta), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)
+            for n in mp.names(tuple(meta.shape))]
+    _check_floats(reader, kept)
     if dtype is None:
-        kept = [n for (p, _, meta), mp in zip(leaves, plan, strict=True) if keep is None or keep(p)
-                for n in mp.names(tuple(meta.shape))]
-        check_dtypes(reader, folder, raw, kept)
+        check_dtypes(reader, folder, raw, [n for n, _ in kept])
+    _check_tied_copy(reader, folder, model, cfg, leaves, plan)
     out = [_read_leaf(reader, p, spec, meta, mp, mesh, dtype) if keep is None or keep(p) else None
            for (p, spec, meta), mp in zip(leaves, plan, strict=True)]
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
     return optree.tree_unflatten(optree.tree_structure(shapes), out), cfg
+
+
+def _check_floats(reader: Reader, kept: list[tuple[str, torch.dtype]]) -> None:
+    """A floating-point leaf is read from a floating-point tensor: integers (a quantized or mislabelled file)
+    would be converted to numbers the model was never trained with, and train to an infinite loss."""
+    for name, want in kept:
+        t = reader.tensors[name]
+        if want.is_floating_point and not t.dtype.is_floating_point:
+            raise HFError(f"{t.file}: tensor '{name}' is {str(t.dtype).removeprefix('torch.')}, not a floating-point "
+                          f"dtype: a model's weights are float32, bfloat16 or float16 (a quantized or converted "
+                          f"file?); load the model's original weights")
+
+
+def _check_tied_copy(reader: Reader, folder: Path, model: ModelSpec, cfg, leaves, plan: list[_Map]) -> None:
+    """With ``tie_word_embeddings``, a stored copy of the head (the model's ``ignored_if_tied``) is not read: it is
+    refused unless it equals the tensor it is tied to (the one stored tensor of its shape, the embedding), so that a
+    config.json that ties them beside a separately trained head does not drop that head without a word."""
+    if not getattr(cfg, "tie_word_embeddings", False) or not model.hf.ignored_if_tied:
+        return
+    tied = [re.compile(p) for p in model.hf.ignored_if_tied]
+    whole = {mp.hf: p in model.hf.vocab_padded for (p, _, _), mp in zip(leaves, plan, strict=True)
+             if not (mp.stacked or mp.split) and mp.hf in reader.tensors}  # HF name -> an embedding table's
+    for copy in (n for n in reader.tensors if any(r.match(n) for r in tied) and n not in whole):
+        same = [n for n in whole if reader.tensors[n].shape == reader.tensors[copy].shape]
+        partner = same if len(same) == 1 else [n for n in same if whole[n]]
+        if len(partner) == 1 and not _equal(reader, copy, partner[0]):
+            raise HFError(f"{folder / 'config.json'} says tie_word_embeddings: true, so the head is "
+                          f"'{partner[0]}', but the folder also stores a different '{copy}' "
+                          f"({reader.tensors[copy].file.name}) that would be dropped: set tie_word_embeddings to "
+                          f"false to train with that head, or remove the tensor to tie them")
+
+
+def _equal(reader: Reader, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` (the same shape) hold the same values, read a block of rows at a time."""
+    shape = reader.tensors[a].shape
+    rest = tuple(slice(0, n) for n in shape[1:])
+    step = max(1, (1 << 24) // max(1, math.prod(shape[1:])))
+    for lo in range(0, shape[0] if shape else 1, step):
+        region = (slice(lo, min(lo + step, shape[0])), *rest) if shape else ()
+        x, y = reader.read(a, region), reader.read(b, region)
+        if not torch.equal(x, y.to(x.dtype)):
+            return False
+    return True
+
+
+def _check_finite(t: torch.Tensor, name: str, reader: Reader, region: tuple[slice, ...]) -> None:
+    """Refuse a NaN or infinite value in the block ``region`` of tensor ``name`` just read (``t``, checked a piece
+    at a time), naming the tensor, the element and the file: a step would turn it into a NaN loss, and an export or
+    ``funcpar convert`` would copy it on."""
+    if not t.is_floating_point():
+        return
+    flat = t.reshape(-1)
+    for lo in range(0, flat.numel(), 1 << 24):
+        finite = torch.isfinite(flat[lo : lo + (1 << 24)])
+        if not finite.all():
+            k = lo + int((~finite).nonzero()[0, 0])
+            at = torch.unravel_index(torch.tensor(k), t.shape) if t.ndim else ()
+            where = [r.start + int(i) for r, i in zip(region, at, strict=True)]
+            raise HFError(f"{reader.tensors[name].file}: tensor '{name}' holds {flat[k].item()} at {where}: a weight "
+                          f"that is not finite would make every loss NaN; load the model's original weights")
 
 
 def _read_leaf(reader: Reader, path: str, spec: P, meta, mp: _Map, mesh: Mesh, dtype) -> torch.Tensor:
@@ -276,7 +339,9 @@ def _read_tensor(reader: Reader, name: str, region: tuple[slice, ...], mp: _Map)
     want = region[0].stop - region[0].start if region else 0
     if mp.vocab is not None:  # padding rows are not in the file: read the real ones, zeros after
         region = (slice(min(region[0].start, mp.vocab), min(region[0].stop, mp.vocab)), *region[1:])
-    t = reader.read(name, mp.file_region(region, reader.tensors[name].shape))
+    file_region = mp.file_region(region, reader.tensors[name].shape)
+    t = reader.read(name, file_region)
+    _check_finite(t, name, reader, file_region)
     if mp.vocab is not None and t.shape[0] < want:
         t = torch.cat([t, t.new_zeros((want - t.shape[0], *t.shape[1:]))])
     if mp.transposed:

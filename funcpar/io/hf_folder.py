@@ -33,10 +33,7 @@ class Reader:
         single = folder / "model.safetensors"
         self.tensors: dict[str, TensorEntry] = {}
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise HFError(f"corrupt index {index}: {e!r}") from None
+            weight_map = _weight_map(index)
             files = sorted(set(map(str, weight_map.values())), key=str)
             for f in weight_map.values():
                 within(folder, f, f"index {index}", HFError)
@@ -58,6 +55,22 @@ class Reader:
         out = read_block(self.tensors[name], region, HFError)
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+
+def _weight_map(index: Path) -> dict[str, Any]:
+    """The ``weight_map`` of a sharded folder's index: an object of tensor names to file names, else an error naming
+    the index (a hand-made or truncated one would otherwise fail as a traceback deep in the load)."""
+    try:
+        raw = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFError(f"corrupt index {index}: not valid JSON ({e})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        what = (f"holds {json_kind(raw)}" if not isinstance(raw, dict) else "has no 'weight_map'"
+                if "weight_map" not in raw else f"has a 'weight_map' that is {json_kind(weight_map)}")
+        raise HFError(f"corrupt index {index}: it {what}, expected an object whose 'weight_map' maps each tensor "
+                      f"name to its .safetensors file: restore the file from the model's source")
+    return weight_map  # (a value that is not a file name inside the folder: refused as the files are opened)
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -44,14 +44,17 @@ def default_heartbeat() -> float:
     return float(os.environ.get("FUNCPAR_HEARTBEAT", "60"))
 
 
-def report(message: str, echo: bool = True, printed: bool = False) -> None:
+def report(message: str, echo: bool = True, printed: bool = False, retry: bool = True) -> None:
     """Record why this worker ends: torchrun's error file, and stderr (if ``echo``) unless funcpar's launcher
-    prints it. ``printed``: said on stderr already (the launcher's summary leaves it out, so it is said once)."""
+    prints it. ``printed``: said on stderr already (the launcher's summary leaves it out, so it is said once).
+    ``retry``: False for a failure a restart would only repeat (a refusal, a wrong setting): funcpar's launcher
+    then spends no ``--max-restarts`` on it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
             with open(path, "w") as fh:
-                json.dump({"message": message, "timestamp": int(time.time()), "printed": printed}, fh)
+                json.dump({"message": message, "timestamp": int(time.time()), "printed": printed, "retry": retry},
+                          fh)
         except OSError:
             path = None
     if not printed and (not path or echo and os.environ.get(LAUNCHER_ENV) != "1"):

@@ -53,6 +53,9 @@ from funcpar.train.zero3 import Zero3Loss, gather_params, units_of
 __all__ = ["LoraConfig", "Lora", "LoraError", "LoraWeight", "ShardedBase"]
 
 
+_REGEX = re.compile(r"[\\^$*+?\[\](){}|]")  # a target with any of these is a path regex, else a module name
+
+
 class LoraError(ValueError):
     """A LoRA configuration that cannot apply to the model (names the target or the key)."""
 
@@ -76,6 +79,13 @@ class LoraConfig:
             raise LoraError(f"LoRA dropout={self.dropout!r}: must be in [0, 1)")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise LoraError(f"LoRA targets={self.targets!r}: name at least one module (q, v, q_proj, ...)")
+        for t in self.targets:  # (a regex that does not compile: said here, not as re's traceback at the match)
+            if _REGEX.search(t):
+                try:
+                    re.compile(t)
+                except re.error as e:
+                    raise LoraError(f"LoRA target {t!r} is not a valid regular expression ({e}): name a module "
+                                    f"(q, v, q_proj, ...) or give a path regex such as 'layers\\.\\d+\\.wq'") from None
 
     @property
     def scale(self) -> float:
@@ -92,6 +102,10 @@ class LoraConfig:
                 key = key.strip()
                 if key not in ("r", "alpha", "targets", "dropout"):
                     raise LoraError(f"--lora {text!r}: unknown key '{key}' (r, alpha, targets, dropout)")
+                if key in fields:  # (the last one would silently win)
+                    how = "list the modules after one targets=, e.g. targets=q,v" if key == "targets" else (
+                        "give it once")
+                    raise LoraError(f"--lora {text!r}: '{key}' is given twice: {how}")
                 fields[key] = [value.strip()] if key == "targets" else value.strip()
             elif key == "targets" and item:
                 fields["targets"].append(item)
@@ -153,7 +167,7 @@ def _module_of(hf_name: str) -> str:
 
 
 def _matches(target: str, path: str, module: str) -> bool:
-    if re.search(r"[\\^$*+?\[\](){}|]", target):
+    if _REGEX.search(target):
         return re.fullmatch(target, path) is not None
     return module in (target, target + "_proj")
 
