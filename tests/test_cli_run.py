@@ -4,6 +4,7 @@ version and interval line say what they should."""
 
 import json
 import os
+import re
 import pty
 import subprocess
 import sys
@@ -391,11 +392,16 @@ def test_plan_ranks_cp_meshes_and_names_the_ones_seq_len_rules_out(capsys):
 def test_plan_estimates_a_steps_time_on_named_gpus_and_says_what_it_assumed(capsys):
     from funcpar.cli import main as cli
 
-    cli.plan(["--model", "llama-micro", "--mesh", "dp=2,tp=2", "--global-batch", "4", "--precision", "bf16",
-              "--gpu", "h100", "--links", "nvlink,ib400"])
+    cli.plan(["--model", "llama-micro", "--mesh", "dp=2,tp=2", "--global-batch", "4", "--seq-len", "32",
+              "--precision", "bf16", "--gpu", "h100", "--links", "nvlink,ib400"])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("estimated step: "))
-    assert "compute" in line and "dp " in line and "tp " in line and "tokens/s per rank" in line, line
+    assert "compute" in line and "dp " in line and "tp " in line, line
+    # 4 rows of 32 tokens a step, dp=2 x tp=2: the job's tokens over the step's seconds, a quarter of that per rank
+    got = re.search(r"estimated step: ([\d.]+) (µs|ms|s) .*; ([\d,]+) tokens/s for the job, ([\d,]+) per rank", line)
+    step_s = float(got[1]) * {"µs": 1e-6, "ms": 1e-3, "s": 1}[got[2]]
+    job, rank = (float(got[i].replace(",", "")) for i in (3, 4))
+    assert abs(job - 4 * 32 / step_s) <= 0.01 * job and abs(rank - job / 4) <= 1, line
     assert "NVIDIA H100 SXM: 415 TFLOP/s (42% of 989)" in line and "dp over nvlink" in line, line
     with pytest.raises(SystemExit, match=r"^funcpar: --links takes two of nvlink, nvlink3, ib400, ib200, eth100 "
                                          r"\(within a node, between nodes\), not 'nvlink'$"):

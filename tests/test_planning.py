@@ -197,3 +197,17 @@ def test_the_step_time_model_adds_compute_and_each_axis_over_its_link():
     n = sum(x.numel() for x in optree.tree_leaves(llama.init(cfg, device="meta"))) - V * 64  # (no embedding matmul)
     attention = 3 * 3.5 * 4 * ROWS * 4 * T * T * 16 * 0.5  # 3 layers, fwd + 2.5x bwd, 4 heads of 16, causal half
     assert flops == pytest.approx(6 * n * ROWS * T + attention, rel=0.02)
+
+
+def test_tokens_per_second_count_the_jobs_tokens_once_and_share_them_over_every_rank():
+    """Issue 57's figures: Llama-7B, 128 rows of 256 tokens a step on 8 ranks. pp=8 (every rank sees the whole
+    batch, 128 micro-batches) at 1.224 s: 26,771 tokens/s for the job, 3,346 per rank (was printed as 3,427,148 per
+    rank); dp=8 at ZeRO-3 (16 rows a rank) at 4.724 s: 6,936 and 867 (was 13,874)."""
+    from funcpar.cli.planning import tokens_per_second
+
+    job, rank = tokens_per_second(128, 256, fp.Mesh.abstract(pp=8), 1.224)
+    assert round(job) == 26771 and round(rank) == 3346
+    job, rank = tokens_per_second(16, 256, fp.Mesh.abstract(dp=8), 4.724)
+    assert round(job) == 6936 and round(rank) == 867
+    job, rank = tokens_per_second(64, 256, fp.Mesh.abstract(dp=2, tp=2, pp=2), 1.0)
+    assert job == 64 * 2 * 256 and rank == job / 8
