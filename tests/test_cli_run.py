@@ -821,3 +821,22 @@ def test_track_sends_each_row_to_wandb_and_mlflow_and_a_resumed_run_continues_th
     with pytest.raises(SystemExit, match=r"^funcpar: --track mlflow needs the mlflow package, which is not "
                                          r"installed: pip install mlflow"):
         cli.main([*run, "--steps", "2", "--out", "other"])
+
+
+def test_plan_for_cuda_on_a_machine_without_a_gpu(capsys):
+    """`funcpar plan --device cuda` (or `--gpu`) plans a GPU's memory on a machine without one: meta tensors stand
+    for the GPU's, the step's host tensors too, and no host process is added to the peak (issue 57: it was refused,
+    "no GPU is visible here")."""
+    from funcpar.cli import main as cli
+
+    args = ["--model", "llama-micro", "--mesh", "dp=2,tp=2", "--global-batch", "4", "--seq-len", "32"]
+    cli.plan(args + ["--device", "cpu"])
+    cpu = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("traced step"))
+    assert "+ runtime" in cpu, cpu
+    cli.plan(args + ["--device", "cuda"])
+    cuda = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("traced step"))
+    assert "+ runtime" not in cuda and "peak" in cuda, cuda
+    cli.plan(args + ["--gpu", "a100", "--precision", "bf16"])  # (--device auto: the plan is for the GPUs named)
+    out = capsys.readouterr().out
+    assert "+ runtime" not in next(x for x in out.splitlines() if x.startswith("traced step"))
+    assert "NVIDIA A100 SXM" in next(x for x in out.splitlines() if x.startswith("estimated step: "))

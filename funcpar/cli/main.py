@@ -614,9 +614,7 @@ def plan(argv: list[str]) -> None:
         return estimate_time(row, axes, ranking.gpu, links, ranking.gpus_per_node, dtype, ranking.efficiency)
 
     def build(axes, zero):
-        # the device rank 0 of this mesh would get here (auto: cuda when this node has a GPU for each rank); the
-        # step's small host-side tensors (statistics) are real, so planning for cuda needs a GPU here
-        device = resolve_device(opts["device"], local_rank=0, local_world=math.prod(axes.values()) or 1)[0]
+        device = _plan_device(opts["device"], ranking.gpu, axes)
         mesh = fp.Mesh.abstract(device=device, **axes)
         dp, micro = mesh.axis_size("dp"), opts["micro_batches"]
         if opts["global_batch"] % (dp * micro):
@@ -643,6 +641,20 @@ def plan(argv: list[str]) -> None:
     print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len,
                (lambda row, step: estimate(row, axes)) if ranking.gpu else None,
                documents=not opts["cross_document"] and None)  # (None: where the model takes them)
+
+
+def _plan_device(device: str, gpu: str | None, axes: dict) -> "torch.device":
+    """The device rank 0 of a planned mesh computes on: ``cuda`` when asked (``--device cuda``) or when the plan is
+    for GPUs (``--gpu``), whether or not this machine has one (the trace's meta tensors stand for it:
+    ``planning._GpusOnMeta``); otherwise what ``--device`` gives here (auto: cuda when this node has a GPU for each
+    rank)."""
+    import torch
+
+    if gpu is not None and device in ("auto", "cuda") or device == "cuda":
+        return torch.device("cuda", 0)
+    if isinstance(device, str) and device.startswith("cuda:"):
+        return torch.device(device)
+    return resolve_device(device, local_rank=0, local_world=math.prod(axes.values()) or 1)[0]
 
 
 def _check_ranking(ranking) -> None:

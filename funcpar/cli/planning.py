@@ -6,6 +6,7 @@ Everything here works on shapes only (``model.init(cfg, device="meta")``) and an
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import re
@@ -397,7 +398,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         raise ValueError(f"trace_step traces meta tensors over an abstract mesh (fp.Mesh.abstract(...)), or real "
                          f"ones over a real mesh; not device={device!r} over {mesh!r}")
     rows = next(x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)).shape[0]
-    with MemoryTrace(device) as tr, _fused_attention_on_meta(mesh.device.type):
+    with MemoryTrace(device) as tr, _fused_attention_on_meta(mesh.device.type), _no_gpu_here(mesh.device):
         state = step.init(optree.tree_map(lambda x: x.clone(), params))  # fresh: the trace sees them allocated
         gc.collect()  # what init let go of is gone by now in the real run too: count no cycle that holds it
         held = tr.live
@@ -416,6 +417,28 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": peak,
                 "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late,
                 "flops": tr.flops.get("step", 0.0) / steps}
+
+
+class _GpusOnMeta(torch.overrides.TorchFunctionMode):
+    """While a plan for CUDA is traced on a machine without a GPU, a tensor asked for on ``cuda`` is made on meta
+    (meta already stands for the mesh's device: :class:`_fused_attention_on_meta`): the step's few host tensors it
+    moves to the device (its statistics) then trace like the rest, and a laptop plans a GPU cluster."""
+
+    @staticmethod
+    def _meta(x):
+        if isinstance(x, torch.device) and x.type == "cuda" or isinstance(x, str) and x.split(":")[0] == "cuda":
+            return torch.device("meta")
+        return x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args = tuple(self._meta(a) for a in args)
+        kwargs = {k: self._meta(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def _no_gpu_here(device: torch.device):
+    """:class:`_GpusOnMeta` where ``device`` is CUDA and this machine has no GPU, else nothing."""
+    return _GpusOnMeta() if device.type == "cuda" and not torch.cuda.is_available() else contextlib.nullcontext()
 
 
 class _fused_attention_on_meta:
