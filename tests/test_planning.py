@@ -211,3 +211,23 @@ def test_tokens_per_second_count_the_jobs_tokens_once_and_share_them_over_every_
     assert round(job) == 6936 and round(rank) == 867
     job, rank = tokens_per_second(64, 256, fp.Mesh.abstract(dp=2, tp=2, pp=2), 1.0)
     assert job == 64 * 2 * 256 and rank == job / 8
+
+
+def test_the_device_search_takes_pipeline_meshes_with_enough_micro_batches(capsys):
+    """`funcpar plan --devices N` ranks pp x dp x tp meshes too where the model has a staged form (issue 57: it
+    never proposed a pipeline), each with at least twice as many micro-batches as stages where --micro-batches
+    gives fewer, and a pipeline's estimate stretched by its schedule's bubble."""
+    from funcpar.cli import main as cli
+    from funcpar.cli.planning import candidate_meshes, estimate_time
+
+    assert {"pp": 2, "dp": 4, "tp": 1} in candidate_meshes(8, pipeline=True)
+    assert {"pp": 8, "dp": 1, "tp": 1} in candidate_meshes(8, pipeline=True)
+    assert not any("pp" in m for m in candidate_meshes(8))
+    assert len(candidate_meshes(8, pipeline=True)) == 10  # (pp, tp over the divisors of 8 and of 8/pp)
+    cli.plan(["--model", "llama-micro", "--global-batch", "8", "--seq-len", "32", "--devices", "2", "--memory", "1",
+              "--gpu", "h100", "--precision", "bf16"])
+    out = capsys.readouterr().out
+    assert any(line.startswith("pp=2,dp=1,tp=1 m=4") and " yes " in line for line in out.splitlines()), out
+    row = {"flops": 1e12, "traffic": {}}
+    plain, piped = (estimate_time(row, {"pp": 2}, "h100", ("nvlink", "ib400"), bubble=b)["compute"] for b in (0, .2))
+    assert piped == pytest.approx(plain / 0.8)

@@ -611,25 +611,28 @@ def plan(argv: list[str]) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts["precision"])
 
     def estimate(row, axes, step=None):
-        return estimate_time(row, axes, ranking.gpu, links, ranking.gpus_per_node, dtype, ranking.efficiency)
+        bubble = step.executor.plan.schedule.simulate()["bubble"] if getattr(step, "executor", None) else 0.0
+        return estimate_time(row, axes, ranking.gpu, links, ranking.gpus_per_node, dtype, ranking.efficiency,
+                             bubble)
 
     def build(axes, zero):
         device = _plan_device(opts["device"], ranking.gpu, axes)
         mesh = fp.Mesh.abstract(device=device, **axes)
-        dp, micro = mesh.axis_size("dp"), opts["micro_batches"]
+        dp, micro = mesh.axis_size("dp"), _micro_batches(opts, axes)
         if opts["global_batch"] % (dp * micro):
             raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro}")
         model, cfg = model_config(opts["model"], mesh, opts["generic"])  # (ValueErrors: rank_meshes notes them)
         try:
-            step = build_step({**opts, "zero": zero}, model, cfg, mesh, model.specs(cfg, mesh))
+            step = build_step({**opts, "zero": zero, "micro_batches": micro}, model, cfg, mesh, model.specs(cfg, mesh))
         except SystemExit as e:  # an option this mesh cannot take (--seq-len over cp, ...): a reason, not the end
             raise ValueError(str(e.code).removeprefix("funcpar: ")) from None
         return model, cfg, step, opts["global_batch"] // dp, opts["seq_len"]
 
     if ranking.devices:
         memory = ranking.memory * 2**30
-        context = model_config(opts["model"], None, opts["generic"])[0].context_parallel  # (cp: where it has it)
-        rows = rank_meshes(build, ranking.devices, memory, context=context,
+        spec = model_config(opts["model"], None, opts["generic"])[0]
+        context, pipeline = spec.context_parallel, spec.stages is not None  # (cp, pp: where the model has them)
+        rows = rank_meshes(build, ranking.devices, memory, context=context, pipeline=pipeline,
                            estimate=estimate if ranking.gpu else None, documents=not opts["cross_document"] and None)
         print_ranking(rows, ranking.devices, memory)
         return
@@ -639,8 +642,19 @@ def plan(argv: list[str]) -> None:
         raise SystemExit(f"funcpar: {e}") from None
     axes = parse_mesh(opts["mesh"])
     print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len,
-               (lambda row, step: estimate(row, axes)) if ranking.gpu else None,
+               (lambda row, step: estimate(row, axes, step)) if ranking.gpu else None,
                documents=not opts["cross_document"] and None)  # (None: where the model takes them)
+
+
+def _micro_batches(opts, axes: dict) -> int:
+    """The micro-batches a planned mesh runs: ``--micro-batches``; on pipeline stages (``pp`` > 1) at least twice
+    the stages where it gives fewer (a pipeline of as many micro-batches as stages idles half its time), the
+    smallest such count that splits each dp rank's rows, else ``--micro-batches`` as given."""
+    micro, pp = opts["micro_batches"], axes.get("pp", 1)
+    if pp <= 1 or micro >= 2 * pp:
+        return micro
+    rows = opts["global_batch"] // max(axes.get("dp", 1), 1)
+    return next((m for m in range(2 * pp, rows + 1) if rows % m == 0), micro)
 
 
 def _plan_device(device: str, gpu: str | None, axes: dict) -> "torch.device":

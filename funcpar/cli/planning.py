@@ -182,37 +182,44 @@ def tokens_per_second(rows: int, seq_len: int, mesh, step_seconds: float) -> tup
     return job, job / math.prod(mesh.shape.values())
 
 
-def candidate_meshes(devices: int, context: bool = False) -> list[dict[str, int]]:
-    """Every ``dp x tp`` factorisation of ``devices`` (pipeline stages aside); with ``context``, every ``dp x cp x
-    tp`` one (a cp axis only where it has more than one rank)."""
+def candidate_meshes(devices: int, context: bool = False, pipeline: bool = False) -> list[dict[str, int]]:
+    """Every ``dp x tp`` factorisation of ``devices``; with ``context``, every ``dp x cp x tp`` one; with
+    ``pipeline``, every ``pp x ...`` one too (a cp or pp axis only where it has more than one rank)."""
     out = []
-    for tp in (n for n in range(1, devices + 1) if devices % n == 0):
-        for cp in (n for n in range(1, devices // tp + 1) if devices // tp % n == 0 and (context or n == 1)):
-            out.append({"dp": devices // tp // cp, **({"cp": cp} if cp > 1 else {}), "tp": tp})
+    for pp in (n for n in range(1, devices + 1) if devices % n == 0 and (pipeline or n == 1)):
+        rest = devices // pp
+        for tp in (n for n in range(1, rest + 1) if rest % n == 0):
+            for cp in (n for n in range(1, rest // tp + 1) if rest // tp % n == 0 and (context or n == 1)):
+                out.append({**({"pp": pp} if pp > 1 else {}), "dp": rest // tp // cp, **({"cp": cp} if cp > 1 else {}),
+                            "tp": tp})
     return out
 
 
 def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False,
-                estimate=None, documents: bool | None = None) -> list[dict[str, Any]]:
-    """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too: :func:`candidate_meshes`) at
-    each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows, seq_len)`` or raises ``ValueError``
-    naming why that mesh cannot run. The ones whose peak (with the runtime, on the CPU) fits in ``memory`` bytes
-    come first: fastest first by ``estimate(row, axes, step)`` (:func:`estimate_time`'s dict, kept as
-    ``row["time"]``; a plan for GPUs: the peaks without the host process) when given, else fewest bytes sent per
-    step first (then lowest peak)."""
+                estimate=None, documents: bool | None = None, pipeline: bool = False) -> list[dict[str, Any]]:
+    """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too; with ``pipeline``, pp axes:
+    :func:`candidate_meshes`) at each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows,
+    seq_len)`` or raises ``ValueError`` naming why that mesh cannot run. The ones whose peak (with the runtime, on
+    the CPU) fits in ``memory`` bytes come first: fastest first by ``estimate(row, axes, step)``
+    (:func:`estimate_time`'s dict, kept as ``row["time"]``; a plan for GPUs: the peaks without the host process)
+    when given, else fewest bytes sent per step first (then lowest peak). A row keeps its step's micro-batches
+    (``micro``)."""
     out = []
-    for axes in candidate_meshes(devices, context):
+    for axes in candidate_meshes(devices, context, pipeline):
         for zero in zeros:
             row: dict[str, Any] = {"axes": axes, "zero": zero}
             try:
                 model, cfg, step, rows, seq_len = build(axes, zero)
                 row |= trace_plan(model, cfg, step, rows, seq_len, gpu=estimate is not None, documents=documents)
+                row["micro"] = step.options.accum_steps
                 row["need"] = row["peak"] + row["runtime"]
                 row["fits"] = row["need"] <= memory
                 if estimate is not None:
                     row["time"] = estimate(row, axes, step)
             except ValueError as e:
                 row |= {"fits": False, "why": str(e)}
+            except RuntimeError as e:  # (a path the meta trace cannot follow: shown as that mesh's row, not the end)
+                row |= {"fits": False, "why": f"not traced on meta tensors: {str(e).splitlines()[0][:150]}"}
             out.append(row)
     return sorted(out, key=lambda r: (not r["fits"], "why" in r, r["time"]["step"] if "time" in r else 0,
                                       sum(r.get("traffic", {}).values()), r.get("need", 0)))
@@ -235,14 +242,15 @@ MEASURED_EFFICIENCY = 0.42
 
 def estimate_time(row: dict[str, Any], axes: dict[str, int], gpu: str, links: tuple[str, str],
                   gpus_per_node: int = 8, dtype: torch.dtype | None = None,
-                  efficiency: float = MEASURED_EFFICIENCY) -> dict[str, Any]:
+                  efficiency: float = MEASURED_EFFICIENCY, bubble: float = 0.0) -> dict[str, Any]:
     """A step's seconds on a mesh of GPUs of kind ``gpu`` (:data:`GPUS`), from a plan ``row`` (:func:`trace_plan`:
     this rank's ``flops`` and the bytes each axis sends, ``traffic``): the FLOPs at ``efficiency`` of the datasheet
     rate for ``dtype`` (bf16/fp16: the tensor cores'; else fp32's), plus each axis's bytes over the link it crosses
     (``links``: within a node, between nodes; an axis is within a node when it and the axes inside it, in the mesh's
     order, span at most ``gpus_per_node`` ranks), with no overlap of the two (funcpar overlaps only tp's backward
     all-reduce with the weight gradients). Returns ``compute`` and ``comm`` (by axis) seconds, their sum ``step``, and
-    the assumptions in words (``assumptions``)."""
+    the assumptions in words (``assumptions``). ``bubble``: the share of a pipeline step a stage idles (its
+    schedule's :meth:`simulate`), which stretches the compute."""
     kind = GPUS[gpu]
     rate = kind["bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"] * efficiency
     order = [a for a in ("pp", "dp", *[a for a in axes if a not in STANDARD_AXES], "tp") if a in axes]
@@ -252,11 +260,12 @@ def estimate_time(row: dict[str, Any], axes: dict[str, int], gpu: str, links: tu
         link = links[0] if span <= gpus_per_node else links[1]
         if row["traffic"].get(a):
             comm[a] = (row["traffic"][a] / LINKS[link], link)
-    compute = row["flops"] / rate
+    compute = row["flops"] / rate / (1 - bubble)  # (a pipeline stage idles ``bubble`` of the step: its schedule's)
     step = compute + sum(t for t, _ in comm.values())
     said = (f"{kind['name']}: {rate / 1e12:.0f} TFLOP/s ({efficiency:.0%} of {rate / efficiency / 1e12:.0f}), "
             + ", ".join(f"{a} over {link} at {LINKS[link] / 1e9:.0f} GB/s" for a, (_, link) in comm.items())
-            + f"; {gpus_per_node} GPUs a node; no overlap of compute and communication")
+            + f"; {gpus_per_node} GPUs a node; no overlap of compute and communication"
+            + (f"; the pipeline idles {bubble:.0%} of the step (its schedule's bubble)" if bubble else ""))
     return {"compute": compute, "comm": {a: t for a, (t, _) in comm.items()}, "step": step, "assumptions": said}
 
 
@@ -275,6 +284,8 @@ def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float) -> No
           + ("  est. step" if timed else ""))
     for r in rows:
         mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
+        if r["axes"].get("pp", 1) > 1 and "micro" in r:  # (a pipeline's micro-batches: its bubble's share)
+            mesh += f" m={r['micro']}"
         if "why" in r:
             print(f"{mesh:<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why']}")
             continue
@@ -431,8 +442,9 @@ class _GpusOnMeta(torch.overrides.TorchFunctionMode):
         return x
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         args = tuple(self._meta(a) for a in args)
-        kwargs = {k: self._meta(v) for k, v in (kwargs or {}).items()}
+        kwargs = {k: self._meta(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
 
