@@ -611,9 +611,8 @@ def plan(argv: list[str]) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts["precision"])
 
     def estimate(row, axes, step=None):
-        bubble = step.executor.plan.schedule.simulate()["bubble"] if getattr(step, "executor", None) else 0.0
         return estimate_time(row, axes, ranking.gpu, links, ranking.gpus_per_node, dtype, ranking.efficiency,
-                             bubble)
+                             _bubble(step))
 
     def build(axes, zero):
         device = _plan_device(opts["device"], ranking.gpu, axes)
@@ -644,6 +643,11 @@ def plan(argv: list[str]) -> None:
     print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len,
                (lambda row, step: estimate(row, axes, step)) if ranking.gpu else None,
                documents=not opts["cross_document"] and None)  # (None: where the model takes them)
+
+
+def _bubble(step) -> float:
+    """The share of ``step`` its pipeline stages idle (its schedule's simulation), 0 off pipelines."""
+    return step.executor.plan.schedule.simulate()["bubble"] if getattr(step, "executor", None) else 0.0
 
 
 def _micro_batches(opts, axes: dict) -> int:
