@@ -585,8 +585,8 @@ def plan(argv: list[str]) -> None:
     """Print the sharding table and the traced per-rank memory of the train step for a model on a mesh, without
     starting processes; with ``--devices N --memory GiB``, rank the meshes of N devices that fit."""
     ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False, allow_abbrev=False)  # (--device is not --devices)
-    ap.add_argument("--devices", type=int, metavar="N", help="rank the meshes of N devices (dp x tp, and cp where "
-                                                              "the model has it) by the traced step")
+    ap.add_argument("--devices", type=int, metavar="N", help="rank the meshes of N devices (dp x tp, and pp and cp "
+                                                              "where the model has them) by the traced step")
     ap.add_argument("--memory", type=float, default=float("inf"), metavar="GiB",
                     help="with --devices: each device's memory; the meshes whose peak fits come first")
     ap.add_argument("--gpu", choices=sorted(GPUS), help="estimate each step's time on these GPUs (their peaks then "
