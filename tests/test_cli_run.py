@@ -385,7 +385,7 @@ def test_plan_ranks_cp_meshes_and_names_the_ones_seq_len_rules_out(capsys):
 
     cli.plan(["--model", "llama-micro", "--seq-len", "66", "--global-batch", "4", "--devices", "2", "--memory", "4"])
     out = capsys.readouterr().out
-    assert any(line.startswith("dp=2,tp=1") and line.endswith("yes") for line in out.splitlines()), out
+    assert any(line.startswith("dp=2,tp=1") and " yes " in line for line in out.splitlines()), out
     assert "dp=1,cp=2,tp=1      1            -            -  --mesh cp=2 splits each sequence into 4 pieces" in out
 
 
@@ -398,12 +398,14 @@ def test_plan_estimates_a_steps_time_on_named_gpus_and_says_what_it_assumed(caps
     line = next(x for x in out.splitlines() if x.startswith("estimated step: "))
     assert "compute" in line and "dp " in line and "tp " in line, line
     # 4 rows of 32 tokens a step, dp=2 x tp=2: the job's tokens over the step's seconds, a quarter of that per rank
-    got = re.search(r"estimated step: ([\d.]+) (µs|ms|s) .*; ([\d,]+) tokens/s for the job, ([\d,]+) per rank", line)
+    got = re.search(r"estimated step: ([\d.]+) (µs|ms|s) .*; ([\d.,]+) samples/s, ([\d,]+) tokens/s for the job, "
+                    r"([\d,]+) per rank", line)
     step_s = float(got[1]) * {"µs": 1e-6, "ms": 1e-3, "s": 1}[got[2]]
-    job, rank = (float(got[i].replace(",", "")) for i in (3, 4))
+    samples, job, rank = (float(got[i].replace(",", "")) for i in (3, 4, 5))
     assert abs(job - 4 * 32 / step_s) <= 0.01 * job and abs(rank - job / 4) <= 1, line
-    assert "NVIDIA H100 SXM: 415 TFLOP/s (42% of 989)" in line and "dp over nvlink" in line, line
-    with pytest.raises(SystemExit, match=r"^funcpar: --links takes two of nvlink, nvlink3, ib400, ib200, eth100 "
+    assert abs(samples - 4 / step_s) <= 0.01 * samples, line
+    assert "NVIDIA H100 SXM: matmuls at 81% of 989 TFLOP/s (half)" in line and "dp over nvlink" in line, line
+    with pytest.raises(SystemExit, match=r"^funcpar: --links takes two of nvlink, nvlink3, ib400, ib200, eth100, loopback "
                                          r"\(within a node, between nodes\), not 'nvlink'$"):
         cli.plan(["--model", "llama-micro", "--gpu", "h100", "--links", "nvlink"])
 

@@ -318,8 +318,8 @@ def test_plan_for_gpus_leaves_the_host_process_out_and_shows_small_step_times(ca
     cli.plan(["--model", "llama-micro", "--global-batch", "4", "--devices", "2", "--memory", "4", "--gpu", "h100"])
     out = capsys.readouterr().out.splitlines()
     head = next(x for x in out if x.startswith("mesh "))
-    assert head.endswith("est. step"), head
-    timed = [x for x in out if x.startswith(("dp=", "tp=")) and x.split()[-1] in ("s", "ms", "µs")]
+    assert head.endswith("est. step  samples/s"), head
+    timed = [x for x in out if x.startswith(("dp=", "tp=")) and x.split()[-2] in ("s", "ms", "µs")]
     assert timed and not any(" 0.000" in x for x in timed), out
     assert [planning.seconds(s) for s in (2.5, 0.156, 0.0123, 4.56e-5)] == ["2.5 s", "0.156 s", "12.3 ms", "45.6 µs"]
 

@@ -177,19 +177,31 @@ def test_the_plan_sees_context_parallelism_divide_the_activations_and_ranks_cp_m
 
 
 def test_the_step_time_model_adds_compute_and_each_axis_over_its_link():
-    """estimate_time: the traced FLOPs at the efficiency of the datasheet rate for the dtype, plus each axis's bytes
-    over NVLink when it and the axes inside it span a node, over the network otherwise; the traced FLOPs of a
-    step are the model's 6·N per token (no embedding matmul) plus the attention's."""
-    from funcpar.cli.planning import GPUS, LINKS, estimate_time
+    """step_seconds: each traced operator on the device's roofline (a matmul at the larger of its FLOPs over the
+    reached matmul rate and its bytes over the reached bandwidth; another kernel at its bytes), the longer of the
+    device's and the host's time on a GPU, plus each axis's bytes over NVLink when it and the axes inside it span a
+    node, over the network otherwise; the traced FLOPs of a step are the model's 6·N per token (no embedding
+    matmul) plus the attention's."""
+    from funcpar.cli.timing import DEVICES, LINKS, step_seconds
 
-    row = {"flops": 4e14, "traffic": {"dp": 9e9, "tp": 36e9}}
-    e = estimate_time(row, {"dp": 4, "tp": 4}, "h100", ("nvlink", "ib400"), 8, torch.bfloat16, 0.5)
-    assert e["compute"] == 4e14 / (0.5 * GPUS["h100"]["bf16"])
+    h100 = DEVICES["h100"]
+    ops = {("mm", True, 4e14, 10**9): 1, ("kernel", True, 0.0, 8 * 10**9): 10, ("view", True, 0.0, 0): 100}
+    row = {"ops": ops, "traffic": {"dp": 9e9, "tp": 36e9}}
+    e = step_seconds(row, {"dp": 4, "tp": 4}, h100, ("nvlink", "ib400"), 8)
+    mm = 4e14 / (989e12 * h100.ceiling["half"])
+    kernels = 10 * 8e9 / (3.35e12 * h100.streaming)
+    assert e["compute"] == pytest.approx(mm + kernels, rel=1e-12)
+    assert e["parts"]["host"] == pytest.approx(111 * h100.dispatch)
     assert e["comm"] == {"tp": 36e9 / LINKS["nvlink"], "dp": 9e9 / LINKS["ib400"]}  # dp x tp spans 16 > 8
     assert e["step"] == pytest.approx(e["compute"] + e["comm"]["tp"] + e["comm"]["dp"], rel=1e-12)
     assert "dp over ib400" in e["assumptions"] and "tp over nvlink" in e["assumptions"]
-    inside = estimate_time(row, {"dp": 2, "tp": 4}, "h100", ("nvlink", "ib400"), 8, torch.float32, 0.5)
-    assert inside["comm"]["dp"] == 9e9 / LINKS["nvlink"] and inside["compute"] == 4e14 / (0.5 * 67e12)
+    thin = step_seconds({"ops": {("mm", True, 2e6, 10**9): 1}, "traffic": {}}, {}, h100, ("nvlink", "ib400"))
+    assert thin["compute"] == pytest.approx(1e9 / (3.35e12 * h100.streaming))  # a thin matmul: bound by its bytes
+    tiny = {("kernel", False, 0.0, 64): 10**5}  # many small kernels: the host's dispatch is the step
+    assert step_seconds({"ops": tiny, "traffic": {}}, {}, h100, ("nvlink", "ib400"))["compute"] == pytest.approx(
+        10**5 * h100.dispatch)
+    inside = step_seconds(row, {"dp": 2, "tp": 4}, h100, ("nvlink", "ib400"), 8)
+    assert inside["comm"]["dp"] == 9e9 / LINKS["nvlink"]
     mesh = fp.Mesh.abstract()
     cfg = _config(mesh)
     step = _step(mesh, 0, False, 1)
@@ -218,7 +230,8 @@ def test_the_device_search_takes_pipeline_meshes_with_enough_micro_batches(capsy
     never proposed a pipeline), each with at least twice as many micro-batches as stages where --micro-batches
     gives fewer, and a pipeline's estimate stretched by its schedule's bubble."""
     from funcpar.cli import main as cli
-    from funcpar.cli.planning import candidate_meshes, estimate_time
+    from funcpar.cli.planning import candidate_meshes
+    from funcpar.cli.timing import DEVICES, step_seconds
 
     assert {"pp": 2, "dp": 4, "tp": 1} in candidate_meshes(8, pipeline=True)
     assert {"pp": 8, "dp": 1, "tp": 1} in candidate_meshes(8, pipeline=True)
@@ -228,6 +241,7 @@ def test_the_device_search_takes_pipeline_meshes_with_enough_micro_batches(capsy
               "--gpu", "h100", "--precision", "bf16"])
     out = capsys.readouterr().out
     assert any(line.startswith("pp=2,dp=1,tp=1 m=4") and " yes " in line for line in out.splitlines()), out
-    row = {"flops": 1e12, "traffic": {}}
-    plain, piped = (estimate_time(row, {"pp": 2}, "h100", ("nvlink", "ib400"), bubble=b)["compute"] for b in (0, .2))
+    row = {"ops": {("mm", True, 1e12, 10**6): 1}, "traffic": {}}
+    plain, piped = (step_seconds(row, {"pp": 2}, DEVICES["h100"], ("nvlink", "ib400"), bubble=b)["compute"]
+                    for b in (0, .2))
     assert piped == pytest.approx(plain / 0.8)

@@ -60,8 +60,9 @@ def _rewrite(folder: Path, change, config=None) -> Path:
     (["--devices", "2", "--memory", "nan"],
      "funcpar: --memory nan: expected each device's memory in GiB, a positive number (e.g. 80)"),
     (["--devices", "2", "--gpu", "h100", "--efficiency", "0"],
-     "funcpar: --efficiency 0: expected the share of the datasheet's FLOP rate a step reaches, above 0 and at most 1 "
-     "(default 0.42)"),
+     "funcpar: --efficiency 0: expected the share of the datasheet's matmul rate a large matmul reaches, above 0 and "
+     "at most 1 (default 0.81, measured)"),
+    (["--threads", "0"], "funcpar: --threads 0: expected threads a rank, 1 or more"),
     (["--devices", "2", "--gpu", "h100", "--gpus-per-node", "0"], "funcpar: --gpus-per-node 0: expected 1 or more"),
     (["--mesh", "pp=2", "--parts", "1e308,-1e308"],
      "funcpar: bad --parts entry '1e308': expected layer counts such as 3,5 or 2.5,1.5"),

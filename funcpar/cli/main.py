@@ -37,8 +37,9 @@ from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step,
                              model_config, parse_mesh, read_options, run_options, saved_options, saved_run_options,
                              tokenizer, with_epochs,
                              with_tokenizer)
-from funcpar.cli.planning import (GPUS, LINKS, MEASURED_EFFICIENCY, estimate_time, params_like, print_plan,
-                                  print_ranking, rank_meshes, sharding_table, vocab_note)
+from funcpar.cli.planning import (params_like, print_plan, print_ranking, rank_meshes, sharding_table, trace_micro,
+                                  vocab_note)
+from funcpar.cli.timing import DEFAULT_LINKS, DEVICES, GPU_REACHED, LINKS, host_device, step_seconds
 from funcpar.cli.plot import plot_metrics
 from funcpar.cli.trackers import open_trackers
 
@@ -581,68 +582,107 @@ def train(argv: list[str]) -> None:
 # --------------------------------------------------------------------------------------------- plan, convert
 
 
-def plan(argv: list[str]) -> None:
-    """Print the sharding table and the traced per-rank memory of the train step for a model on a mesh, without
-    starting processes; with ``--devices N --memory GiB``, rank the meshes of N devices that fit."""
+def planner(argv: list[str]):
+    """``funcpar plan``'s command line read: ``(ranking, opts, build, estimate)``: its own flags, the step's options,
+    ``build(axes, zero, micro=None)`` -> ``(model, cfg, step, rows, seq_len)`` of one dp rank on an abstract mesh
+    (rank 0's), and
+    ``estimate(row, axes, step)`` (:func:`_estimator`; None where the plan has no device to time)."""
     ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False, allow_abbrev=False)  # (--device is not --devices)
     ap.add_argument("--devices", type=int, metavar="N", help="rank the meshes of N devices (dp x tp, and pp and cp "
                                                               "where the model has them) by the traced step")
     ap.add_argument("--memory", type=float, default=float("inf"), metavar="GiB",
                     help="with --devices: each device's memory; the meshes whose peak fits come first")
-    ap.add_argument("--gpu", choices=sorted(GPUS), help="estimate each step's time on these GPUs (their peaks then "
-                                                        "without the host process)")
-    ap.add_argument("--links", default="nvlink,ib400", metavar="INTRA,INTER",
+    ap.add_argument("--gpu", choices=sorted(DEVICES), help="estimate each step's time on these GPUs (their peaks "
+                                                           "then without the host process)")
+    ap.add_argument("--links", metavar="INTRA,INTER",
                     help=f"with --gpu: the links within a node and between nodes, of {', '.join(LINKS)} (default: "
-                         f"nvlink,ib400)")
+                         f"nvlink3,ib200 for an A100, else nvlink,ib400)")
     ap.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="with --gpu: GPUs a node (default: 8)")
-    ap.add_argument("--efficiency", type=float, default=MEASURED_EFFICIENCY, metavar="F",
-                    help=f"with --gpu: the share of the datasheet's FLOP rate a step reaches (default: "
-                         f"{MEASURED_EFFICIENCY}, measured)")
+    ap.add_argument("--efficiency", type=float, metavar="F",
+                    help=f"with --gpu: the share of the datasheet's matmul rate a large matmul reaches (default: "
+                         f"{GPU_REACHED['ceiling']['half']:.2f} in bf16/fp16, measured; funcpar.cli.timing)")
+    ap.add_argument("--micro-batch-size", type=int, metavar="ROWS",
+                    help="rows a micro-batch (DeepSpeed's train_micro_batch_size_per_gpu): each mesh then runs its dp "
+                         "rank's rows over ROWS micro-batches (default: --micro-batches; pipelines at least 2 x pp)")
+    ap.add_argument("--threads", type=int, metavar="N", help="on the CPU: threads a rank (default: OMP_NUM_THREADS, "
+                                                             "else 1, as funcpar train runs)")
     ranking, rest = ap.parse_known_args(argv)
     opts = read_options(rest, "plan", parents=[ap], epilog=(
-        "--devices N [--memory GiB]: rank the meshes that fit; --gpu h100|h200|a100 [--links INTRA,INTER] "
-        "[--gpus-per-node N] [--efficiency F]: estimate each step's time on such GPUs (docs/MEASUREMENTS.md: the "
-        "model and its check)"))
+        "--devices N [--memory GiB]: rank the meshes that fit; --gpu h100|h200|a100|a100-40g [--links INTRA,INTER] "
+        "[--gpus-per-node N] [--efficiency F]: estimate each step's time on such GPUs (on the CPU: this machine's; "
+        "docs/MEASUREMENTS.md: the model and its checks)"))
     _check_ranking(ranking)
-    links = tuple(ranking.links.split(","))
-    if len(links) != 2 or any(x not in LINKS for x in links):
-        raise SystemExit(f"funcpar: --links takes two of {', '.join(LINKS)} (within a node, between nodes), not "
-                         f"'{ranking.links}'")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts["precision"])
+    estimate = _estimator(ranking, opts)
 
-    def estimate(row, axes, step=None):
-        return estimate_time(row, axes, ranking.gpu, links, ranking.gpus_per_node, dtype, ranking.efficiency,
-                             _bubble(step))
-
-    def build(axes, zero):
+    def build(axes, zero, micro=None):  # (micro: that many micro-batches of the step's size, for trace_micro)
         device = _plan_device(opts["device"], ranking.gpu, axes)
         mesh = fp.Mesh.abstract(device=device, **axes)
-        dp, micro = mesh.axis_size("dp"), _micro_batches(opts, axes)
-        if opts["global_batch"] % (dp * micro):
-            raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro}")
+        dp, micro_batches = mesh.axis_size("dp"), _micro_batches(opts, axes, ranking.micro_batch_size)
+        if opts["global_batch"] % (dp * micro_batches):
+            raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro_batches}")
+        micro = micro or micro_batches
         model, cfg = model_config(opts["model"], mesh, opts["generic"])  # (ValueErrors: rank_meshes notes them)
         try:
             step = build_step({**opts, "zero": zero, "micro_batches": micro}, model, cfg, mesh, model.specs(cfg, mesh))
         except SystemExit as e:  # an option this mesh cannot take (--seq-len over cp, ...): a reason, not the end
             raise ValueError(str(e.code).removeprefix("funcpar: ")) from None
-        return model, cfg, step, opts["global_batch"] // dp, opts["seq_len"]
+        return model, cfg, step, opts["global_batch"] // dp // micro_batches * micro, opts["seq_len"]
+
+    return ranking, opts, build, estimate
+
+
+def plan(argv: list[str]) -> None:
+    """Print the sharding table and the traced per-rank memory of the train step for a model on a mesh, without
+    starting processes, and its estimated time; with ``--devices N --memory GiB``, rank the meshes of N devices that
+    fit."""
+    ranking, opts, build, estimate = planner(argv)
 
     if ranking.devices:
         memory = ranking.memory * 2**30
         spec = model_config(opts["model"], None, opts["generic"])[0]
         context, pipeline = spec.context_parallel, spec.stages is not None  # (cp, pp: where the model has them)
-        rows = rank_meshes(build, ranking.devices, memory, context=context, pipeline=pipeline,
-                           estimate=estimate if ranking.gpu else None, documents=not opts["cross_document"] and None)
+        rows = rank_meshes(build, ranking.devices, memory, context=context, pipeline=pipeline, estimate=estimate,
+                           documents=not opts["cross_document"] and None, gpu=ranking.gpu is not None)
         print_ranking(rows, ranking.devices, memory)
         return
+    axes, documents = parse_mesh(opts["mesh"]), not opts["cross_document"] and None  # (None: where the model has them)
     try:
-        model, cfg, step, rows, seq_len = build(parse_mesh(opts["mesh"]), opts["zero"])
+        model, cfg, step, rows, seq_len = built = build(axes, opts["zero"])
     except ValueError as e:
         raise SystemExit(f"funcpar: {e}") from None
-    axes = parse_mesh(opts["mesh"])
+    traced = trace_micro(build, axes, opts["zero"], ranking.gpu is not None, documents, built)
     print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len,
-               (lambda row, step: estimate(row, axes, step)) if ranking.gpu else None,
-               documents=not opts["cross_document"] and None)  # (None: where the model takes them)
+               (lambda row, step: estimate(row, axes, step)) if estimate else None, gpu=ranking.gpu is not None,
+               documents=documents, traced=traced)
+
+
+def _estimator(ranking, opts):
+    """``estimate(row, axes, step)``: a traced step's time (:func:`funcpar.cli.timing.step_seconds`) on the GPUs
+    ``--gpu`` names (``--links`` between them, ``--efficiency`` their matmuls' share), or on this machine's CPU when
+    the plan is for it (its ranks sharing its cores); None for a plan on a GPU without ``--gpu``."""
+    if ranking.gpu:
+        links = tuple(ranking.links.split(",")) if ranking.links else DEFAULT_LINKS.get(ranking.gpu,
+                                                                                        ("nvlink", "ib400"))
+        if len(links) != 2 or any(x not in LINKS for x in links):
+            raise SystemExit(f"funcpar: --links takes two of {', '.join(LINKS)} (within a node, between nodes), not "
+                             f"'{ranking.links}'")
+        dev = DEVICES[ranking.gpu]
+        if ranking.efficiency is not None:
+            dev = dataclasses.replace(dev, ceiling={k: ranking.efficiency for k in dev.ceiling})
+
+        def on_gpus(row, axes, step=None):
+            return step_seconds(row, axes, dev, links, ranking.gpus_per_node, _bubble(step))
+        return on_gpus
+    if _plan_device(opts["device"], None, {}).type != "cpu":
+        return None
+    threads = ranking.threads or max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
+    dev = host_device(threads)
+
+    def on_host(row, axes, step=None):
+        ranks = math.prod(axes.values()) or 1
+        share = min(1.0, (os.cpu_count() or 1) / (ranks * min(threads, os.cpu_count() or 1)))
+        return step_seconds(row, axes, dev, ("loopback", "loopback"), ranks, _bubble(step), share)
+    return on_host
 
 
 def _bubble(step) -> float:
@@ -650,10 +690,16 @@ def _bubble(step) -> float:
     return step.executor.plan.schedule.simulate()["bubble"] if getattr(step, "executor", None) else 0.0
 
 
-def _micro_batches(opts, axes: dict) -> int:
-    """The micro-batches a planned mesh runs: ``--micro-batches``; on pipeline stages (``pp`` > 1) at least twice
-    the stages where it gives fewer (a pipeline of as many micro-batches as stages idles half its time), the
+def _micro_batches(opts, axes: dict, size: int | None = None) -> int:
+    """The micro-batches a planned mesh runs: each dp rank's rows over ``size`` rows a micro-batch
+    (``--micro-batch-size``) when given; else ``--micro-batches``, and on pipeline stages (``pp`` > 1) at least
+    twice the stages where it gives fewer (a pipeline of as many micro-batches as stages idles half its time), the
     smallest such count that splits each dp rank's rows, else ``--micro-batches`` as given."""
+    if size:
+        rows = opts["global_batch"] // max(axes.get("dp", 1), 1)
+        if rows % size:
+            raise ValueError(f"a dp rank's {rows} rows do not split into micro-batches of {size}")
+        return rows // size
     micro, pp = opts["micro_batches"], axes.get("pp", 1)
     if pp <= 1 or micro >= 2 * pp:
         return micro
@@ -686,9 +732,15 @@ def _check_ranking(ranking) -> None:
                          f"number (e.g. 80)")
     if ranking.gpus_per_node < 1:
         raise SystemExit(f"funcpar: --gpus-per-node {ranking.gpus_per_node}: expected 1 or more")
-    if not 0 < ranking.efficiency <= 1:
-        raise SystemExit(f"funcpar: --efficiency {ranking.efficiency:g}: expected the share of the datasheet's FLOP "
-                         f"rate a step reaches, above 0 and at most 1 (default {MEASURED_EFFICIENCY})")
+    if ranking.efficiency is not None and not 0 < ranking.efficiency <= 1:
+        raise SystemExit(f"funcpar: --efficiency {ranking.efficiency:g}: expected the share of the datasheet's "
+                         f"matmul rate a large matmul reaches, above 0 and at most 1 (default "
+                         f"{GPU_REACHED['ceiling']['half']:.2f}, measured)")
+    if ranking.micro_batch_size is not None and ranking.micro_batch_size < 1:
+        raise SystemExit(f"funcpar: --micro-batch-size {ranking.micro_batch_size}: expected rows a micro-batch, 1 or "
+                         f"more")
+    if ranking.threads is not None and ranking.threads < 1:
+        raise SystemExit(f"funcpar: --threads {ranking.threads}: expected threads a rank, 1 or more")
 
 
 def _to_checkpoint(src: Path, dst: str, mesh, overwrite: bool) -> str:

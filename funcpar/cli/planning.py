@@ -21,8 +21,9 @@ from torch.nn.attention.bias import CausalBias
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from funcpar.cli.timing import SYNC, op_key, seconds
 from funcpar.nn import attention as A
-from funcpar.parallel.mesh import STANDARD_AXES
+from funcpar.parallel.collectives import on_simulated_wire
 from funcpar.spec import broadcast_specs, local_shape
 
 __all__ = ["params_like", "local_params", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan",
@@ -135,12 +136,46 @@ def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None, gpu:
     return out
 
 
+def trace_micro(build, axes: dict[str, int], zero: int, gpu: bool = False, documents: bool | None = None,
+                built: tuple | None = None) -> dict[str, Any]:
+    """:func:`trace_plan` of the step ``build(axes, zero)`` makes (``(model, cfg, step, rows, seq_len)``; ``built``:
+    that tuple, when made already), in bounded time.
+
+    A step of many micro-batches (more than twice the pipeline's stages and a round more) is traced at two shorter
+    counts ``m1 < m2`` of the same micro-batch (``build(axes, zero, micro)``), and its FLOPs, operators, bytes sent
+    and memory, linear in the count, extrapolated to the step's (``extrapolated``: ``(m1, m2)``; ``sequence``: both
+    traces' and the factor, which :func:`funcpar.cli.timing.compute_seconds` extrapolates the same way). A
+    pipeline's schedule and an accumulation reach their in-flight micro-batches by then (bounded by the stages): what
+    still grows with the count is the batch itself and a value or two per micro-batch. The row keeps the step's
+    micro-batches (``micro``), rows and sequence length. (A pipeline is traced on its first stage, rank 0's: funcpar
+    cuts the stages to equal weights, the head's counted, so the first stands for the others.)"""
+    model, cfg, step, rows, seq_len = built or build(axes, zero)
+    m, pp = step.options.accum_steps, axes.get("pp", 1)
+    m1 = 2 * pp if pp > 1 else 2
+    m2 = m1 + max(pp, 2)
+    if m <= m2 or rows % m:
+        out = trace_plan(model, cfg, step, rows, seq_len, gpu=gpu, documents=documents)
+    else:
+        one, two = (trace_plan(*build(axes, zero, k)[:3], rows // m * k, seq_len, gpu=gpu, documents=documents)
+                    for k in (m1, m2))
+        f = (m - m1) / (m2 - m1)
+
+        def line(a: dict, b: dict) -> dict:
+            return {k: a.get(k, 0) + f * (b.get(k, 0) - a.get(k, 0)) for k in {*a, *b}}
+        out = {**two, "flops": one["flops"] + f * (two["flops"] - one["flops"]), "ops": line(one["ops"], two["ops"]),
+               "traffic": line(one["traffic"], two["traffic"]), "extrapolated": (m1, m2),
+               "sequence": (one["sequence"], two["sequence"], f),
+               **{k: round(one[k] + f * (two[k] - one[k])) for k in ("state", "step_peak", "peak")}}
+    return out | {"micro": m, "rows": rows, "seq_len": seq_len, "step": step}
+
+
 def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int, estimate=None,
-               documents: bool | None = None) -> None:
+               documents: bool | None = None, gpu: bool = False, traced: dict | None = None) -> None:
     """Print what ``funcpar plan`` shows: the parameter count, the sharding table, and per rank the memory of the
     parameters, gradients and optimizer state, the activations and the peak of a step (traced), and the traffic;
-    with ``estimate(row, step)`` (:func:`estimate_time`'s dict: a plan for GPUs, its peak without the host
-    process), the step's estimated time."""
+    with ``estimate(row, step)`` (:func:`funcpar.cli.timing.step_seconds`'s dict), the step's estimated time and
+    throughput. ``gpu``: the plan is for GPUs (``--gpu``): its peak without the host process. ``traced``: the
+    step's trace when made already (:func:`trace_micro`)."""
     from funcpar.tree import leaves_with_path
 
     mesh = step.mesh
@@ -157,7 +192,10 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     mem = memory_plan(stage, specs, mesh, zero, OPTIMIZER_SLOTS.get(optimizer, 2))
     print(f"per rank (zero={zero}, {optimizer}): params {mem['params']:.2f} MiB, grads "
           f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
-    t = trace_plan(model, cfg, step, rows, seq_len, like, gpu=estimate is not None, documents=documents)
+    t = traced or trace_plan(model, cfg, step, rows, seq_len, like, gpu=gpu, documents=documents)
+    if t.get("extrapolated"):
+        print(f"(traced at {t['extrapolated'][0]} and {t['extrapolated'][1]} micro-batches; the step's "
+              f"{step.options.accum_steps} extrapolated: each micro-batch's work is the same)")
     host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
     acts = f"activations {_mib(t['activations'])} per micro-batch; " if step.executor is None else ""
     how = (" (the eager step's trace: compile='auto' compiles this step's gradient and inductor plans its buffers)"
@@ -170,7 +208,8 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
         comm = ", ".join(f"{a} {seconds(s)}" for a, s in e["comm"].items()) or "none"
         job, per_rank = tokens_per_second(rows, seq_len, mesh, e["step"])
         print(f"estimated step: {seconds(e['step'])} (compute {seconds(e['compute'])}, communication {comm}); "
-              f"{job:,.0f} tokens/s for the job, {per_rank:,.0f} per rank. Assumed: {e['assumptions']}")
+              f"{job / seq_len:,.2f} samples/s, {job:,.0f} tokens/s for the job, {per_rank:,.0f} per rank. "
+              f"Assumed: {e['assumptions']}")
 
 
 def tokens_per_second(rows: int, seq_len: int, mesh, step_seconds: float) -> tuple[float, float]:
@@ -196,22 +235,31 @@ def candidate_meshes(devices: int, context: bool = False, pipeline: bool = False
 
 
 def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False,
-                estimate=None, documents: bool | None = None, pipeline: bool = False) -> list[dict[str, Any]]:
+                estimate=None, documents: bool | None = None, pipeline: bool = False,
+                gpu: bool = False) -> list[dict[str, Any]]:
     """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too; with ``pipeline``, pp axes:
     :func:`candidate_meshes`) at each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows,
-    seq_len)`` or raises ``ValueError`` naming why that mesh cannot run. The ones whose peak (with the runtime, on
-    the CPU) fits in ``memory`` bytes come first: fastest first by ``estimate(row, axes, step)``
-    (:func:`estimate_time`'s dict, kept as ``row["time"]``; a plan for GPUs: the peaks without the host process)
-    when given, else fewest bytes sent per step first (then lowest peak). A row keeps its step's micro-batches
-    (``micro``)."""
+    seq_len)`` or raises ``ValueError`` naming why that mesh cannot run. A mesh whose state between steps alone
+    exceeds ``memory`` (:func:`_held`) is pruned untraced; the ones whose peak (with the runtime, on the CPU) fits in
+    ``memory`` bytes come first (traced by :func:`trace_micro`, which takes ``build(axes, zero,
+    micro)`` too): fastest first by ``estimate(row, axes, step)``
+    (:func:`funcpar.cli.timing.step_seconds`'s dict, kept as ``row["time"]``) when given, else fewest bytes sent
+    per step first (then lowest peak). ``gpu``: a plan for GPUs (the peaks without the host process). A row keeps
+    its step's micro-batches (``micro``) and rows a step (``rows``, for its throughput)."""
     out = []
     for axes in candidate_meshes(devices, context, pipeline):
         for zero in zeros:
             row: dict[str, Any] = {"axes": axes, "zero": zero}
             try:
-                model, cfg, step, rows, seq_len = build(axes, zero)
-                row |= trace_plan(model, cfg, step, rows, seq_len, gpu=estimate is not None, documents=documents)
-                row["micro"] = step.options.accum_steps
+                built = build(axes, zero)
+                held = _held(*built[:3], zero)
+                if held > memory:  # (pruned before its trace: what it holds between steps is over already)
+                    row |= {"fits": False, "why": f"does not fit: its parameters, gradients and optimizer state "
+                                                  f"alone take {_mib(held)} a rank (not traced)"}
+                    out.append(row)
+                    continue
+                row |= trace_micro(build, axes, zero, gpu, documents, built)
+                step = row.pop("step")
                 row["need"] = row["peak"] + row["runtime"]
                 row["fits"] = row["need"] <= memory
                 if estimate is not None:
@@ -225,76 +273,59 @@ def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bo
                                       sum(r.get("traffic", {}).values()), r.get("need", 0)))
 
 
-# ------------------------------------------------------------------------------------ a step's time on paper
-# Datasheet matmul rates (dense, FLOP/s) and memory. fp32 is the CUDA cores' rate: torch leaves TF32 off for matmuls.
-GPUS = {
-    "h100": {"name": "NVIDIA H100 SXM", "bf16": 989e12, "fp32": 67e12, "memory": 80 * 2**30},
-    "h200": {"name": "NVIDIA H200 SXM", "bf16": 989e12, "fp32": 67e12, "memory": 141e9},
-    "a100": {"name": "NVIDIA A100 SXM", "bf16": 312e12, "fp32": 19.5e12, "memory": 80 * 2**30},
-}
-# Bytes per second one GPU sends over a link in a collective: what NCCL reaches (its bus bandwidth), not the
-# datasheet (NVLink 4: 450 GB/s a direction, ~360 GB/s reached; a 400 Gb/s NIC per GPU: 50 GB/s, ~45 reached).
-LINKS = {"nvlink": 360e9, "nvlink3": 240e9, "ib400": 45e9, "ib200": 22e9, "eth100": 11e9}
-# funcpar's compiled step on one H100 at the Llama-3.2-1B shape (issue 44: 0.156 s for 4 x 2048 tokens, bf16):
-# its traced FLOPs over that time, as a fraction of the datasheet's bf16 rate (benchmarks/multi_gpu_estimate.py).
-MEASURED_EFFICIENCY = 0.42
-
-
-def estimate_time(row: dict[str, Any], axes: dict[str, int], gpu: str, links: tuple[str, str],
-                  gpus_per_node: int = 8, dtype: torch.dtype | None = None,
-                  efficiency: float = MEASURED_EFFICIENCY, bubble: float = 0.0) -> dict[str, Any]:
-    """A step's seconds on a mesh of GPUs of kind ``gpu`` (:data:`GPUS`), from a plan ``row`` (:func:`trace_plan`:
-    this rank's ``flops`` and the bytes each axis sends, ``traffic``): the FLOPs at ``efficiency`` of the datasheet
-    rate for ``dtype`` (bf16/fp16: the tensor cores'; else fp32's), plus each axis's bytes over the link it crosses
-    (``links``: within a node, between nodes; an axis is within a node when it and the axes inside it, in the mesh's
-    order, span at most ``gpus_per_node`` ranks), with no overlap of the two (funcpar overlaps only tp's backward
-    all-reduce with the weight gradients). Returns ``compute`` and ``comm`` (by axis) seconds, their sum ``step``, and
-    the assumptions in words (``assumptions``). ``bubble``: the share of a pipeline step a stage idles (its
-    schedule's :meth:`simulate`), which stretches the compute."""
-    kind = GPUS[gpu]
-    rate = kind["bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"] * efficiency
-    order = [a for a in ("pp", "dp", *[a for a in axes if a not in STANDARD_AXES], "tp") if a in axes]
-    comm = {}
-    for i, a in enumerate(order):
-        span = math.prod(axes[b] for b in order[i:])
-        link = links[0] if span <= gpus_per_node else links[1]
-        if row["traffic"].get(a):
-            comm[a] = (row["traffic"][a] / LINKS[link], link)
-    compute = row["flops"] / rate / (1 - bubble)  # (a pipeline stage idles ``bubble`` of the step: its schedule's)
-    step = compute + sum(t for t, _ in comm.values())
-    said = (f"{kind['name']}: {rate / 1e12:.0f} TFLOP/s ({efficiency:.0%} of {rate / efficiency / 1e12:.0f}), "
-            + ", ".join(f"{a} over {link} at {LINKS[link] / 1e9:.0f} GB/s" for a, (_, link) in comm.items())
-            + f"; {gpus_per_node} GPUs a node; no overlap of compute and communication"
-            + (f"; the pipeline idles {bubble:.0%} of the step (its schedule's bubble)" if bubble else ""))
-    return {"compute": compute, "comm": {a: t for a, (t, _) in comm.items()}, "step": step, "assumptions": said}
-
-
-def seconds(s: float) -> str:
-    """A duration with three significant figures: ``1.23 s``, ``0.156 s``, ``12.3 ms``, ``45.6 µs``."""
-    if s >= 0.1 or s <= 0:
-        return f"{s:.3g} s" if s < 100 else f"{s:,.0f} s"
-    return f"{s * 1e3:.3g} ms" if s >= 1e-4 else f"{s * 1e6:.3g} µs"
+def _held(model, cfg, step, zero: int) -> float:
+    """Bytes a rank of ``step`` holds between steps at least (:func:`memory_plan` of its stage, float32 state and
+    AdamW's two slots): a mesh over ``--memory`` by this alone is pruned untraced."""
+    like = params_like(model, cfg)
+    stage = like if step.executor is None else step.executor.plan.select(like)
+    return memory_plan(stage, step.specs, step.mesh, zero)["total"] * 2**20
 
 
 def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float) -> None:
+    """:func:`rank_meshes`'s rows as a table (with their estimated step and samples a second, when timed), then why
+    each of the next fitting layouts is slower than the first (:func:`_why_slower`)."""
     timed = any("time" in r for r in rows)
     order = "then fastest by the estimate" if timed else "then fewest bytes sent"
     print(f"meshes of {devices} devices with {memory / 2**30:g} GiB each (fits first, {order}):")
     print(f"{'mesh':<16} {'zero':>4} {'peak/rank':>12} {'activations':>12}  {'sends per step':<30} fits"
-          + ("  est. step" if timed else ""))
+          + ("  est. step  samples/s" if timed else ""))
     for r in rows:
-        mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
-        if r["axes"].get("pp", 1) > 1 and "micro" in r:  # (a pipeline's micro-batches: its bubble's share)
-            mesh += f" m={r['micro']}"
         if "why" in r:
-            print(f"{mesh:<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why']}")
+            print(f"{_layout(r):<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why']}")
             continue
         need = ("~" if r["eager_trace"] else "") + _mib(r["need"])  # (a compiled step: its eager trace's figure)
-        est = f"  {seconds(r['time']['step'])}" if "time" in r else ""
-        print(f"{mesh:<16} {r['zero']:>4} {need:>12} {_mib(r['activations']):>12}  "
+        est = f"  {seconds(r['time']['step']):>9}  {_samples(r):>9,.2f}" if "time" in r else ""
+        print(f"{_layout(r):<16} {r['zero']:>4} {need:>12} {_mib(r['activations']):>12}  "
               f"{_traffic(r['traffic']):<30} {'yes' if r['fits'] else 'no '}{est}")
     if timed:
         print("the estimate, for the first mesh: " + next(r["time"]["assumptions"] for r in rows if "time" in r))
+        fit = [r for r in rows if r["fits"] and "time" in r]
+        for r in fit[1:4]:
+            print(f"  {_layout(r)} zero={r['zero']}: {_why_slower(fit[0], r)}")
+
+
+def _layout(r: dict[str, Any]) -> str:
+    mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
+    if r["axes"].get("pp", 1) > 1 and "micro" in r:  # (a pipeline's micro-batches: its bubble's share)
+        mesh += f" m={r['micro']}"
+    return mesh
+
+
+def _samples(r: dict[str, Any]) -> float:
+    """A ranked row's samples (rows of its sequence length) a second, the whole job's."""
+    return r["rows"] * r["axes"].get("dp", 1) / r["time"]["step"]
+
+
+def _why_slower(first: dict[str, Any], r: dict[str, Any]) -> str:
+    """Where ``r``'s estimated step spends the time ``first``'s does not: its parts (compute, each axis's
+    communication) against the first's, the largest first."""
+    def parts(x):
+        return {"compute": x["time"]["compute"], **{f"{a} communication": t for a, t in x["time"]["comm"].items()}}
+    mine, best = parts(r), parts(first)
+    more = sorted(((mine.get(k, 0) - best.get(k, 0), k) for k in {*mine, *best}), reverse=True)
+    said = ", ".join(f"{k} {'+' if d >= 0 else '-'}{seconds(abs(d))}" for d, k in more
+                     if abs(d) > 1e-3 * r["time"]["step"])
+    return f"{r['time']['step'] / first['time']['step']:.2f}x the first's step ({said or 'the same parts'})"
 
 
 # ------------------------------------------------------------------------------------------ tracing a step on meta
@@ -318,7 +349,10 @@ class MemoryTrace(TorchDispatchMode):
         self.device = torch.device(device).type
         self.live = self.peak = self.late = 0
         self.phase, self.peaks, self.flops = "setup", {}, {}
+        self.ops: dict[tuple, int] = {}  # the "step" phase's operators by cost (funcpar.cli.timing.op_key)
+        self.sequence: list[tuple] = []  # and in their order: a GPU's queue of kernels (funcpar.cli.timing.queue)
         self._seen: set[int] = set()
+        self._keys: dict[tuple, tuple] = {}
         self._lock, self._thread = threading.RLock(), threading.get_ident()  # frees come from gloo's threads too
 
     def mark(self, phase: str) -> None:
@@ -347,11 +381,17 @@ class MemoryTrace(TorchDispatchMode):
                 self.peaks[self.phase] = self.live
                 self.peak = max(self.peak, self.live)
 
+    def _sync(self) -> None:
+        """A value read back to the host: the host waits for the device (the queue drains: timing.queue)."""
+        if self.phase == "step":
+            self.sequence.append(SYNC)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if src is not None and src.is_meta:
             if func is torch.ops.aten._local_scalar_dense.default:
+                self._sync()
                 return True if src.dtype == torch.bool else 1
             if func is torch.ops.aten.bincount.default:  # (no meta kernel: its length is data; ``minlength`` stands)
                 weights = args[1] if len(args) > 1 else kwargs.get("weights")
@@ -362,12 +402,19 @@ class MemoryTrace(TorchDispatchMode):
                 return out
             to = kwargs.get("device")
             if func is torch.ops.aten._to_copy.default and to is not None and torch.device(to).type != "meta":
+                self._sync()
                 return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device=to)
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.device.type == self.device:
                 self._track(t)
-        self.flops[self.phase] = self.flops.get(self.phase, 0) + _flops(func, args, kwargs, out)
+        flops = _flops(func, args, kwargs, out)
+        self.flops[self.phase] = self.flops.get(self.phase, 0) + flops
+        if self.phase == "step" and not on_simulated_wire():  # (a simulated collective's copies: the wire's work)
+            key = op_key(func, args, kwargs, out, flops)
+            key = self._keys.setdefault(key, key)  # (one tuple per cost: the sequence holds references)
+            self.ops[key] = self.ops.get(key, 0) + 1
+            self.sequence.append(key)
         return out
 
 
@@ -400,7 +447,9 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
     any point of a step, transients included), ``peak`` (the same over ``init`` too: the parameters and their copy
     into the step's buffers), ``traffic`` (bytes this rank sends per step, by mesh axis) and ``late``
     (:class:`MemoryTrace`: on a real mesh, the largest buffer the transport's own thread released; 0 on meta);
-    and ``flops``, the floating-point operations of one step on this rank (:func:`_flops`).
+    ``flops``, the floating-point operations of one step on this rank (:func:`_flops`); and ``ops``, its operators
+    tallied by cost (:func:`funcpar.cli.timing.op_key` -> calls a step), what :mod:`funcpar.cli.timing` prices, and
+    ``sequence``: ``(the operators of every traced step in order, steps)``, for a GPU's queue.
 
     ``device="cpu"`` traces a real step on a real mesh the same way (params and batch real): what the tests compare
     the plan with."""
@@ -427,7 +476,8 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         peak = max(v for phase, v in tr.peaks.items() if phase != "probe")
         return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": peak,
                 "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late,
-                "flops": tr.flops.get("step", 0.0) / steps}
+                "flops": tr.flops.get("step", 0.0) / steps, "ops": {k: n / steps for k, n in tr.ops.items()},
+                "sequence": (tr.sequence, steps)}
 
 
 class _GpusOnMeta(torch.overrides.TorchFunctionMode):

@@ -35,6 +35,8 @@ mesh, for planning: nothing sent, traffic counted, buffers filled as if every ra
 
 from __future__ import annotations
 
+import functools
+
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -151,6 +153,33 @@ class CollectiveWire:
         return y
 
 
+_WIRE = [0]  # > 0 while a simulated collective stands in for the wire (on_simulated_wire)
+
+
+def on_simulated_wire() -> bool:
+    """True inside a :class:`CollectiveSimulation` collective: the operators it runs to fill its outputs stand for
+    the transport's work (counted as traffic), not the device's (a plan's time model leaves them out)."""
+    return _WIRE[0] > 0
+
+
+def _simulated_wire(cls):
+    """Every public method of ``cls`` marked as the wire's work while it runs (:func:`on_simulated_wire`)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def on_wire(*args, **kwargs):
+            _WIRE[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _WIRE[0] -= 1
+        return on_wire
+    for name, fn in list(vars(cls).items()):
+        if callable(fn) and not name.startswith("_"):
+            setattr(cls, name, wrap(fn))
+    return cls
+
+
+@_simulated_wire
 class CollectiveSimulation:
     """The collectives of an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning; its ``comm``, with
     :mod:`funcpar.parallel.p2p`'s messages): nothing is sent, every rank is taken to hold this rank's values. The

@@ -154,8 +154,20 @@ class ZeroLayout:
         return out
 
     def unpack(self, b: Bucket, whole: torch.Tensor) -> list[torch.Tensor]:
-        """Views into a whole flat bucket ``whole``: its leaves, in the bucket's order."""
-        return [whole[o : o + n].view(self.shapes[i]) for i, o, n in zip(b.leaves, b.offsets, b.sizes, strict=True)]
+        """Views into a whole flat bucket ``whole``: its leaves, in the bucket's order. Cut by one ``split`` (gaps and
+        padding as pieces of their own), whose backward is one concatenation: cut by a slice each, a differentiable
+        ``whole`` (ZeRO-3's gathered unit) would get a zero-filled whole-bucket gradient per leaf, summed."""
+        order = sorted(range(len(b.leaves)), key=lambda j: b.offsets[j])
+        sizes, at, where = [], 0, {}
+        for j in order:
+            if b.offsets[j] > at:
+                sizes.append(b.offsets[j] - at)
+            where[j], at = len(sizes), b.offsets[j] + b.sizes[j]
+            sizes.append(b.sizes[j])
+        if whole.numel() > at:
+            sizes.append(whole.numel() - at)
+        pieces = whole.split(sizes)
+        return [pieces[where[j]].view(self.shapes[i]) for j, i in enumerate(b.leaves)]
 
     def unflatten(self, leaves: list) -> Any:
         return optree.tree_unflatten(self.treedef, leaves)
