@@ -162,7 +162,7 @@ def on_simulated_wire() -> bool:
     return _WIRE[0] > 0
 
 
-def _simulated_wire(cls):
+def simulated_wire(cls):
     """Every public method of ``cls`` marked as the wire's work while it runs (:func:`on_simulated_wire`)."""
     def wrap(fn):
         @functools.wraps(fn)
@@ -179,7 +179,7 @@ def _simulated_wire(cls):
     return cls
 
 
-@_simulated_wire
+@simulated_wire
 class CollectiveSimulation:
     """The collectives of an abstract mesh (:meth:`funcpar.Mesh.abstract`, for planning; its ``comm``, with
     :mod:`funcpar.parallel.p2p`'s messages): nothing is sent, every rank is taken to hold this rank's values. The

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from funcpar.parallel import transport
-from funcpar.parallel.collectives import CollectiveError, CollectiveSimulation, CollectiveWire, _simulated_wire
+from funcpar.parallel.collectives import CollectiveError, CollectiveSimulation, CollectiveWire, simulated_wire
 from funcpar.parallel.transport import count as _count, wait as _wait
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -197,7 +197,7 @@ class Wire(CollectiveWire):
                        f"receive from {axis}={src} (tag {tag})")
 
 
-@_simulated_wire
+@simulated_wire
 class Simulation(CollectiveSimulation):
     """An abstract mesh's communication (planning): :class:`~funcpar.parallel.collectives.CollectiveSimulation`'s
     collectives, and messages that go nowhere: a send counts what it would send (as a ring counts twice its bytes:
