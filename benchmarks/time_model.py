@@ -57,7 +57,8 @@ def predict(argv: list[str]) -> dict:
     e = estimate(row, axes, step)
     samples = row["rows"] * axes.get("dp", 1) / e["step"]
     return {"argv": argv, "step": e["step"], "compute": e["compute"], "comm": e["comm"], "samples_per_s": samples,
-            "peak_gib": (row["peak"] + row["runtime"]) / 2**30, "parts": e["parts"], "trace_s": time.time() - t0}
+            "peak_gib": (row["peak"] + row["runtime"]) / 2**30, "step_peak_gib": row["step_peak"] / 2**30,
+            "parts": e["parts"], "trace_s": time.time() - t0}
 
 
 def cpu_points(results: str) -> list[dict]:
@@ -170,7 +171,8 @@ def report(points: list[dict]) -> None:
                     f"({p['samples_per_s'] / ref - 1:+.0%}); fits: {p['fits']}")
         else:
             said = f"published {ref}, predicted {p['samples_per_s']:.2f} samples/s; fits: {p['fits']}"
-        print(f"{p['point']}: {said}; peak {p['peak_gib']:.2f} GiB; traced in {p['trace_s']:.0f} s")
+        print(f"{p['point']}: {said}; peak {p['peak_gib']:.2f} GiB (in the steps {p['step_peak_gib']:.2f}); traced "
+              f"in {p['trace_s']:.0f} s")
         print("   funcpar plan " + " ".join(p["argv"]))
 
 
