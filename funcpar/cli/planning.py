@@ -166,6 +166,7 @@ def trace_micro(build, axes: dict[str, int], zero: int, gpu: bool = False, docum
                "traffic": line(one["traffic"], two["traffic"]), "extrapolated": (m1, m2),
                "sequence": (one["sequence"], two["sequence"], f),
                **{k: round(one[k] + f * (two[k] - one[k])) for k in ("state", "step_peak", "peak")}}
+        out["peak"] = max(out["peak"], out["step_peak"])  # (each extrapolated alone: init's peak does not grow)
     return out | {"micro": m, "rows": rows, "seq_len": seq_len, "step": step}
 
 
