@@ -102,6 +102,7 @@ def gpu_points() -> list[dict]:
         ("small", "h200", "fp32", 8, 256, 0.023, "benchmarks/gpu/RESULTS-fp32.md (ba7be80, 2026-11-26)"),
         ("large", "h200", "fp32", 8, 256, 0.034, "benchmarks/gpu/RESULTS-fp32.md (ba7be80, 2026-11-26)"),
         ("gpu", "h200", "bf16", 4, 2048, 0.136, "benchmarks/gpu/RESULTS-bf16-gpu.md (ba7be80, 2026-11-26)"),
+        ("1b", "h100", "bf16", 4, 2048, 0.156, "issue 44: the compiled step (priced here as its eager trace)"),
     ]
     out = []
     for shape, gpu, precision, rows, seq, measured, source in cases:

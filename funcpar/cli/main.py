@@ -695,15 +695,14 @@ def _micro_batches(opts, axes: dict, size: int | None = None) -> int:
     (``--micro-batch-size``) when given; else ``--micro-batches``, and on pipeline stages (``pp`` > 1) at least
     twice the stages where it gives fewer (a pipeline of as many micro-batches as stages idles half its time), the
     smallest such count that splits each dp rank's rows, else ``--micro-batches`` as given."""
+    rows = opts["global_batch"] // max(axes.get("dp", 1), 1)
     if size:
-        rows = opts["global_batch"] // max(axes.get("dp", 1), 1)
         if rows % size:
             raise ValueError(f"a dp rank's {rows} rows do not split into micro-batches of {size}")
         return rows // size
     micro, pp = opts["micro_batches"], axes.get("pp", 1)
     if pp <= 1 or micro >= 2 * pp:
         return micro
-    rows = opts["global_batch"] // max(axes.get("dp", 1), 1)
     return next((m for m in range(2 * pp, rows + 1) if rows % m == 0), micro)
 
 
@@ -712,8 +711,6 @@ def _plan_device(device: str, gpu: str | None, axes: dict) -> "torch.device":
     for GPUs (``--gpu``), whether or not this machine has one (the trace's meta tensors stand for it:
     ``planning._GpusOnMeta``); otherwise what ``--device`` gives here (auto: cuda when this node has a GPU for each
     rank)."""
-    import torch
-
     if gpu is not None and device in ("auto", "cuda") or device == "cuda":
         return torch.device("cuda", 0)
     if isinstance(device, str) and device.startswith("cuda:"):

@@ -118,22 +118,20 @@ def host_device(threads: int = 1) -> Device:
         was = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            rate, bw = _measure_matmul(), _measure_copy()
+            pin_host(_measure_matmul(), _measure_copy(), "measured here (funcpar.cli.timing.host_device)")
         finally:
             torch.set_num_threads(was)
-        _HOST.append(Device("this machine's CPU (1 thread)", {"half": rate, "fp32": rate}, bw, float("inf"),
-                            **CPU_REACHED, sources="measured here (funcpar.cli.timing.host_device)"))
     one, n = _HOST[0], max(1, min(threads, os.cpu_count() or 1))
     return replace(one, name=f"this machine's CPU ({n} thread{'s' * (n > 1)})",
                    flops={k: v * n for k, v in one.flops.items()}, bandwidth=one.bandwidth * n)
 
 
-def pin_host(flops: float, bandwidth: float | None = None) -> None:
+def pin_host(flops: float, bandwidth: float | None = None, sources: str = "pinned by the caller") -> None:
     """Set one thread's matmul rate (and copy bandwidth; default: measured) instead of measuring them: a benchmark
     prices its steps at the rates it measured beside them."""
     _HOST.clear()
     _HOST.append(Device("this machine's CPU (1 thread)", {"half": flops, "fp32": flops},
-                        bandwidth or _measure_copy(), float("inf"), **CPU_REACHED, sources="pinned by the caller"))
+                        bandwidth or _measure_copy(), float("inf"), **CPU_REACHED, sources=sources))
 
 
 def _measure_matmul(n: int = 1024, seconds: float = 0.4) -> float:
