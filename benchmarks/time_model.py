@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import common as C  # noqa: E402
 from funcpar.cli import main as cli  # noqa: E402
 from funcpar.cli import timing  # noqa: E402
-from funcpar.cli.planning import trace_micro  # noqa: E402
+from funcpar.cli.search import trace_layout  # noqa: E402
 
 PUBLISHED = ROOT / "benchmarks" / "published"
 FOLDERS: dict[str, str] = {}
@@ -52,7 +52,7 @@ def predict(argv: list[str]) -> dict:
     t0 = time.time()
     ranking, opts, build, estimate = cli.planner(argv)
     axes = cli.parse_mesh(opts["mesh"])
-    row = trace_micro(build, axes, opts["zero"], ranking.gpu is not None)
+    row = trace_layout(build, axes, opts["zero"], ranking.gpu is not None)
     step = row.pop("step")
     e = estimate(row, axes, step)
     samples = row["rows"] * axes.get("dp", 1) / e["step"]

@@ -315,7 +315,8 @@ def test_plan_for_gpus_leaves_the_host_process_out_and_shows_small_step_times(ca
     assert "+ runtime" not in traced and "123.0 MiB" not in traced, traced
     line = next(x for x in out.splitlines() if x.startswith("estimated step: "))
     assert "0.000" not in line and ("µs" in line or "ms" in line), line
-    cli.plan(["--model", "llama-micro", "--global-batch", "4", "--devices", "2", "--memory", "4", "--gpu", "h100"])
+    cli.plan(["--model", "llama-micro", "--global-batch", "4", "--devices", "2", "--memory", "4", "--gpu", "h100",
+              "--zero", "1", "--no-remat", "--pipeline", "1f1b", "--micro-batches", "1"])
     out = capsys.readouterr().out.splitlines()
     head = next(x for x in out if x.startswith("mesh "))
     assert head.endswith("est. step  samples/s"), head

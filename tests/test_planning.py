@@ -10,7 +10,8 @@ import torch
 import funcpar as fp
 import harness
 from funcpar.models import llama
-from funcpar.cli.planning import local_params, rank_meshes, trace_step
+from funcpar.cli.planning import local_params, trace_step
+from funcpar.cli.search import rank_meshes
 
 ROWS, T, V = 4, 16, 128
 CASES = {  # world size -> (mesh, zero, remat, accum_steps, param_dtype)
@@ -230,7 +231,7 @@ def test_the_device_search_takes_pipeline_meshes_with_enough_micro_batches(capsy
     never proposed a pipeline), each with at least twice as many micro-batches as stages where --micro-batches
     gives fewer, and a pipeline's estimate stretched by its schedule's bubble."""
     from funcpar.cli import main as cli
-    from funcpar.cli.planning import candidate_meshes
+    from funcpar.cli.search import candidate_meshes
     from funcpar.cli.timing import DEVICES, step_seconds
 
     assert {"pp": 2, "dp": 4, "tp": 1} in candidate_meshes(8, pipeline=True)
@@ -238,9 +239,10 @@ def test_the_device_search_takes_pipeline_meshes_with_enough_micro_batches(capsy
     assert not any("pp" in m for m in candidate_meshes(8))
     assert len(candidate_meshes(8, pipeline=True)) == 10  # (pp, tp over the divisors of 8 and of 8/pp)
     cli.plan(["--model", "llama-micro", "--global-batch", "8", "--seq-len", "32", "--devices", "2", "--memory", "1",
-              "--gpu", "h100", "--precision", "bf16"])
+              "--gpu", "h100", "--precision", "bf16", "--zero", "1", "--no-remat", "--pipeline", "1f1b",
+              "--micro-batches", "1"])
     out = capsys.readouterr().out
-    assert any(line.startswith("pp=2,dp=1,tp=1 m=4") and " yes " in line for line in out.splitlines()), out
+    assert any(line.split()[:5] == ["pp=2,dp=1,tp=1", "1", "no", "4", "1f1b"] for line in out.splitlines()), out
     row = {"ops": {("mm", True, 1e12, 10**6): 1}, "traffic": {}}
     plain, piped = (step_seconds(row, {"pp": 2}, DEVICES["h100"], ("nvlink", "ib400"), bubble=b)["compute"]
                     for b in (0, .2))

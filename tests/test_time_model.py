@@ -35,17 +35,18 @@ def test_op_key_prices_a_call_by_its_kind_flops_and_bytes():
 
 
 def test_a_step_of_many_micro_batches_is_traced_at_two_short_counts_and_extrapolated():
-    """trace_micro: a pipeline step of 16 micro-batches traced at 4 and 6 and extrapolated gives the FLOPs, the
+    """trace_layout: a pipeline step of 16 micro-batches traced at 4 and 6 and extrapolated gives the FLOPs, the
     operators and the bytes sent of tracing all 16 (each micro-batch's work is the same), and the same peak."""
     from funcpar.cli import main as cli
-    from funcpar.cli.planning import trace_micro, trace_plan
+    from funcpar.cli.planning import trace_plan
+    from funcpar.cli.search import trace_layout
 
     argv = ["--model", "llama-micro", "--mesh", "pp=2,dp=2", "--micro-batches", "16", "--global-batch", "64",
             "--seq-len", "32", "--device", "cpu", "--pipeline", "1f1b"]
     ranking, opts, build, estimate = cli.planner(argv)
     axes = cli.parse_mesh(opts["mesh"])
-    fast = trace_micro(build, axes, opts["zero"])
-    assert fast["extrapolated"] == (4, 6) and fast["micro"] == 16
+    fast = trace_layout(build, axes, opts["zero"])
+    assert fast["extrapolated"] == {"micro": (4, 6)} and fast["micro"] == 16
     model, cfg, step, rows, seq = build(axes, opts["zero"])
     full = trace_plan(model, cfg, step, rows, seq)
     assert fast["flops"] == pytest.approx(full["flops"], rel=1e-9)
@@ -83,23 +84,27 @@ def test_the_seeds_table_is_kept_as_data_with_its_source():
 
 
 def test_the_search_prunes_what_cannot_hold_its_state_and_sizes_micro_batches_by_rows(capsys):
-    """`funcpar plan --devices N`: a mesh whose parameters, gradients and optimizer state alone exceed --memory is
-    listed as not fitting without a trace; --micro-batch-size ROWS gives every mesh its dp rank's rows over ROWS
-    micro-batches (a pipeline of 8 rows at 2 a micro-batch runs 4); each fitting row shows its samples a second."""
+    """`funcpar plan --devices N`: a layout whose parameters, gradients and optimizer state alone exceed --memory is
+    named as not fitting without a trace; --micro-batch-size ROWS gives every mesh its dp rank's rows over ROWS
+    micro-batches (a pipeline of 8 rows at 2 a micro-batch runs 4); each fitting row shows its samples a second.
+    (--zero, --no-remat and --pipeline fix those parts of the search.)"""
     from funcpar.cli import main as cli
 
+    fixed = ["--zero", "1", "--no-remat", "--pipeline", "1f1b"]
     cli.plan(["--model", "llama-micro", "--devices", "2", "--memory", "0.001", "--global-batch", "8", "--seq-len", "32",
-              "--micro-batch-size", "2", "--gpu", "h100", "--precision", "bf16"])
+              "--micro-batch-size", "2", "--gpu", "h100", "--precision", "bf16", *fixed])
     out = capsys.readouterr().out.splitlines()
-    zero1 = next(x for x in out if x.startswith("dp=2,tp=1") and x.split()[1] == "1")
-    assert "does not fit: its parameters, gradients and optimizer state alone take" in zero1, out
-    assert "(not traced)" in zero1
-    assert any(x.startswith("pp=2,dp=1,tp=1 m=4") for x in out), out
+    pruned = next(x for x in out if "does not fit: its parameters, gradients and optimizer state alone take" in x)
+    assert pruned.startswith("not run (2 layouts, e.g. dp=2,tp=1 zero=1 m=2): ") and pruned.endswith("(not traced)")
+    assert "no layout fits in 0.001 GiB a device" in out[2], out
     cli.plan(["--model", "llama-micro", "--devices", "2", "--memory", "64", "--global-batch", "8", "--seq-len", "32",
-              "--micro-batch-size", "2", "--gpu", "h100", "--precision", "bf16"])
+              "--micro-batch-size", "2", "--gpu", "h100", "--precision", "bf16", *fixed])
     out = capsys.readouterr().out.splitlines()
-    fits = [x for x in out if " yes " in x]
-    assert len(fits) >= 6 and all(float(x.split()[-1].replace(",", "")) > 0 for x in fits), out
+    table = out[2:out.index(next(x for x in out if x.startswith("the estimate, for the first: ")))]
+    assert all(float(x.split()[-1].replace(",", "")) > 0 for x in table), out
+    assert {tuple(x.split()[:5]) for x in table} == {
+        ("dp=2,tp=1", "1", "no", "2", "-"), ("dp=1,tp=2", "1", "no", "4", "-"), ("dp=1,cp=2,tp=1", "1", "no", "4", "-"),
+        ("pp=2,dp=1,tp=1", "1", "no", "4", "1f1b")}, table
     assert any("x the first's step (" in x for x in out), out  # why each next layout is slower than the first
     with pytest.raises(SystemExit, match="^funcpar: --micro-batch-size 0: expected rows a micro-batch, 1 or more$"):
         cli.plan(["--model", "llama-micro", "--mesh", "dp=2", "--micro-batch-size", "0"])
@@ -111,7 +116,7 @@ def test_the_plan_ranks_the_seeds_pipeline_over_zero3_by_deepspeeds_ratio(tmp_pa
     20% of DeepSpeed's 56.85 / 15.76 = 3.61 samples/s, and both fit in 40 GiB. (Traced on meta tensors at two short
     micro-batch counts each and extrapolated: about a minute.)"""
     from funcpar.cli import main as cli
-    from funcpar.cli.planning import trace_micro
+    from funcpar.cli.search import trace_layout
 
     table = json.loads((ROOT / "benchmarks" / "published" / "seed_deepspeed_llama7b.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **table["model"]}))
@@ -123,7 +128,7 @@ def test_the_plan_ranks_the_seeds_pipeline_over_zero3_by_deepspeeds_ratio(tmp_pa
                                                       "--global-batch", "128", "--precision", "fp16", "--gpu",
                                                       "a100-40g"])
         axes = cli.parse_mesh(opts["mesh"])
-        traced = trace_micro(build, axes, opts["zero"], True)
+        traced = trace_layout(build, axes, opts["zero"], True)
         assert traced["step_peak"] < table["memory_gib"] * 2**30, (layout, traced["step_peak"])
         samples[layout] = traced["rows"] * axes.get("dp", 1) / estimate(traced, axes, traced["step"])["step"]
     ratio = samples["pipeline"] / samples["zero3"]

@@ -37,9 +37,9 @@ from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step,
                              model_config, parse_mesh, read_options, run_options, saved_options, saved_run_options,
                              tokenizer, with_epochs,
                              with_tokenizer)
-from funcpar.cli.planning import (params_like, print_plan, print_ranking, rank_meshes, sharding_table, trace_micro,
-                                  vocab_note)
-from funcpar.cli.timing import DEFAULT_LINKS, DEVICES, GPU_REACHED, LINKS, host_device, step_seconds
+from funcpar.cli.planning import params_like, print_plan, sharding_table, vocab_note
+from funcpar.cli.search import print_ranking, rank_meshes, trace_layout
+from funcpar.cli.timing import DEFAULT_LINKS, DEVICES, GPU_REACHED, LINKS, Pricing, host_device
 from funcpar.cli.plot import plot_metrics
 from funcpar.cli.trackers import open_trackers
 
@@ -614,16 +614,25 @@ def planner(argv: list[str]):
     _check_ranking(ranking)
     estimate = _estimator(ranking, opts)
 
-    def build(axes, zero, micro=None):  # (micro: that many micro-batches of the step's size, for trace_micro)
+    def build(axes, zero, micro=None, layers=None, **over):
+        """One dp rank's step of the mesh ``axes`` at ZeRO ``zero``, with the options ``over`` sets (``remat``,
+        ``pipeline``, ``chunks``, ``micro_batches``) over the command line's; ``micro``: that many micro-batches of
+        the step's size, ``layers``: that many layers (a pipeline's: on each of its virtual stages), for
+        :func:`funcpar.cli.search.trace_layout`'s extrapolation."""
         device = _plan_device(opts["device"], ranking.gpu, axes)
         mesh = fp.Mesh.abstract(device=device, **axes)
-        dp, micro_batches = mesh.axis_size("dp"), _micro_batches(opts, axes, ranking.micro_batch_size)
+        o = {**opts, **over, "zero": zero}
+        dp = mesh.axis_size("dp")
+        micro_batches = over.get("micro_batches") or _micro_batches(opts, axes, ranking.micro_batch_size)
         if opts["global_batch"] % (dp * micro_batches):
             raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro_batches}")
         micro = micro or micro_batches
-        model, cfg = model_config(opts["model"], mesh, opts["generic"])  # (ValueErrors: rank_meshes notes them)
+        if layers is not None and axes.get("pp", 1) > 1:  # (every virtual stage that many layers)
+            stages = axes["pp"] * (o["chunks"] or {"interleaved": 2}.get(o["pipeline"], 1))
+            o["parts"], layers = ",".join([f"{layers:g}"] * stages), round(layers * stages)
+        model, cfg = model_config(opts["model"], mesh, opts["generic"], layers)  # (ValueErrors: a row's reason)
         try:
-            step = build_step({**opts, "zero": zero, "micro_batches": micro}, model, cfg, mesh, model.specs(cfg, mesh))
+            step = build_step({**o, "micro_batches": micro}, model, cfg, mesh, model.specs(cfg, mesh))
         except SystemExit as e:  # an option this mesh cannot take (--seq-len over cp, ...): a reason, not the end
             raise ValueError(str(e.code).removeprefix("funcpar: ")) from None
         return model, cfg, step, opts["global_batch"] // dp // micro_batches * micro, opts["seq_len"]
@@ -633,33 +642,52 @@ def planner(argv: list[str]):
 
 def plan(argv: list[str]) -> None:
     """Print the sharding table and the traced per-rank memory of the train step for a model on a mesh, without
-    starting processes, and its estimated time; with ``--devices N --memory GiB``, rank the meshes of N devices that
-    fit."""
+    starting processes, and its estimated time; with ``--devices N --memory GiB``, search the layouts of N devices
+    (:mod:`funcpar.cli.search`) and rank those that fit."""
     ranking, opts, build, estimate = planner(argv)
-
+    documents = not opts["cross_document"] and None  # (None: where the model takes them)
     if ranking.devices:
         memory = ranking.memory * 2**30
-        spec = model_config(opts["model"], None, opts["generic"])[0]
-        context, pipeline = spec.context_parallel, spec.stages is not None  # (cp, pp: where the model has them)
-        rows = rank_meshes(build, ranking.devices, memory, context=context, pipeline=pipeline, estimate=estimate,
-                           documents=not opts["cross_document"] and None, gpu=ranking.gpu is not None)
+        spec, cfg = model_config(opts["model"], None, opts["generic"])
+        layers = params_like(spec, cfg).get(spec.stages.layers) if spec.stages is not None else None
+        rows = rank_meshes(build, ranking.devices, memory, context=spec.context_parallel,
+                           pipeline=spec.stages is not None, estimate=estimate, documents=documents,
+                           gpu=ranking.gpu is not None, micro_size=ranking.micro_batch_size,
+                           global_batch=opts["global_batch"], layers=len(layers) if layers else None,
+                           **_search_space(argv, opts, spec))
         print_ranking(rows, ranking.devices, memory)
         return
-    axes, documents = parse_mesh(opts["mesh"]), not opts["cross_document"] and None  # (None: where the model has them)
+    axes = parse_mesh(opts["mesh"])
     try:
         model, cfg, step, rows, seq_len = built = build(axes, opts["zero"])
     except ValueError as e:
         raise SystemExit(f"funcpar: {e}") from None
-    traced = trace_micro(build, axes, opts["zero"], ranking.gpu is not None, documents, built)
+    traced = trace_layout(build, axes, opts["zero"], ranking.gpu is not None, documents, built)
     print_plan(model, cfg, step, opts["zero"], opts["optimizer"], rows, seq_len,
                (lambda row, step: estimate(row, axes, step)) if estimate else None, gpu=ranking.gpu is not None,
                documents=documents, traced=traced)
 
 
-def _estimator(ranking, opts):
-    """``estimate(row, axes, step)``: a traced step's time (:func:`funcpar.cli.timing.step_seconds`) on the GPUs
-    ``--gpu`` names (``--links`` between them, ``--efficiency`` their matmuls' share), or on this machine's CPU when
-    the plan is for it (its ranks sharing its cores); None for a plan on a GPU without ``--gpu``."""
+PLANNED_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")  # what plan --devices tries on pipeline meshes
+
+
+def _search_space(argv: list[str], opts, spec) -> dict[str, Any]:
+    """What ``plan --devices`` searches besides the meshes: every ZeRO stage, remat on and off (where the model has
+    it), every schedule and micro-batch count; a flag given on the command line (``--zero``, ``--remat`` or
+    ``--no-remat``, ``--pipeline``, ``--micro-batches``) fixes its part instead."""
+    def given(*flags):
+        return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+    return {"zeros": (opts["zero"],) if given("--zero") else (0, 1, 2, 3),
+            "remats": (opts["remat"],) if given("--remat", "--no-remat") else (False, True) if spec.remat else
+            (None,),
+            "schedules": (opts["pipeline"],) if given("--pipeline") else PLANNED_SCHEDULES,
+            "search_micro": not given("--micro-batches")}
+
+
+def _estimator(ranking, opts) -> Pricing | None:
+    """How a traced step is priced (:class:`funcpar.cli.timing.Pricing`): on the GPUs ``--gpu`` names (``--links``
+    between them, ``--efficiency`` their matmuls' share), or on this machine's CPU when the plan is for it (its
+    ranks sharing its cores); None for a plan on a GPU without ``--gpu``."""
     if ranking.gpu:
         links = tuple(ranking.links.split(",")) if ranking.links else DEFAULT_LINKS.get(ranking.gpu,
                                                                                         ("nvlink", "ib400"))
@@ -669,25 +697,11 @@ def _estimator(ranking, opts):
         dev = DEVICES[ranking.gpu]
         if ranking.efficiency is not None:
             dev = dataclasses.replace(dev, ceiling={k: ranking.efficiency for k in dev.ceiling})
-
-        def on_gpus(row, axes, step=None):
-            return step_seconds(row, axes, dev, links, ranking.gpus_per_node, _bubble(step))
-        return on_gpus
+        return Pricing(dev, links, ranking.gpus_per_node)
     if _plan_device(opts["device"], None, {}).type != "cpu":
         return None
     threads = ranking.threads or max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
-    dev = host_device(threads)
-
-    def on_host(row, axes, step=None):
-        ranks = math.prod(axes.values()) or 1
-        share = min(1.0, (os.cpu_count() or 1) / (ranks * min(threads, os.cpu_count() or 1)))
-        return step_seconds(row, axes, dev, ("loopback", "loopback"), ranks, _bubble(step), share)
-    return on_host
-
-
-def _bubble(step) -> float:
-    """The share of ``step`` its pipeline stages idle (its schedule's simulation), 0 off pipelines."""
-    return step.executor.plan.schedule.simulate()["bubble"] if getattr(step, "executor", None) else 0.0
+    return Pricing(host_device(threads), ("loopback", "loopback"), host=True, threads=threads)
 
 
 def _micro_batches(opts, axes: dict, size: int | None = None) -> int:

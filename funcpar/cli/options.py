@@ -520,15 +520,17 @@ def _check_options(opts: dict[str, Any], config: str | None) -> None:
 # ------------------------------------------------------------------------------------------ model, data, step
 
 
-def model_config(name: str, mesh, generic: bool = False):
+def model_config(name: str, mesh, generic: bool = False, layers: int | None = None):
     """``(model, cfg)`` for a built-in model name or an HF folder's ``config.json``, padded for ``mesh``; ``generic``:
-    transformers' own module of its type (:func:`funcpar.get_model`'s ``generic``)."""
+    transformers' own module of its type (:func:`funcpar.get_model`'s ``generic``); ``layers``: the same model cut
+    to its first ``layers`` layers (:func:`shallow`: what ``funcpar plan`` traces to extrapolate a deep model)."""
     if name in BUILTIN_MODELS:
         raw = BUILTIN_MODELS[name]
     elif Path(name).is_dir():
         raw = fp.hf.read_config(Path(name))  # an object, or an error naming the file
     else:
         raise SystemExit(f"funcpar: --model '{name}' is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a folder")
+    raw = raw if layers is None else shallow(raw, layers)
     model = fp.get_model(raw.get("model_type"), generic=generic)
     if name in BUILTIN_MODELS:
         return model, model.config(raw, mesh)
@@ -536,6 +538,16 @@ def model_config(name: str, mesh, generic: bool = False):
         return model, model.config(raw, mesh)
     except ValueError as e:  # a key of the wrong type, a size the mesh cannot split: named with the file
         raise fp.hf.HFError(f"{Path(name) / 'config.json'}: {e}") from None
+
+
+def shallow(raw: dict, layers: int) -> dict:
+    """A config's keys for the same model with ``layers`` layers: ``num_hidden_layers`` and every list with an entry
+    per layer (``layer_types``, ...) cut to that many, or repeated from its start to reach them."""
+    depth = raw.get("num_hidden_layers")
+    if not isinstance(depth, int) or depth < 1 or layers < 1:
+        raise ValueError(f"cannot make a model of num_hidden_layers={depth!r} {layers} layers deep")
+    return {**{k: [v[i % depth] for i in range(layers)] if isinstance(v, list) and len(v) == depth else v
+               for k, v in raw.items()}, "num_hidden_layers": layers}
 
 
 def build_params(opts, model, cfg, specs, mesh, keep=None):

@@ -17,6 +17,7 @@ from typing import Any
 import optree
 import torch
 import torch.nn.functional as F
+import torch.nn.attention.bias as attention_bias
 from torch.nn.attention.bias import CausalBias
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -27,8 +28,8 @@ from funcpar.parallel.collectives import on_simulated_wire
 from funcpar.spec import broadcast_specs, local_shape
 
 __all__ = ["params_like", "local_params", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan",
-           "trace_step", "trace_plan", "MemoryTrace", "runtime_bytes", "candidate_meshes", "rank_meshes",
-           "print_ranking"]
+           "trace_step", "trace_plan", "MemoryTrace", "runtime_bytes", "tokens_per_second", "mib", "traffic_text",
+           "extrapolation_note"]
 
 # fp32 tensors of optimizer state per parameter
 OPTIMIZER_SLOTS = {"adamw": 2, "lion": 1, "sgd": 1}
@@ -95,11 +96,13 @@ def memory_plan(params_like, specs, mesh, zero: int, opt_slots: int = 2) -> dict
             "total": (params + grads + opt) / 2**20}
 
 
-def _mib(n: float) -> str:
+def mib(n: float) -> str:
+    """Bytes as MiB, or GiB from 1 GiB on: what the plan prints."""
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
-def _traffic(t: dict[str, float]) -> str:
+def traffic_text(t: dict[str, float]) -> str:
+    """Bytes sent by mesh axis, in MiB, as the plan prints them."""
     return ", ".join(f"{a} {n / 2**20:,.1f} MiB" for a, n in sorted(t.items())) or "none"
 
 
@@ -116,7 +119,10 @@ def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None, gpu:
     eager step's, an estimate for the compiled one (docs/GPU.md has how far apart the two were on one GPU).
 
     ``documents``: the batches carry packed documents' ``position_ids`` (default: where the model takes them, as
-    ``funcpar train`` packs); the trace then runs the layers' document path (its position tables included)."""
+    ``funcpar train`` packs); the trace then runs the layers' document path (its position tables included).
+
+    One step is traced after ``init``: a second adds nothing (its FLOPs, operators, bytes sent and peak are the
+    first's: tests/test_time_model.py), and tracing is what a plan's time goes to."""
     like = params_like(model, cfg) if like is None else like
     ids = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, "labels": ids}
@@ -128,46 +134,12 @@ def trace_plan(model, cfg, step, rows: int, seq_len: int, like: Any = None, gpu:
     compiled, was = gradient.compiled == "auto", gradient.compiled
     gradient.compiled = False  # (the gradient's own switch: the eager gradient, for this trace only)
     try:
-        out = trace_step(step, local_params(like, step.specs, step.mesh), batch)
+        out = trace_step(step, local_params(like, step.specs, step.mesh), batch, steps=1)
     finally:
         gradient.compiled = was
     out["eager_trace"] = compiled
     out["runtime"] = runtime_bytes() if step.mesh.device.type == "cpu" and not gpu else 0
     return out
-
-
-def trace_micro(build, axes: dict[str, int], zero: int, gpu: bool = False, documents: bool | None = None,
-                built: tuple | None = None) -> dict[str, Any]:
-    """:func:`trace_plan` of the step ``build(axes, zero)`` makes (``(model, cfg, step, rows, seq_len)``; ``built``:
-    that tuple, when made already), in bounded time.
-
-    A step of many micro-batches (more than twice the pipeline's stages and a round more) is traced at two shorter
-    counts ``m1 < m2`` of the same micro-batch (``build(axes, zero, micro)``), and its FLOPs, operators, bytes sent
-    and memory, linear in the count, extrapolated to the step's (``extrapolated``: ``(m1, m2)``; ``sequence``: both
-    traces' and the factor, which :func:`funcpar.cli.timing.compute_seconds` extrapolates the same way). A
-    pipeline's schedule and an accumulation reach their in-flight micro-batches by then (bounded by the stages): what
-    still grows with the count is the batch itself and a value or two per micro-batch. The row keeps the step's
-    micro-batches (``micro``), rows and sequence length. (A pipeline is traced on its first stage, rank 0's: funcpar
-    cuts the stages to equal weights, the head's counted, so the first stands for the others.)"""
-    model, cfg, step, rows, seq_len = built or build(axes, zero)
-    m, pp = step.options.accum_steps, axes.get("pp", 1)
-    m1 = 2 * pp if pp > 1 else 2
-    m2 = m1 + max(pp, 2)
-    if m <= m2 or rows % m:
-        out = trace_plan(model, cfg, step, rows, seq_len, gpu=gpu, documents=documents)
-    else:
-        one, two = (trace_plan(*build(axes, zero, k)[:3], rows // m * k, seq_len, gpu=gpu, documents=documents)
-                    for k in (m1, m2))
-        f = (m - m1) / (m2 - m1)
-
-        def line(a: dict, b: dict) -> dict:
-            return {k: a.get(k, 0) + f * (b.get(k, 0) - a.get(k, 0)) for k in {*a, *b}}
-        out = {**two, "flops": one["flops"] + f * (two["flops"] - one["flops"]), "ops": line(one["ops"], two["ops"]),
-               "traffic": line(one["traffic"], two["traffic"]), "extrapolated": (m1, m2),
-               "sequence": (one["sequence"], two["sequence"], f),
-               **{k: round(one[k] + f * (two[k] - one[k])) for k in ("state", "step_peak", "peak")}}
-        out["peak"] = max(out["peak"], out["step_peak"])  # (each extrapolated alone: init's peak does not grow)
-    return out | {"micro": m, "rows": rows, "seq_len": seq_len, "step": step}
 
 
 def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: int, estimate=None,
@@ -176,7 +148,7 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     parameters, gradients and optimizer state, the activations and the peak of a step (traced), and the traffic;
     with ``estimate(row, step)`` (:func:`funcpar.cli.timing.step_seconds`'s dict), the step's estimated time and
     throughput. ``gpu``: the plan is for GPUs (``--gpu``): its peak without the host process. ``traced``: the
-    step's trace when made already (:func:`trace_micro`)."""
+    step's trace when made already (:func:`funcpar.cli.search.trace_layout`)."""
     from funcpar.tree import leaves_with_path
 
     mesh = step.mesh
@@ -195,15 +167,14 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
           f"{mem['grads']:.2f} MiB, optimizer state {mem['optimizer']:.2f} MiB, total {mem['total']:.2f} MiB")
     t = traced or trace_plan(model, cfg, step, rows, seq_len, like, gpu=gpu, documents=documents)
     if t.get("extrapolated"):
-        print(f"(traced at {t['extrapolated'][0]} and {t['extrapolated'][1]} micro-batches; the step's "
-              f"{step.options.accum_steps} extrapolated: each micro-batch's work is the same)")
-    host = f" + runtime {_mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
-    acts = f"activations {_mib(t['activations'])} per micro-batch; " if step.executor is None else ""
+        print(extrapolation_note(t["extrapolated"], step.options.accum_steps))
+    host = f" + runtime {mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
+    acts = f"activations {mib(t['activations'])} per micro-batch; " if step.executor is None else ""
     how = (" (the eager step's trace: compile='auto' compiles this step's gradient and inductor plans its buffers)"
            if t["eager_trace"] else "")
     print(f"traced step, {rows} x {seq_len} tokens per rank in {step.options.accum_steps} micro-batch(es): {acts}peak "
-          f"{_mib(t['peak'])}{host} = {_mib(t['peak'] + t['runtime'])} per rank{how}; "
-          f"sends {_traffic(t['traffic'])} per step; {t['flops'] / 1e12:,.3f} TFLOP per step per rank")
+          f"{mib(t['peak'])}{host} = {mib(t['peak'] + t['runtime'])} per rank{how}; "
+          f"sends {traffic_text(t['traffic'])} per step; {t['flops'] / 1e12:,.3f} TFLOP per step per rank")
     if estimate is not None:
         e = estimate(t, step)
         comm = ", ".join(f"{a} {seconds(s)}" for a, s in e["comm"].items()) or "none"
@@ -213,6 +184,19 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
               f"Assumed: {e['assumptions']}")
 
 
+def extrapolation_note(how: dict[str, tuple], micro: int) -> str:
+    """What a trace extrapolated from shorter ones (:func:`funcpar.cli.search.trace_layout`'s ``extrapolated``)
+    says in a line."""
+    said = []
+    if "micro" in how:
+        said.append(f"at {how['micro'][0]} and {how['micro'][1]} micro-batches, the step's {micro} extrapolated (each "
+                    f"micro-batch's work is the same)")
+    if "layers" in how:
+        d1, d2, depth = how["layers"]
+        said.append(f"at {d1} and {d2} layers a stage, its {depth:g} extrapolated (its layers are alike)")
+    return f"(traced {'; '.join(said)})"
+
+
 def tokens_per_second(rows: int, seq_len: int, mesh, step_seconds: float) -> tuple[float, float]:
     """The job's tokens a second and each rank's share, from ``rows`` (one dp rank's rows a step, every
     micro-batch together) of ``seq_len`` tokens: the job's step takes ``rows x dp x seq_len`` tokens whatever the
@@ -220,113 +204,6 @@ def tokens_per_second(rows: int, seq_len: int, mesh, step_seconds: float) -> tup
     of the mesh, as throughput tables count it."""
     job = rows * mesh.axis_size("dp") * seq_len / step_seconds
     return job, job / math.prod(mesh.shape.values())
-
-
-def candidate_meshes(devices: int, context: bool = False, pipeline: bool = False) -> list[dict[str, int]]:
-    """Every ``dp x tp`` factorisation of ``devices``; with ``context``, every ``dp x cp x tp`` one; with
-    ``pipeline``, every ``pp x ...`` one too (a cp or pp axis only where it has more than one rank)."""
-    out = []
-    for pp in (n for n in range(1, devices + 1) if devices % n == 0 and (pipeline or n == 1)):
-        rest = devices // pp
-        for tp in (n for n in range(1, rest + 1) if rest % n == 0):
-            for cp in (n for n in range(1, rest // tp + 1) if rest // tp % n == 0 and (context or n == 1)):
-                out.append({**({"pp": pp} if pp > 1 else {}), "dp": rest // tp // cp, **({"cp": cp} if cp > 1 else {}),
-                            "tp": tp})
-    return out
-
-
-def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False,
-                estimate=None, documents: bool | None = None, pipeline: bool = False,
-                gpu: bool = False) -> list[dict[str, Any]]:
-    """Trace every candidate mesh of ``devices`` ranks (with ``context``, cp axes too; with ``pipeline``, pp axes:
-    :func:`candidate_meshes`) at each ZeRO stage; ``build(axes, zero)`` returns ``(model, cfg, step, rows,
-    seq_len)`` or raises ``ValueError`` naming why that mesh cannot run. A mesh whose state between steps alone
-    exceeds ``memory`` (:func:`_held`) is pruned untraced; the ones whose peak (with the runtime, on the CPU) fits in
-    ``memory`` bytes come first (traced by :func:`trace_micro`, which takes ``build(axes, zero,
-    micro)`` too): fastest first by ``estimate(row, axes, step)``
-    (:func:`funcpar.cli.timing.step_seconds`'s dict, kept as ``row["time"]``) when given, else fewest bytes sent
-    per step first (then lowest peak). ``gpu``: a plan for GPUs (the peaks without the host process). A row keeps
-    its step's micro-batches (``micro``) and rows a step (``rows``, for its throughput)."""
-    out = []
-    for axes in candidate_meshes(devices, context, pipeline):
-        for zero in zeros:
-            row: dict[str, Any] = {"axes": axes, "zero": zero}
-            try:
-                built = build(axes, zero)
-                held = _held(*built[:3], zero)
-                if held > memory:  # (pruned before its trace: what it holds between steps is over already)
-                    row |= {"fits": False, "why": f"does not fit: its parameters, gradients and optimizer state "
-                                                  f"alone take {_mib(held)} a rank (not traced)"}
-                    out.append(row)
-                    continue
-                row |= trace_micro(build, axes, zero, gpu, documents, built)
-                step = row.pop("step")
-                row["need"] = row["peak"] + row["runtime"]
-                row["fits"] = row["need"] <= memory
-                if estimate is not None:
-                    row["time"] = estimate(row, axes, step)
-            except ValueError as e:
-                row |= {"fits": False, "why": str(e)}
-            except RuntimeError as e:  # (a path the meta trace cannot follow: shown as that mesh's row, not the end)
-                row |= {"fits": False, "why": f"not traced on meta tensors: {str(e).splitlines()[0][:150]}"}
-            out.append(row)
-    return sorted(out, key=lambda r: (not r["fits"], "why" in r, r["time"]["step"] if "time" in r else 0,
-                                      sum(r.get("traffic", {}).values()), r.get("need", 0)))
-
-
-def _held(model, cfg, step, zero: int) -> float:
-    """Bytes a rank of ``step`` holds between steps at least (:func:`memory_plan` of its stage, float32 state and
-    AdamW's two slots): a mesh over ``--memory`` by this alone is pruned untraced."""
-    like = params_like(model, cfg)
-    stage = like if step.executor is None else step.executor.plan.select(like)
-    return memory_plan(stage, step.specs, step.mesh, zero)["total"] * 2**20
-
-
-def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float) -> None:
-    """:func:`rank_meshes`'s rows as a table (with their estimated step and samples a second, when timed), then why
-    each of the next fitting layouts is slower than the first (:func:`_why_slower`)."""
-    timed = any("time" in r for r in rows)
-    order = "then fastest by the estimate" if timed else "then fewest bytes sent"
-    print(f"meshes of {devices} devices with {memory / 2**30:g} GiB each (fits first, {order}):")
-    print(f"{'mesh':<16} {'zero':>4} {'peak/rank':>12} {'activations':>12}  {'sends per step':<30} fits"
-          + ("  est. step  samples/s" if timed else ""))
-    for r in rows:
-        if "why" in r:
-            print(f"{_layout(r):<16} {r['zero']:>4} {'-':>12} {'-':>12}  {r['why']}")
-            continue
-        need = ("~" if r["eager_trace"] else "") + _mib(r["need"])  # (a compiled step: its eager trace's figure)
-        est = f"  {seconds(r['time']['step']):>9}  {_samples(r):>9,.2f}" if "time" in r else ""
-        print(f"{_layout(r):<16} {r['zero']:>4} {need:>12} {_mib(r['activations']):>12}  "
-              f"{_traffic(r['traffic']):<30} {'yes' if r['fits'] else 'no '}{est}")
-    if timed:
-        print("the estimate, for the first mesh: " + next(r["time"]["assumptions"] for r in rows if "time" in r))
-        fit = [r for r in rows if r["fits"] and "time" in r]
-        for r in fit[1:4]:
-            print(f"  {_layout(r)} zero={r['zero']}: {_why_slower(fit[0], r)}")
-
-
-def _layout(r: dict[str, Any]) -> str:
-    mesh = ",".join(f"{a}={n}" for a, n in r["axes"].items())
-    if r["axes"].get("pp", 1) > 1 and "micro" in r:  # (a pipeline's micro-batches: its bubble's share)
-        mesh += f" m={r['micro']}"
-    return mesh
-
-
-def _samples(r: dict[str, Any]) -> float:
-    """A ranked row's samples (rows of its sequence length) a second, the whole job's."""
-    return r["rows"] * r["axes"].get("dp", 1) / r["time"]["step"]
-
-
-def _why_slower(first: dict[str, Any], r: dict[str, Any]) -> str:
-    """Where ``r``'s estimated step spends the time ``first``'s does not: its parts (compute, each axis's
-    communication) against the first's, the largest first."""
-    def parts(x):
-        return {"compute": x["time"]["compute"], **{f"{a} communication": t for a, t in x["time"]["comm"].items()}}
-    mine, best = parts(r), parts(first)
-    more = sorted(((mine.get(k, 0) - best.get(k, 0), k) for k in {*mine, *best}), reverse=True)
-    said = ", ".join(f"{k} {'+' if d >= 0 else '-'}{seconds(abs(d))}" for d, k in more
-                     if abs(d) > 1e-3 * r["time"]["step"])
-    return f"{r['time']['step'] / first['time']['step']:.2f}x the first's step ({said or 'the same parts'})"
 
 
 # ------------------------------------------------------------------------------------------ tracing a step on meta
@@ -450,7 +327,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
     (:class:`MemoryTrace`: on a real mesh, the largest buffer the transport's own thread released; 0 on meta);
     ``flops``, the floating-point operations of one step on this rank (:func:`_flops`); and ``ops``, its operators
     tallied by cost (:func:`funcpar.cli.timing.op_key` -> calls a step), what :mod:`funcpar.cli.timing` prices, and
-    ``sequence``: ``(the operators of every traced step in order, steps)``, for a GPU's queue.
+    ``sequence``: ``[(the operators of every traced step in order, steps, 1.0)]``, for a GPU's queue.
 
     ``device="cpu"`` traces a real step on a real mesh the same way (params and batch real): what the tests compare
     the plan with."""
@@ -478,7 +355,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": peak,
                 "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late,
                 "flops": tr.flops.get("step", 0.0) / steps, "ops": {k: n / steps for k, n in tr.ops.items()},
-                "sequence": (tr.sequence, steps)}
+                "sequence": [(tr.sequence, steps, 1.0)]}
 
 
 class _GpusOnMeta(torch.overrides.TorchFunctionMode):
@@ -504,6 +381,14 @@ def _no_gpu_here(device: torch.device):
     return _GpusOnMeta() if device.type == "cuda" and not torch.cuda.is_available() else contextlib.nullcontext()
 
 
+class _LowerRight(tuple):
+    """What ``torch.nn.attention.bias.causal_lower_right(q_len, kv_len)`` makes, while a trace runs: the kernel's
+    lower-right causal flag (:class:`_fused_attention_on_meta` runs it as a causal kernel of the same cost)."""
+
+    def __new__(cls, *size: int):
+        return super().__new__(cls, size)
+
+
 class _fused_attention_on_meta:
     """While tracing, attention on meta tensors runs the fused kernel CPU and CUDA run (it keeps the output and a
     log-sum-exp for the backward, not the T x T scores): on meta, ``F.scaled_dot_product_attention`` would take the
@@ -514,17 +399,21 @@ class _fused_attention_on_meta:
         self.device = device
 
     def __enter__(self):
-        self.sdpa, self.meta_device = F.scaled_dot_product_attention, A.META_DEVICE
+        self.sdpa, self.meta_device, self.lower_right = F.scaled_dot_product_attention, A.META_DEVICE, \
+            attention_bias.causal_lower_right
         F.scaled_dot_product_attention, A.META_DEVICE = self._attention, self.device
+        # (a CausalBias, a tensor subclass, cannot be made under the trace's dispatch mode: a stand-in says the same)
+        attention_bias.causal_lower_right = _LowerRight
 
     def __exit__(self, *exc):
         F.scaled_dot_product_attention, A.META_DEVICE = self.sdpa, self.meta_device
+        attention_bias.causal_lower_right = self.lower_right
 
     def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if not q.is_meta:
             return self.sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                              enable_gqa=enable_gqa)
-        if isinstance(attn_mask, CausalBias):  # CUDA's lower-right causal bias: a kernel flag, no mask kept
+        if isinstance(attn_mask, (CausalBias, _LowerRight)):  # CUDA's lower-right causal bias: a flag, no mask
             attn_mask, is_causal = None, True
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the kernel takes it: additive, q's dtype
             attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device),

@@ -191,8 +191,9 @@ def compute_seconds(ops: dict[tuple, int], dev: Device, share: float = 1.0, sequ
     """A traced tally of operators (:class:`~funcpar.cli.planning.MemoryTrace`'s ``ops``: :func:`op_key` -> calls)
     priced on ``dev``: ``device`` and ``host`` seconds, by kind too (``mm``, ``attention``, ``kernel``), and the
     step's compute ``seconds``: on a synchronous device their sum; on a GPU, where the host queues kernels ahead,
-    the end of the ``sequence``'s queue (:func:`queue`: ``(operators in order, steps)``, or two such traces and the
-    factor that extrapolates between them: :func:`~funcpar.cli.planning.trace_micro`), else the longer of the two.
+    the end of the ``sequence``'s queue (:func:`queue`: ``[(operators in order, steps, weight)]``, one trace's, or
+    several traces' and the weights that extrapolate from them: :func:`~funcpar.cli.search.trace_layout`), else the
+    longer of the two.
     ``share``: the part of the device this rank gets (ranks of one host sharing its cores: cores / ranks)."""
     by_kind: dict[str, float] = {}
     host = 0.0
@@ -202,12 +203,8 @@ def compute_seconds(ops: dict[tuple, int], dev: Device, share: float = 1.0, sequ
     device = sum(by_kind.values())
     if dev.synchronous:
         seconds = device + host
-    elif sequence is not None and len(sequence) == 3:
-        (one, n1), (two, n2), f = sequence
-        a, b = queue(one, dev) / n1, queue(two, dev) / n2
-        seconds = a + f * (b - a)
-    elif sequence is not None:
-        seconds = queue(sequence[0], dev) / sequence[1]
+    elif sequence:
+        seconds = sum(w * queue(ops_in_order, dev) / steps for ops_in_order, steps, w in sequence)
     else:
         seconds = max(device, host)
     return {"device": device, "host": host, **by_kind, "seconds": seconds}
@@ -252,6 +249,57 @@ def step_seconds(row: dict[str, Any], axes: dict[str, int], dev: Device, links: 
             + (f"; the pipeline idles {bubble:.0%} of the step (its schedule's bubble)" if bubble else ""))
     return {"compute": compute, "comm": {a: t for a, (t, _) in comm.items()}, "step": step, "parts": parts,
             "assumptions": said}
+
+
+def flop_seconds(ops: dict[tuple, int], dev: Device, share: float = 1.0) -> float:
+    """The least time a tally of operators (:func:`compute_seconds`'s ``ops``) takes on ``dev``: each matmul's and
+    fused attention's FLOPs at the rate it reaches, nothing else. :func:`operator_seconds` never prices one lower, so
+    it bounds a step's compute from below: what the layout search orders layouts by before tracing them."""
+    out = 0.0
+    for (kind, half, flops, _), n in ops.items():
+        if kind in ("mm", "attention"):
+            share_of_peak = dev.ceiling["half" if half else "fp32"] if kind == "mm" else dev.attention
+            out += n * flops / (dev.flops["half" if half else "fp32"] * share_of_peak)
+    return out / share
+
+
+def pipeline_bubble(step) -> float:
+    """The share of ``step`` its pipeline stages idle (its schedule's simulation), 0 off pipelines."""
+    return step.executor.plan.schedule.simulate()["bubble"] if getattr(step, "executor", None) else 0.0
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How ``funcpar plan`` prices a traced step: on ``dev`` (:data:`DEVICES`, or :func:`host_device`), each axis's
+    bytes over ``links`` (within a node, between nodes) with ``gpus_per_node``. ``host``: the mesh's ranks are
+    processes of this one machine, sharing its cores (each rank ``threads`` threads)."""
+
+    dev: Device
+    links: tuple[str, str]
+    gpus_per_node: int = 8
+    host: bool = False
+    threads: int = 1
+
+    def share(self, axes: dict[str, int]) -> float:
+        """The part of the device one rank of ``axes`` gets: all of a GPU; of the host, its cores over the ranks'
+        threads (at most 1)."""
+        if not self.host:
+            return 1.0
+        cores = os.cpu_count() or 1
+        return min(1.0, cores / ((math.prod(axes.values()) or 1) * min(self.threads, cores)))
+
+    def __call__(self, row: dict[str, Any], axes: dict[str, int], step=None) -> dict[str, Any]:
+        """:func:`step_seconds` of a traced ``row`` of the mesh ``axes`` (``step``: its pipeline's bubble)."""
+        nodes = self.gpus_per_node if not self.host else math.prod(axes.values()) or 1  # (a host: one node)
+        return step_seconds(row, axes, self.dev, self.links, nodes, pipeline_bubble(step), self.share(axes))
+
+    def floor(self, ops: dict[tuple, int], calls: float, axes: dict[str, int], bubble: float = 0.0) -> float:
+        """The least compute time of a step whose matmuls are ``ops`` (:func:`flop_seconds`) among ``calls``
+        operators (each costs the host its ``dispatch``: on the CPU besides the kernels, on a GPU while they run),
+        stretched by a pipeline's ``bubble``."""
+        share, dev = self.share(axes), self.dev
+        kernels, host = flop_seconds(ops, dev, share), calls * dev.dispatch / (share if dev.synchronous else 1.0)
+        return (kernels + host if dev.synchronous else max(kernels, host)) / (1 - bubble)
 
 
 def seconds(s: float) -> str:

@@ -1,0 +1,120 @@
+"""`funcpar plan --devices N`'s layout search (funcpar/cli/search.py): what it enumerates, how a layout is traced in
+bounded time (one step; two shallow depths of a deep model; two short micro-batch counts), and the floors that let
+it leave layouts out untraced without leaving out a faster one."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from funcpar.cli import main as cli
+from funcpar.cli import planning
+from funcpar.cli.search import Search, layouts, micro_counts, rank_meshes, stage_depth, trace_layout
+
+
+def _folder(tmp_path, layers: int, hidden: int = 64) -> str:
+    """A small Llama config folder of ``layers`` alike layers."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}))
+    return str(tmp_path)
+
+
+def _planner(model: str, mesh: str, *extra: str):
+    ranking, opts, build, estimate = cli.planner(["--model", model, "--mesh", mesh, "--global-batch", "8",
+                                                  "--seq-len", "32", "--gpu", "h100", "--precision", "bf16", *extra])
+    return cli.parse_mesh(opts["mesh"]), opts, build, estimate
+
+
+def test_the_layouts_cover_each_zero_stage_remat_schedule_and_micro_batch_count():
+    """Every mesh at ZeRO 0-3, remat off and on, and on pipelines every schedule, at the micro-batch counts that
+    split a dp rank's rows (on pp stages: pp times a power of two, and a row each)."""
+    assert micro_counts(16) == [1, 2, 4, 8, 16]
+    assert micro_counts(128, 8) == [8, 16, 32, 64, 128]
+    assert micro_counts(24, 4) == [4, 8, 24]
+    assert micro_counts(16, 1, 4) == [4] and micro_counts(16, 1, 3) == []
+    rows = layouts(8, 128, pipeline=True, zeros=(0, 1, 2, 3), remats=(False, True),
+                   schedules=("1f1b", "gpipe", "interleaved", "zb"), search_micro=True)
+    keys = {(tuple(r["axes"].items()), r["zero"], r["remat"], r["schedule"], r["micro"]) for r in rows}
+    assert len(keys) == len(rows)
+    assert ((("pp", 8), ("dp", 1), ("tp", 1)), 0, True, "zb", 128) in keys
+    assert ((("pp", 2), ("dp", 4), ("tp", 1)), 3, False, "interleaved", 4) in keys
+    assert {m for (axes, z, remat, s, m) in keys if axes == (("dp", 8), ("tp", 1))} == {1, 2, 4, 8, 16}
+    assert {s for (axes, *_, s, m) in keys if axes == (("dp", 8), ("tp", 1))} == {None}  # (no schedule off pp)
+    # 4 pp=1 meshes x 4 zeros x 2 remats x their counts; 6 pipeline meshes x 4 x 2 x 4 schedules x their counts
+    plain = sum(len(micro_counts(128 // (8 // tp))) for tp in (1, 2, 4, 8))
+    pipelines = sum(len(micro_counts(128 // (8 // pp // tp), pp)) for pp, tp in
+                    ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)))
+    assert (plain, pipelines) == (5 + 6 + 7 + 8, 34) and len(rows) == 4 * 2 * plain + 4 * 2 * 4 * pipelines
+
+
+def test_one_traced_step_gives_every_steps_figures():
+    """trace_plan traces one step after init: a second step's FLOPs, operators, bytes sent and peak are the
+    first's, at ZeRO 3, on a zero-bubble pipeline, and with remat over tp."""
+    for mesh, extra in (("dp=2", ("--zero", "3")), ("pp=2,dp=2", ("--pipeline", "zb", "--micro-batches", "4")),
+                        ("tp=2", ("--remat",))):
+        axes, opts, build, _ = _planner("llama-micro", mesh, *extra)
+        model, cfg, step, rows, seq = build(axes, opts["zero"])
+        params = planning.local_params(planning.params_like(model, cfg), step.specs, step.mesh)
+        ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+        one, two = (planning.trace_step(step, params, {"input_ids": ids, "labels": ids}, steps=n) for n in (1, 2))
+        for k in ("flops", "ops", "traffic", "peak", "step_peak", "state"):
+            assert one[k] == two[k], (mesh, k)
+
+
+@pytest.mark.parametrize("layers,mesh,extra,depths", [
+    (8, "dp=2", ("--zero", "3"), (2, 3, 8.0)),
+    (12, "pp=2", ("--pipeline", "1f1b", "--micro-batches", "4"), (2.5, 3.5, 6.5)),  # (stage 0: 13 half-layers)
+])
+def test_a_deep_model_of_alike_layers_is_traced_at_two_depths_and_extrapolated(tmp_path, layers, mesh, extra,
+                                                                               depths):
+    """A model whose layers are alike is traced at two and three layers a stage (and a half more where the stage
+    ends on half a layer) and extrapolated: the FLOPs, memory, bytes sent, operators and the estimate are those of
+    tracing it whole."""
+    axes, opts, build, estimate = _planner(_folder(tmp_path, layers), mesh, *extra)
+    fast = trace_layout(build, axes, opts["zero"], True)
+    assert fast["extrapolated"] == {"layers": depths}
+    model, cfg, step, rows, seq = build(axes, opts["zero"])
+    full = planning.trace_plan(model, cfg, step, rows, seq, gpu=True)
+    for k in ("flops", "state", "step_peak", "peak", "activations"):
+        assert fast[k] == pytest.approx(full[k], rel=1e-9), k
+    assert fast["traffic"] == pytest.approx(full["traffic"], rel=1e-9)
+    assert sum(fast["ops"].values()) == pytest.approx(sum(full["ops"].values()), rel=1e-9)
+    assert estimate(fast, axes, step)["step"] == pytest.approx(estimate(full, axes, step)["step"], rel=1e-9)
+
+
+def test_a_model_whose_layers_differ_is_traced_whole():
+    """stage_depth: the layers' leaves and shapes alike and every per-layer setting the same, else None."""
+    def model(shapes):
+        return types.SimpleNamespace(stages=types.SimpleNamespace(layers="layers"), init=lambda cfg, device: {
+            "layers": [{"w": torch.empty(*s, device="meta")} for s in shapes]})
+    plain = types.SimpleNamespace(executor=None)
+    cfg = types.SimpleNamespace(layer_types=["full", "full"])
+    assert stage_depth(model([(2, 2), (2, 2)]), cfg, plain) == 2.0
+    assert stage_depth(model([(2, 2), (2, 3)]), cfg, plain) is None
+    assert stage_depth(model([(2, 2), (2, 2)]), types.SimpleNamespace(layer_types=["full", "sliding"]), plain) is None
+    assert stage_depth(types.SimpleNamespace(stages=None), cfg, plain) is None
+
+
+def test_the_floors_bound_every_judged_layout_and_leave_out_slower_ones(tmp_path):
+    """Search.floor is never above a judged layout's estimate (its matmuls at the reached rate and its layers'
+    operators' dispatch are in the estimate), and the search leaves out, untraced, the layouts whose floor is above
+    the best few found: the ranking is what judging every layout gives, at a fraction of the traces."""
+    _, opts, build, estimate = _planner(_folder(tmp_path, 4, hidden=256), "dp=1")
+    space = dict(zeros=(1, 3), remats=(False,), schedules=("1f1b", "gpipe"), search_micro=True, global_batch=8,
+                 layers=4, pipeline=True, estimate=estimate, gpu=True)
+    ranked = rank_meshes(build, 4, float("inf"), **space)
+    judged = [r for r in ranked if "time" in r]
+    assert judged and all(r["floor"] <= r["time"]["step"] * (1 + 1e-9) for r in judged)
+    said = ranked[0]["said"]
+    assert said["floor"] > 0, said
+    every = Search(build, float("inf"), estimate, gpu=True, layers=4, global_batch=8)
+    rows = layouts(4, 8, pipeline=True, zeros=(1, 3), remats=(False,), schedules=("1f1b", "gpipe"),
+                   search_micro=True)
+    # (off pipelines more micro-batches than the fewest that fit only add work: the search judges m=1 there)
+    rows = [every.judge(r) for r in rows if r["axes"].get("pp", 1) > 1 or r["micro"] == 1]
+    best = sorted(r["time"]["step"] for r in rows if "time" in r)
+    assert len(rows) > len(judged) and [r["time"]["step"] for r in judged[:4]] == pytest.approx(best[:4], rel=1e-9)
