@@ -7,6 +7,7 @@ repository (benchmarks/gpu/RESULTS-*.md, issue 44), and published tables kept as
     python benchmarks/time_model.py --part gpu                                      # the repository's GPU steps
     python benchmarks/time_model.py --part seed [--lengths 256,512]                 # the seed's table
     python benchmarks/time_model.py --part torchtitan [--titan 8b,70b]              # torchtitan's Llama 3 table
+    python benchmarks/time_model.py --part megatron [--megatron 1.7,3.6]            # Megatron-LM's GPT table
     python benchmarks/time_model.py --part all --json benchmarks/results/time_model.json
 
 Every figure is `funcpar plan`'s own: the same command line a user would type (printed with each row), traced on meta
@@ -159,10 +160,41 @@ def torchtitan_points(models: list[str]) -> list[dict]:
     return out
 
 
+def megatron_points(sizes: list[str]) -> list[dict]:
+    """Megatron-LM's weak-scaling table (benchmarks/published/megatron_gpt_weak_scaling.json: Narayanan et al. 2021,
+    Table 1): GPT models on A100-80GB, sequence 2048, vocabulary 51,200, interleaved 1F1B, activation recomputation,
+    mixed precision. funcpar's plan of each row's own mesh (tp, pp, dp from the table; GPT-2's architecture, which
+    Megatron's GPT is; remat; interleaved schedule on pipelines; 2 rows a micro-batch, an assumption: the paper does
+    not give them), its teraFLOP/s a GPU counted by the paper's formula (eq. 3: the layers' and the logit layer's
+    GEMMs, the recomputation's forward included) over the predicted step."""
+    table = json.load(open(PUBLISHED / "megatron_gpt_weak_scaling.json"))
+    out = []
+    for row in table["rows"]:
+        if f"{row['params_b']:g}" not in sizes:
+            continue
+        h, l, B, s, V = row["hidden_size"], row["num_hidden_layers"], row["global_batch"], 2048, 51200
+        folder = model_folder(f"megatron-{row['params_b']:g}b", {
+            "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": h, "n_layer": l,
+            "n_head": row["heads"], "n_positions": s, "vocab_size": V})
+        mesh = ",".join(f"{a}={row[a]}" for a in ("pp", "dp", "tp") if row[a] > 1 or a == "dp")
+        argv = ["--model", folder, "--mesh", mesh, "--remat", "--seq-len", str(s), "--global-batch", str(B),
+                "--micro-batch-size", "2", "--precision", "bf16", "--gpu", "a100", "--zero", "0",
+                *(["--pipeline", "interleaved"] if row["pp"] > 1 else [])]
+        p = predict(argv)
+        flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        out.append({"point": f"Megatron-LM, GPT {row['params_b']:g}B on {row['gpus']} GPUs ({mesh})",
+                    "published_tflops": row["tflops_per_gpu"], "tflops_per_gpu": flops / p["step"] / row["gpus"] / 1e12,
+                    "source": table["source"], **p})
+    return out
+
+
 def report(points: list[dict]) -> None:
     for p in points:
         ref = p.get("measured", p.get("published"))
-        if "published_tps" in p:
+        if "published_tflops" in p:
+            said = (f"published {p['published_tflops']} TFLOP/s a GPU, predicted {p['tflops_per_gpu']:,.0f} "
+                    f"({p['tflops_per_gpu'] / p['published_tflops'] - 1:+.0%})")
+        elif "published_tps" in p:
             said = (f"published {p['published_tps']} tokens/s a GPU, predicted {p['tokens_per_s_per_gpu']:,.0f} "
                     f"({p['tokens_per_s_per_gpu'] / max(p['published_tps']) - 1:+.0%} of the best)")
         elif "measured" in p:
@@ -179,7 +211,9 @@ def report(points: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=("cpu", "gpu", "seed", "torchtitan", "all"))
+    ap.add_argument("--part", default="all", choices=("cpu", "gpu", "seed", "torchtitan", "megatron", "all"))
+    ap.add_argument("--megatron", default="1.7,3.6,7.5,18.4,39.1,76.1,145.6",
+                    help="Megatron-LM's GPT sizes (billions) to plan (the rows with at most 8 pipeline stages)")
     ap.add_argument("--titan", default="8b", help="torchtitan's models to plan (8b,70b; 70b traces for minutes)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.json"), help="run.py's JSON (CPU)")
     ap.add_argument("--lengths", help="the seed's sequence lengths to plan (default: all)")
@@ -190,7 +224,8 @@ def main(argv=None) -> None:
     points = []
     for part, fn in (("cpu", lambda: cpu_points(args.results)), ("gpu", gpu_points),
                      ("seed", lambda: seed_points(lengths)),
-                     ("torchtitan", lambda: torchtitan_points(args.titan.split(",")))):
+                     ("torchtitan", lambda: torchtitan_points(args.titan.split(","))),
+                     ("megatron", lambda: megatron_points(args.megatron.split(",")))):
         if args.part in (part, "all"):
             got = fn()
             report(got)

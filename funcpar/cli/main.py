@@ -654,6 +654,7 @@ def plan(argv: list[str]) -> None:
                            pipeline=spec.stages is not None, estimate=estimate, documents=documents,
                            gpu=ranking.gpu is not None, micro_size=ranking.micro_batch_size,
                            global_batch=opts["global_batch"], layers=len(layers) if layers else None,
+                           log=functools.partial(print, file=sys.stderr, flush=True),
                            **_search_space(argv, opts, spec))
         print_ranking(rows, ranking.devices, memory)
         return

@@ -16,6 +16,7 @@ without pipeline stages (more micro-batches only add work there). What it leaves
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from typing import Any
 
@@ -25,7 +26,7 @@ from funcpar.pipeline.schedule import make_schedule
 from funcpar.tree import leaves_with_path
 
 __all__ = ["DEPTHS", "trace_layout", "stage_depth", "combine", "candidate_meshes", "micro_counts", "layouts",
-           "Search", "rank_meshes", "print_ranking"]
+           "Search", "covers", "rank_meshes", "print_ranking"]
 
 DEPTHS = (2, 3)  # layers a (virtual) stage is traced at, to extrapolate a deeper model's
 SHOWN = 4  # the best layouts the search makes sure of (it prints why each after the first is slower)
@@ -171,13 +172,13 @@ class Search:
     cfg, step, rows, seq_len)`` of one dp rank, or a ``ValueError`` saying why the layout cannot run) against
     ``memory`` bytes a device, fastest first by ``estimate(row, axes, step)`` when given (:class:`Pricing`, whose
     ``floor`` orders the search; the model's ``layers`` and the ``global_batch`` size the floors). ``gpu``: a plan
-    for GPUs (peaks without the host process); ``documents``: as :func:`trace_layout`. ``said`` counts the layouts
-    left out, by why."""
+    for GPUs (peaks without the host process); ``documents``: as :func:`trace_layout`; ``log``: where a line goes
+    after each layout judged (``print`` to stderr, say). ``said`` counts the layouts left out, by why."""
 
     def __init__(self, build, memory: float, estimate=None, documents: bool | None = None, gpu: bool = False,
-                 layers: int | None = None, global_batch: int | None = None):
+                 layers: int | None = None, global_batch: int | None = None, log=None):
         self.build, self.memory, self.estimate, self.documents, self.gpu = build, memory, estimate, documents, gpu
-        self.layers, self.global_batch = layers, global_batch
+        self.layers, self.global_batch, self.log = layers, global_batch, log
         self.said: Counter = Counter()
         self._units: dict[tuple, tuple | None] = {}
 
@@ -206,18 +207,20 @@ class Search:
         return r
 
     def floor(self, r: dict[str, Any]) -> float:
-        """The least time layout ``r``'s step can take: its matmuls' FLOPs at the device's reached rate and the
-        host's dispatch of its layers' operators (one row's through its stage's layers, per :meth:`_unit`, times a
-        dp rank's rows, and the layers' operators times its micro-batches; the embedding and head's matmuls too off
-        pipelines), over its schedule's bubble. 0 where there is nothing to bound it by."""
+        """The least time layout ``r``'s step can take: its matmuls' FLOPs at the device's reached rate, the
+        host's dispatch of its layers' operators and their other kernels' bytes (one row's matmuls through its
+        stage's layers, per :meth:`_unit`, times a dp rank's rows; the layers' operators and kernels times its
+        micro-batches; the embedding and head's matmuls too off pipelines), over its schedule's bubble, plus the tp
+        and cp bytes its rows send without remat. 0 where there is nothing to bound it by."""
         axes = r["axes"]
         unit = self._unit(axes.get("tp", 1), axes.get("cp", 1)) if self.layers and self.estimate else None
         if unit is None or self.global_batch % axes["dp"]:
             return 0.0
-        layer, ends, calls = unit
-        pp, rows = axes.get("pp", 1), self.global_batch // axes["dp"]
+        layer, ends, kernels, calls, sent = unit
+        pp, rows, micro = axes.get("pp", 1), self.global_batch // axes["dp"], r["micro"] or 1
         depth = self.layers / pp
         ops = {k: rows * n * depth + (rows * ends.get(k, 0) if pp == 1 else 0) for k, n in layer.items()}
+        traffic = {a: rows * max(n * depth + (end if pp == 1 else 0), 0.0) for a, (n, end) in sent.items()}
         bubble = 0.0
         if pp > 1 and r["schedule"] and r["micro"]:
             try:
@@ -225,20 +228,24 @@ class Search:
                                        2 if r["schedule"] == "interleaved" else 1).simulate()["bubble"]
             except ValueError:
                 return 0.0  # (a schedule these counts cannot make: its build says why)
-        return self.estimate.floor({k: max(n, 0.0) for k, n in ops.items()}, (r["micro"] or 1) * depth * calls,
-                                   axes, bubble)
+        return self.estimate.floor([{k: max(n, 0.0) for k, n in ops.items()},
+                                    {k: micro * depth * n for k, n in kernels.items()}],
+                                   micro * depth * calls, axes, bubble, traffic)
 
     def _unit(self, tp: int, cp: int) -> tuple | None:
         """One row's matmuls (:func:`funcpar.cli.timing.op_key` -> calls) per layer and the embedding and head's,
-        and the operators a layer runs per micro-batch, on a tp x cp shard: traces of one and two micro-batches of a
-        row through :data:`DEPTHS` layers, once per shard shape (the optimizer's operators, once a step and fewer
-        where ZeRO flattens the state, cancel out)."""
+        the other kernels a layer runs per micro-batch (of one row: a micro-batch of more moves more bytes) and
+        all its operators, and one row's bytes sent by axis (tp, cp) per layer and besides, on a tp x cp shard:
+        traces of one and two micro-batches of a row through :data:`DEPTHS` layers, once per shard shape (the
+        optimizer's operators, once a step and fewer where ZeRO flattens the state, cancel out)."""
         key = (tp, cp)
         if key not in self._units:
             axes = {"dp": 1, **({"cp": cp} if cp > 1 else {}), "tp": tp}
             try:
-                a, b, c, d = [trace_plan(*self.build(axes, 0, m, k, micro_batches=self.global_batch, remat=False),
-                                         gpu=self.gpu, documents=self.documents)["ops"] for m in (1, 2) for k in DEPTHS]
+                (a, ta), (b, tb), (c, _), (d, _) = [
+                    (t["ops"], t["traffic"]) for t in (trace_plan(*self.build(
+                        axes, 0, m, k, micro_batches=self.global_batch, remat=False), gpu=self.gpu,
+                        documents=self.documents) for m in (1, 2) for k in DEPTHS)]
             except (ValueError, RuntimeError):
                 self._units[key] = None
                 return None
@@ -246,34 +253,72 @@ class Search:
             mm = {k for k in (*a, *b) if k[0] in ("mm", "attention")}
             per = {k: (b.get(k, 0) - a.get(k, 0)) / step for k in mm}
             calls = (sum(d.values()) - sum(c.values()) - sum(b.values()) + sum(a.values())) / step
-            self._units[key] = (per, {k: a.get(k, 0) - DEPTHS[0] * per[k] for k in mm}, max(calls, 0.0))
+            kernels = {k: (d.get(k, 0) - c.get(k, 0) - b.get(k, 0) + a.get(k, 0)) / step
+                       for k in {*a, *b, *c, *d} if k[0] == "kernel"}  # (one row's a micro-batch: a floor)
+            sent = {x: ((tb.get(x, 0) - ta.get(x, 0)) / step, 0.0) for x in {*ta, *tb}}
+            sent = {x: (n, ta.get(x, 0) - DEPTHS[0] * n) for x, (n, _) in sent.items()}
+            self._units[key] = (per, {k: a.get(k, 0) - DEPTHS[0] * per[k] for k in mm}, kernels, max(calls, 0.0),
+                                sent)
         return self._units[key]
 
     def run(self, rows: list[dict[str, Any]], shown: int = SHOWN) -> list[dict[str, Any]]:
         """Judge ``rows`` in order of their floors and return the judged ones, fits first, fastest (else fewest
-        bytes sent, then lowest peak) first. Left out (counted in ``said``): a layout whose floor is above both the
-        ``shown``-th best time found and the best of its kind (pipeline or not, its ZeRO stage); a mesh without
-        pipeline stages at more micro-batches than the fewest that fit (same mesh, ZeRO stage and remat)."""
+        bytes sent, then lowest peak) first. Left out (counted in ``said``): a layout whose floor is above the
+        ``shown``-th best time found (``floor``); one a judged layout of the same mesh covers (:func:`covers`:
+        ``covered``)."""
         for r in rows:
             r["floor"] = self.floor(r)
-        out, times, best, settled = [], [], {}, set()
-        for r in sorted(rows, key=lambda r: (r["floor"], r["micro"] or 0)):
-            family, kind = (_mesh(r), r["zero"], r["remat"]), (r["axes"].get("pp", 1) > 1, r["zero"])
-            if family in settled:
-                self.said["micro"] += 1
+        out, times, by_mesh = [], [], {}
+        for r in sorted(rows, key=_order):
+            if any(covers(a, r) for a in by_mesh.get(_mesh(r), ())):
+                self.said["covered"] += 1
                 continue
-            cut = max(sorted(times)[shown - 1] if len(times) >= shown else math.inf, best.get(kind, math.inf))
-            if r["floor"] > cut:
+            if r["floor"] > (sorted(times)[shown - 1] if len(times) >= shown else math.inf):
                 self.said["floor"] += 1
                 continue
+            t = time.perf_counter()
             out.append(self.judge(r))
+            by_mesh.setdefault(_mesh(r), []).append(r)
+            if self.log:  # (a long search says where it is)
+                est = f" (a step {seconds(r['time']['step'])}, at least {seconds(r['floor'])})" if "time" in r else ""
+                self.log(f"plan: {len(out)} judged, {sum(self.said.values())} left out; {_label(r)}: "
+                         f"{'fits' if r['fits'] else r.get('why', 'over the memory')[:60]}{est}, "
+                         f"{seconds(time.perf_counter() - t)} to trace")
             if r["fits"] and "time" in r:
                 times.append(r["time"]["step"])
-                best[kind] = min(best.get(kind, math.inf), r["time"]["step"])
-            if r["fits"] and r["axes"].get("pp", 1) == 1 and r["micro"] is not None:
-                settled.add(family)
         return sorted(out, key=lambda r: (not r["fits"], "why" in r, r["time"]["step"] if "time" in r else 0,
                                           sum(r.get("traffic", {}).values()), r.get("need", 0)))
+
+
+# the knobs that trade time for memory, each value no faster than the one before it on the same layout otherwise
+# (tests/test_search.py checks each on traced steps): ZeRO 1 before 2 before 3 (gathers, per-micro-batch reductions);
+# remat off before on; off pipelines fewer micro-batches before more; 1F1B before GPipe (the same work and bubble,
+# more in flight). ZeRO 0 holds more than 1 but is not always slower (it skips the flattening: a host-bound step can
+# gain), so it is judged after 1 and skipped only where 1 does not fit.
+_ZERO_ORDER = {1: 0, 2: 1, 3: 2, 0: 3}
+_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1}
+
+
+def _order(r: dict[str, Any]) -> tuple:
+    """The search's order: by floor, then each knob's faster value first (so a layout's coverer comes first)."""
+    return (r["floor"], r["micro"] or 0, _SCHEDULE_ORDER.get(r["schedule"], 2), str(r["schedule"]),
+            _ZERO_ORDER[r["zero"]], bool(r["remat"]))
+
+
+def covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether judged layout ``a`` makes judging ``b`` (the same mesh) pointless: ``a`` fits and ``b`` differs only
+    by knobs set to values no faster (ZeRO 1 -> 2 -> 3; remat on; off pipelines more micro-batches; GPipe for
+    1F1B); or ``a`` does not fit and ``b`` differs only by knobs that hold more (ZeRO 0 for 1, GPipe for 1F1B)."""
+    if "why" in a or a is b or a["axes"] != b["axes"]:
+        return False
+    pp = a["axes"].get("pp", 1) > 1
+    schedule = a["schedule"] == b["schedule"] or (a["schedule"], b["schedule"]) == ("1f1b", "gpipe")
+    if a["fits"]:
+        zero = a["zero"] == b["zero"] or (a["zero"], b["zero"]) in {(1, 2), (1, 3), (2, 3)}
+        micro = a["micro"] == b["micro"] if pp else (a["micro"] or 0) <= (b["micro"] or 0)
+        return schedule and zero and micro and bool(a["remat"]) <= bool(b["remat"])
+    zero = a["zero"] == b["zero"] or (a["zero"], b["zero"]) == (1, 0)
+    return schedule and zero and a["micro"] == b["micro"] and a["remat"] == b["remat"]
 
 
 def held(model, cfg, step, zero: int) -> float:
@@ -286,12 +331,13 @@ def held(model, cfg, step, zero: int) -> float:
 
 def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False, estimate=None,
                 documents: bool | None = None, pipeline: bool = False, gpu: bool = False, **space) -> list[dict]:
-    """The layouts of ``devices`` ranks (:func:`layouts`: with ``context``, cp axes too; with ``pipeline``, pp axes;
-    ``space``: its ``remats``, ``schedules``, ``micro_size``, ``search_micro`` and ``global_batch``; ``layers``:
-    the model's, for the floors) judged by a :class:`Search` (``build``, ``memory``, ``estimate``: as there), fits
-    first, fastest first. Every row keeps the search's counts of what it left out, by why, as ``said``."""
-    layers, global_batch = space.pop("layers", None), space.pop("global_batch", None)
-    search = Search(build, memory, estimate, documents, gpu, layers, global_batch)
+    """The layouts of ``devices`` ranks (:func:`layouts`: with ``context``, cp axes too; with ``pipeline``, pp
+    axes; ``space``: its ``remats``, ``schedules``, ``micro_size`` and ``search_micro``) judged by a
+    :class:`Search` (``build``, ``memory``, ``estimate``, and from ``space`` the model's ``layers``, the
+    ``global_batch`` and ``log``: as there), fits first, fastest first. Every row keeps the search's counts of
+    what it left out, by why, as ``said``."""
+    layers, global_batch, log = space.pop("layers", None), space.pop("global_batch", None), space.pop("log", None)
+    search = Search(build, memory, estimate, documents, gpu, layers, global_batch, log)
     rows = layouts(devices, global_batch or devices, context, pipeline, zeros, **space)
     out = search.run(rows)
     for r in out:
@@ -365,7 +411,9 @@ def _print_left_out(rows: list[dict[str, Any]], others: int) -> None:
     if said:
         print(f"searched {sum(said.values()) + len(rows)} layouts: {len(rows)} judged ({others} not shown above), "
               f"{said.get('floor', 0)} left out untraced because even their matmuls alone would be slower than the "
-              f"best found, {said.get('micro', 0)} at more micro-batches than the fewest that fit on their mesh")
+              f"best found, {said.get('covered', 0)} because a judged layout of their mesh covers them (it fits and "
+              f"they differ only by settings no faster: a higher ZeRO stage, remat, more micro-batches off pipelines, "
+              f"GPipe for 1F1B; or it does not fit and they hold more)")
 
 
 def _label(r: dict[str, Any]) -> str:

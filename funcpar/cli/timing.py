@@ -251,16 +251,20 @@ def step_seconds(row: dict[str, Any], axes: dict[str, int], dev: Device, links: 
             "assumptions": said}
 
 
-def flop_seconds(ops: dict[tuple, int], dev: Device, share: float = 1.0) -> float:
+def least_seconds(ops: dict[tuple, float], dev: Device, share: float = 1.0) -> float:
     """The least time a tally of operators (:func:`compute_seconds`'s ``ops``) takes on ``dev``: each matmul's and
-    fused attention's FLOPs at the rate it reaches, nothing else. :func:`operator_seconds` never prices one lower, so
-    it bounds a step's compute from below: what the layout search orders layouts by before tracing them."""
+    fused attention's FLOPs at the rate it reaches, each other kernel's bytes at the reached bandwidth.
+    :func:`operator_seconds` never prices one lower, so it bounds a step's compute from below: what the layout search
+    orders layouts by before tracing them. A tally may hold negative counts (a difference of traces): the sum is
+    then at least 0."""
     out = 0.0
-    for (kind, half, flops, _), n in ops.items():
+    for (kind, half, flops, nbytes), n in ops.items():
         if kind in ("mm", "attention"):
             share_of_peak = dev.ceiling["half" if half else "fp32"] if kind == "mm" else dev.attention
             out += n * flops / (dev.flops["half" if half else "fp32"] * share_of_peak)
-    return out / share
+        elif kind == "kernel":
+            out += n * nbytes / (dev.bandwidth * dev.streaming)
+    return max(out, 0.0) / share
 
 
 def pipeline_bubble(step) -> float:
@@ -293,13 +297,18 @@ class Pricing:
         nodes = self.gpus_per_node if not self.host else math.prod(axes.values()) or 1  # (a host: one node)
         return step_seconds(row, axes, self.dev, self.links, nodes, pipeline_bubble(step), self.share(axes))
 
-    def floor(self, ops: dict[tuple, int], calls: float, axes: dict[str, int], bubble: float = 0.0) -> float:
-        """The least compute time of a step whose matmuls are ``ops`` (:func:`flop_seconds`) among ``calls``
-        operators (each costs the host its ``dispatch``: on the CPU besides the kernels, on a GPU while they run),
-        stretched by a pipeline's ``bubble``."""
+    def floor(self, ops: list[dict[tuple, float]], calls: float, axes: dict[str, int], bubble: float = 0.0,
+              traffic: dict[str, float] | None = None) -> float:
+        """The least time of a step whose operators include the tallies ``ops`` (each priced by
+        :func:`least_seconds`) among ``calls`` operators (each costs the host its ``dispatch``: on the CPU besides
+        the kernels, on a GPU while they run), stretched by a pipeline's ``bubble``, and which sends at least
+        ``traffic`` (bytes by axis, over their links)."""
         share, dev = self.share(axes), self.dev
-        kernels, host = flop_seconds(ops, dev, share), calls * dev.dispatch / (share if dev.synchronous else 1.0)
-        return (kernels + host if dev.synchronous else max(kernels, host)) / (1 - bubble)
+        kernels = sum(least_seconds(part, dev, share) for part in ops)
+        host = calls * dev.dispatch / (share if dev.synchronous else 1.0)
+        nodes = self.gpus_per_node if not self.host else math.prod(axes.values()) or 1
+        comm = sum(t for t, _ in comm_seconds(traffic or {}, axes, self.links, nodes).values())
+        return (kernels + host if dev.synchronous else max(kernels, host)) / (1 - bubble) + comm
 
 
 def seconds(s: float) -> str:
