@@ -12,7 +12,7 @@ import torch
 
 from funcpar.cli import main as cli
 from funcpar.cli import planning
-from funcpar.cli.search import Search, covers, layouts, micro_counts, rank_meshes, stage_depth, trace_layout
+from funcpar.cli.search import Search, covers, layouts, micro_counts, stage_depth, trace_layout
 
 
 def _folder(tmp_path, layers: int, hidden: int = 64) -> str:
@@ -100,30 +100,31 @@ def test_a_model_whose_layers_differ_is_traced_whole():
 
 
 def test_the_floors_bound_every_judged_layout_and_leave_out_slower_ones(tmp_path):
-    """Search.floor is never above a judged layout's estimate (its matmuls at the reached rate and its layers'
-    operators' dispatch are in the estimate), and the search leaves out, untraced, the layouts whose floor is above
-    the best few found: the ranking is what judging every layout gives, at a fraction of the traces."""
-    _, opts, build, estimate = _planner(_folder(tmp_path, 4, hidden=256), "dp=1")
-    space = dict(zeros=(1, 3), remats=(False,), schedules=("1f1b", "gpipe"), search_micro=True, global_batch=8,
-                 layers=4, pipeline=True, estimate=estimate, gpu=True)
-    ranked = rank_meshes(build, 4, float("inf"), **space)
+    """Search.floor is never above a judged layout's estimate (its matmuls and kernels at the reached rates, its
+    operators' dispatch and its tp bytes are in the estimate), and the search leaves out, untraced, the layouts
+    whose floor is above the best found (``shown=1``; a step bound by its matmuls, slow links): its first is what judging
+    every layout gives, and nothing faster than its best few was left out unless a judged layout covers it."""
+    ranking, opts, build, estimate = cli.planner(["--model", _folder(tmp_path, 4, hidden=1024), "--global-batch", "8",
+                                                  "--seq-len", "256", "--gpu", "a100", "--precision", "fp32",
+                                                  "--links", "eth100,eth100"])  # (bound by its matmuls)
+    space = dict(zeros=(1, 3), remats=(False,), schedules=("1f1b", "gpipe"), search_micro=True)
+    search = Search(build, float("inf"), estimate, gpu=True, layers=4, global_batch=8)
+    ranked = search.run(layouts(4, 8, pipeline=True, **space), shown=1)
     judged = [r for r in ranked if "time" in r]
     assert judged and all(r["floor"] <= r["time"]["step"] * (1 + 1e-9) for r in judged)
-    said = ranked[0]["said"]
-    assert said["floor"] > 0, said
+    assert search.said["floor"] > 0, search.said
     every = Search(build, float("inf"), estimate, gpu=True, layers=4, global_batch=8)
-    rows = layouts(4, 8, pipeline=True, zeros=(1, 3), remats=(False,), schedules=("1f1b", "gpipe"),
-                   search_micro=True)
     # (off pipelines more micro-batches than the fewest that fit only add work: the search judges m=1 there)
-    rows = [every.judge(r) for r in rows if r["axes"].get("pp", 1) > 1 or r["micro"] == 1]
-    assert len(rows) > len(judged)
+    rows = [every.judge(r) for r in layouts(4, 8, pipeline=True, **space) if r["axes"].get("pp", 1) > 1
+            or r["micro"] == 1]
+    assert len(rows) > len(judged) and all(r["floor"] <= r["time"]["step"] * (1 + 1e-9) for r in rows
+                                           if "time" in r and "floor" in r)
     assert min(r["time"]["step"] for r in rows if "time" in r) == pytest.approx(judged[0]["time"]["step"], rel=1e-9)
 
     def key(r):
         return tuple(r["axes"].items()), r["zero"], r["remat"], r["schedule"], r["micro"]
     seen = {key(r) for r in ranked}
-    fourth = judged[min(3, len(judged) - 1)]["time"]["step"]
-    for r in (r for r in rows if "time" in r and r["time"]["step"] < fourth * (1 - 1e-9)):
+    for r in (r for r in rows if "time" in r and r["time"]["step"] < judged[0]["time"]["step"] * (1 - 1e-9)):
         assert key(r) in seen or any(covers(a, r) for a in ranked), key(r)  # (judged, or covered by one judged)
 
 
@@ -147,3 +148,16 @@ def test_each_knob_the_search_skips_is_no_faster_than_the_value_before_it():
     pp = {"pp": 2, "dp": 1, "tp": 1}
     one, gpipe = judged(pp, 1, micro=8, schedule="1f1b"), judged(pp, 1, micro=8, schedule="gpipe")
     assert one[0] == pytest.approx(gpipe[0], rel=1e-9) and one[1] <= gpipe[1]
+
+
+def test_the_search_stops_at_its_time_limit_and_says_what_it_left(capsys):
+    """--search-seconds: after the limit (one layout judged at least) the rest are left unjudged, counted, with the
+    least time any of them could take, and the table says whether the first layout is then known fastest."""
+    cli.plan(["--model", "llama-micro", "--devices", "2", "--memory", "64", "--global-batch", "8", "--seq-len", "32",
+              "--gpu", "h100", "--precision", "bf16", "--search-seconds", "1e-9", "--zero", "1", "--no-remat"])
+    out = capsys.readouterr().out
+    assert "the time limit (--search-seconds) left " in out and "unjudged; none could take less than " in out, out
+    line = next(x for x in out.splitlines() if x.startswith("searched "))
+    assert line.startswith("searched ") and " 1 judged (" in line and " by the time limit" in line, line
+    with pytest.raises(SystemExit, match="--search-seconds 0: expected seconds to search, above 0"):
+        cli.plan(["--model", "llama-micro", "--devices", "2", "--search-seconds", "0"])

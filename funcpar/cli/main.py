@@ -604,6 +604,9 @@ def planner(argv: list[str]):
     ap.add_argument("--micro-batch-size", type=int, metavar="ROWS",
                     help="rows a micro-batch (DeepSpeed's train_micro_batch_size_per_gpu): each mesh then runs its dp "
                          "rank's rows over ROWS micro-batches (default: --micro-batches; pipelines at least 2 x pp)")
+    ap.add_argument("--search-seconds", type=float, default=240.0, metavar="S",
+                    help="with --devices: stop tracing layouts after S seconds and rank what was judged (it says how "
+                         "many were left and the least time any of them could take; default 240)")
     ap.add_argument("--threads", type=int, metavar="N", help="on the CPU: threads a rank (default: OMP_NUM_THREADS, "
                                                              "else 1, as funcpar train runs)")
     ranking, rest = ap.parse_known_args(argv)
@@ -654,7 +657,7 @@ def plan(argv: list[str]) -> None:
                            pipeline=spec.stages is not None, estimate=estimate, documents=documents,
                            gpu=ranking.gpu is not None, micro_size=ranking.micro_batch_size,
                            global_batch=opts["global_batch"], layers=len(layers) if layers else None,
-                           log=functools.partial(print, file=sys.stderr, flush=True),
+                           log=functools.partial(print, file=sys.stderr, flush=True), budget=ranking.search_seconds,
                            **_search_space(argv, opts, spec))
         print_ranking(rows, ranking.devices, memory)
         return
@@ -751,6 +754,8 @@ def _check_ranking(ranking) -> None:
     if ranking.micro_batch_size is not None and ranking.micro_batch_size < 1:
         raise SystemExit(f"funcpar: --micro-batch-size {ranking.micro_batch_size}: expected rows a micro-batch, 1 or "
                          f"more")
+    if not ranking.search_seconds > 0:
+        raise SystemExit(f"funcpar: --search-seconds {ranking.search_seconds:g}: expected seconds to search, above 0")
     if ranking.threads is not None and ranking.threads < 1:
         raise SystemExit(f"funcpar: --threads {ranking.threads}: expected threads a rank, 1 or more")
 

@@ -173,12 +173,14 @@ class Search:
     ``memory`` bytes a device, fastest first by ``estimate(row, axes, step)`` when given (:class:`Pricing`, whose
     ``floor`` orders the search; the model's ``layers`` and the ``global_batch`` size the floors). ``gpu``: a plan
     for GPUs (peaks without the host process); ``documents``: as :func:`trace_layout`; ``log``: where a line goes
-    after each layout judged (``print`` to stderr, say). ``said`` counts the layouts left out, by why."""
+    after each layout judged (``print`` to stderr, say); ``budget``: seconds of judging, after which the search
+    stops. ``said`` counts the layouts left out, by why."""
 
     def __init__(self, build, memory: float, estimate=None, documents: bool | None = None, gpu: bool = False,
-                 layers: int | None = None, global_batch: int | None = None, log=None):
+                 layers: int | None = None, global_batch: int | None = None, log=None, budget: float = math.inf):
         self.build, self.memory, self.estimate, self.documents, self.gpu = build, memory, estimate, documents, gpu
-        self.layers, self.global_batch, self.log = layers, global_batch, log
+        self.layers, self.global_batch, self.log, self.budget = layers, global_batch, log, budget
+        self.unjudged_floor = math.inf
         self.said: Counter = Counter()
         self._units: dict[tuple, tuple | None] = {}
 
@@ -210,8 +212,9 @@ class Search:
         """The least time layout ``r``'s step can take: its matmuls' FLOPs at the device's reached rate, the
         host's dispatch of its layers' operators and their other kernels' bytes (one row's matmuls through its
         stage's layers, per :meth:`_unit`, times a dp rank's rows; the layers' operators and kernels times its
-        micro-batches; the embedding and head's matmuls too off pipelines), over its schedule's bubble, plus the tp
-        and cp bytes its rows send without remat. 0 where there is nothing to bound it by."""
+        micro-batches, off pipelines, with the embedding and head's matmuls; a pipeline stage's matmuls alone, over
+        its schedule's bubble), plus the tp and cp bytes its rows send without remat. 0 where there is nothing to
+        bound it by."""
         axes = r["axes"]
         unit = self._unit(axes.get("tp", 1), axes.get("cp", 1)) if self.layers and self.estimate else None
         if unit is None or self.global_batch % axes["dp"]:
@@ -228,6 +231,8 @@ class Search:
                                        2 if r["schedule"] == "interleaved" else 1).simulate()["bubble"]
             except ValueError:
                 return 0.0  # (a schedule these counts cannot make: its build says why)
+        if pp > 1:  # (a stage's per-micro-batch work is not an accumulation's: its matmuls alone bound it)
+            kernels, calls = {}, 0.0
         return self.estimate.floor([{k: max(n, 0.0) for k, n in ops.items()},
                                     {k: micro * depth * n for k, n in kernels.items()}],
                                    micro * depth * calls, axes, bubble, traffic)
@@ -262,19 +267,26 @@ class Search:
         return self._units[key]
 
     def run(self, rows: list[dict[str, Any]], shown: int = SHOWN) -> list[dict[str, Any]]:
-        """Judge ``rows`` in order of their floors and return the judged ones, fits first, fastest (else fewest
-        bytes sent, then lowest peak) first. Left out (counted in ``said``): a layout whose floor is above the
-        ``shown``-th best time found (``floor``); one a judged layout of the same mesh covers (:func:`covers`:
-        ``covered``)."""
+        """Judge ``rows`` in order of their floors (each kind in turn: :func:`_round_robin`) and return the judged
+        ones, fits first, fastest (else fewest bytes sent, then lowest peak) first. Left out (counted in
+        ``said``): a layout whose floor is above the ``shown``-th best time found (``floor``); one a judged layout
+        of the same mesh covers (:func:`covers`: ``covered``); after ``budget`` seconds (the floors' traces
+        included), the rest (``budget``; ``self.unjudged_floor``: the lowest floor among them, so the answer is
+        known best where it is above the best time found)."""
+        start = time.perf_counter()
         for r in rows:
             r["floor"] = self.floor(r)
         out, times, by_mesh = [], [], {}
-        for r in sorted(rows, key=_order):
+        for r in _round_robin(sorted(rows, key=_order)):
             if any(covers(a, r) for a in by_mesh.get(_mesh(r), ())):
                 self.said["covered"] += 1
                 continue
             if r["floor"] > (sorted(times)[shown - 1] if len(times) >= shown else math.inf):
                 self.said["floor"] += 1
+                continue
+            if out and time.perf_counter() - start > self.budget:  # (one judged at least)
+                self.said["budget"] += 1
+                self.unjudged_floor = min(self.unjudged_floor, r["floor"])
                 continue
             t = time.perf_counter()
             out.append(self.judge(r))
@@ -297,6 +309,24 @@ class Search:
 # gain), so it is judged after 1 and skipped only where 1 does not fit.
 _ZERO_ORDER = {1: 0, 2: 1, 3: 2, 0: 3}
 _SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1}
+
+
+def _round_robin(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (in floor order) taken in turn from each kind (pipeline or not, each ZeRO stage), each kind in its
+    own order: floors are looser on some kinds than on others, and a time limit should reach every kind's best."""
+    kinds: dict[tuple, list] = {}
+    for r in rows:
+        kinds.setdefault((r["axes"].get("pp", 1) > 1, r["zero"]), []).append(r)
+    turns = [iter(k) for k in kinds.values()]
+    out = []
+    while turns:
+        for it in list(turns):
+            r = next(it, None)
+            if r is None:
+                turns.remove(it)
+            else:
+                out.append(r)
+    return out
 
 
 def _order(r: dict[str, Any]) -> tuple:
@@ -334,14 +364,15 @@ def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bo
     """The layouts of ``devices`` ranks (:func:`layouts`: with ``context``, cp axes too; with ``pipeline``, pp
     axes; ``space``: its ``remats``, ``schedules``, ``micro_size`` and ``search_micro``) judged by a
     :class:`Search` (``build``, ``memory``, ``estimate``, and from ``space`` the model's ``layers``, the
-    ``global_batch`` and ``log``: as there), fits first, fastest first. Every row keeps the search's counts of
-    what it left out, by why, as ``said``."""
-    layers, global_batch, log = space.pop("layers", None), space.pop("global_batch", None), space.pop("log", None)
-    search = Search(build, memory, estimate, documents, gpu, layers, global_batch, log)
-    rows = layouts(devices, global_batch or devices, context, pipeline, zeros, **space)
+    ``global_batch``, ``log`` and ``budget``: as there), fits first, fastest first. Every row keeps the search's
+    counts of what it left out, by why, as ``said`` (and ``unjudged_floor``: :meth:`Search.run`)."""
+    knobs = {k: space.pop(k, d) for k, d in (("layers", None), ("global_batch", None), ("log", None),
+                                             ("budget", math.inf))}
+    search = Search(build, memory, estimate, documents, gpu, **knobs)
+    rows = layouts(devices, knobs["global_batch"] or devices, context, pipeline, zeros, **space)
     out = search.run(rows)
     for r in out:
-        r["said"] = search.said
+        r["said"], r["unjudged_floor"] = search.said, search.unjudged_floor
     return out
 
 
@@ -408,12 +439,18 @@ def _print_left_out(rows: list[dict[str, Any]], others: int) -> None:
     for why, where in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
         print(f"not run ({len(where)} layout{'s' * (len(where) > 1)}, e.g. {where[0]}): {why}")
     said = rows[0].get("said", {}) if rows else {}
+    if said.get("budget"):
+        best = min((r["time"]["step"] for r in rows if r["fits"] and "time" in r), default=math.inf)
+        known = "so the first above is the fastest" if rows[0]["unjudged_floor"] >= best else "some may be faster"
+        print(f"the time limit (--search-seconds) left {said['budget']} layouts unjudged; none could take less than "
+              f"{seconds(rows[0]['unjudged_floor'])} a step ({known})")
     if said:
         print(f"searched {sum(said.values()) + len(rows)} layouts: {len(rows)} judged ({others} not shown above), "
               f"{said.get('floor', 0)} left out untraced because even their matmuls alone would be slower than the "
               f"best found, {said.get('covered', 0)} because a judged layout of their mesh covers them (it fits and "
               f"they differ only by settings no faster: a higher ZeRO stage, remat, more micro-batches off pipelines, "
-              f"GPipe for 1F1B; or it does not fit and they hold more)")
+              f"GPipe for 1F1B; or it does not fit and they hold more)"
+              + (f", {said['budget']} by the time limit" if said.get("budget") else ""))
 
 
 def _label(r: dict[str, Any]) -> str:
