@@ -541,13 +541,18 @@ def model_config(name: str, mesh, generic: bool = False, layers: int | None = No
 
 
 def shallow(raw: dict, layers: int) -> dict:
-    """A config's keys for the same model with ``layers`` layers: ``num_hidden_layers`` and every list with an entry
-    per layer (``layer_types``, ...) cut to that many, or repeated from its start to reach them."""
-    depth = raw.get("num_hidden_layers")
-    if not isinstance(depth, int) or depth < 1 or layers < 1:
-        raise ValueError(f"cannot make a model of num_hidden_layers={depth!r} {layers} layers deep")
+    """A config's keys for the same model with ``layers`` layers: its count (``num_hidden_layers``, or GPT-2's
+    ``n_layer``, ...) and every list with an entry per layer (``layer_types``, ...) cut to that many, or repeated
+    from its start to reach them."""
+    key = next((k for k in LAYER_COUNT_KEYS if isinstance(raw.get(k), int)), None)
+    depth = raw.get(key)
+    if key is None or depth < 1 or layers < 1:
+        raise ValueError(f"cannot make a model of {key or 'num_hidden_layers'}={depth!r} {layers} layers deep")
     return {**{k: [v[i % depth] for i in range(layers)] if isinstance(v, list) and len(v) == depth else v
-               for k, v in raw.items()}, "num_hidden_layers": layers}
+               for k, v in raw.items()}, key: layers}
+
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")  # (config.json's names for the depth)
 
 
 def build_params(opts, model, cfg, specs, mesh, keep=None):

@@ -60,13 +60,23 @@ def trace_layout(build, axes: dict[str, int], zero: int, gpu: bool = False, docu
     half = depth is not None and step.executor is not None and depth % 1 == 0.5 and step.executor.plan.V % 2 == 0
     ds = [d + 0.5 for d in DEPTHS] if half else DEPTHS  # (a stage that ends on half a layer: traced so too)
     depths = _line(depth, *ds) if depth is not None and depth > sum(ds) else [(None, 1.0)]
-    traces = []
+    try:
+        traces = _traces(build, axes, zero, built, counts, depths, gpu, documents, **over)
+    except ValueError:  # (a config the shallow copies cannot be made of: traced whole)
+        depths = [(None, 1.0)]
+        traces = _traces(build, axes, zero, built, counts, depths, gpu, documents, **over)
+    how = {**({"micro": (m1, m2)} if counts[0][0] else {}), **({"layers": (*ds, depth)} if depths[0][0] else {})}
+    return combine(traces) | {"extrapolated": how, "micro": m, "rows": rows, "seq_len": seq_len, "step": step}
+
+
+def _traces(build, axes, zero, built, counts, depths, gpu, documents, **over) -> list[tuple[float, dict]]:
+    """:func:`trace_layout`'s traces with their weights: one per micro-batch count and depth (None: the step's)."""
+    out = []
     for k, wk in counts:
         for d, wd in depths:
             b = built if k is None and d is None else build(axes, zero, k, d, **over)
-            traces.append((wk * wd, trace_plan(*b[:4], seq_len, gpu=gpu, documents=documents)))
-    how = {**({"micro": (m1, m2)} if counts[0][0] else {}), **({"layers": (*ds, depth)} if depths[0][0] else {})}
-    return combine(traces) | {"extrapolated": how, "micro": m, "rows": rows, "seq_len": seq_len, "step": step}
+            out.append((wk * wd, trace_plan(*b[:4], built[4], gpu=gpu, documents=documents)))
+    return out
 
 
 def _line(x: float, a: int, b: int) -> list[tuple[int, float]]:
