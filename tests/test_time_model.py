@@ -46,7 +46,7 @@ def test_a_step_of_many_micro_batches_is_traced_at_two_short_counts_and_extrapol
     ranking, opts, build, estimate = cli.planner(argv)
     axes = cli.parse_mesh(opts["mesh"])
     fast = trace_layout(build, axes, opts["zero"])
-    assert fast["extrapolated"] == {"micro": (4, 6)} and fast["micro"] == 16
+    assert fast["extrapolated"] == {"micro": (4, 6)} and fast["micro_batches"] == 16
     model, cfg, step, rows, seq = build(axes, opts["zero"])
     full = trace_plan(model, cfg, step, rows, seq)
     assert fast["flops"] == pytest.approx(full["flops"], rel=1e-9)

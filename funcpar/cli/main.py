@@ -16,6 +16,7 @@ import math
 import os
 import shlex
 import sys
+import types
 import time
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,8 @@ from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step,
                              model_config, parse_mesh, read_options, run_options, saved_options, saved_run_options,
                              tokenizer, with_epochs,
                              with_tokenizer)
-from funcpar.cli.planning import params_like, print_plan, sharding_table, vocab_note
-from funcpar.cli.search import print_ranking, rank_meshes, trace_layout
+from funcpar.cli.planning import OPTIMIZER_SLOTS, params_like, print_plan, sharding_table, vocab_note
+from funcpar.cli.search import print_ranking, rank_meshes, stage_depth, trace_layout
 from funcpar.cli.timing import DEFAULT_LINKS, DEVICES, GPU_REACHED, LINKS, Pricing, host_device
 from funcpar.cli.plot import plot_metrics
 from funcpar.cli.trackers import open_trackers
@@ -584,8 +585,8 @@ def train(argv: list[str]) -> None:
 
 def planner(argv: list[str]):
     """``funcpar plan``'s command line read: ``(ranking, opts, build, estimate)``: its own flags, the step's options,
-    ``build(axes, zero, micro=None)`` -> ``(model, cfg, step, rows, seq_len)`` of one dp rank on an abstract mesh
-    (rank 0's), and
+    ``build(axes, zero, micro=None, layers=None, **over)`` -> ``(model, cfg, step, rows, seq_len)`` of one dp rank
+    on an abstract mesh (rank 0's), and
     ``estimate(row, axes, step)`` (:func:`_estimator`; None where the plan has no device to time)."""
     ap = argparse.ArgumentParser(prog="funcpar plan", add_help=False, allow_abbrev=False)  # (--device is not --devices)
     ap.add_argument("--devices", type=int, metavar="N", help="rank the meshes of N devices (dp x tp, and pp and cp "
@@ -652,11 +653,12 @@ def plan(argv: list[str]) -> None:
     if ranking.devices:
         memory = ranking.memory * 2**30
         spec, cfg = model_config(opts["model"], None, opts["generic"])
-        layers = params_like(spec, cfg).get(spec.stages.layers) if spec.stages is not None else None
+        layers = stage_depth(spec, cfg, types.SimpleNamespace(executor=None))  # (floors: alike layers only)
         rows = rank_meshes(build, ranking.devices, memory, context=spec.context_parallel,
                            pipeline=spec.stages is not None, estimate=estimate, documents=documents,
                            gpu=ranking.gpu is not None, micro_size=ranking.micro_batch_size,
-                           global_batch=opts["global_batch"], layers=len(layers) if layers else None,
+                           global_batch=opts["global_batch"], layers=None if opts["parts"] else layers,
+                           slots=OPTIMIZER_SLOTS.get(opts["optimizer"], 2), chunks=opts["chunks"] or None,
                            log=functools.partial(print, file=sys.stderr, flush=True), budget=ranking.search_seconds,
                            **_search_space(argv, opts, spec))
         print_ranking(rows, ranking.devices, memory)

@@ -6,11 +6,12 @@ step of many micro-batches at two short counts, a deep model of alike layers at 
 extrapolated), priced by :class:`funcpar.cli.timing.Pricing`.
 
 Tracing every layout would take hours for a 7B model, so the search orders them by a *floor* first: the least time
-their matmuls can take (:meth:`Search.floor`: FLOPs at the device's reached rate, from one trace of one row through
-two and three layers per distinct tp x cp shard, stretched by the schedule's bubble). It traces in that order and
-leaves out each layout whose floor is already slower than the best layouts found (the best few overall, and the best
-of each kind: pipeline or not, at each ZeRO stage), and every micro-batch count above the fewest that fit on a mesh
-without pipeline stages (more micro-batches only add work there). What it leaves out it counts and says why.
+their step can take (:meth:`Search.floor`: its matmuls, kernels and dispatch at the device's rates and its tp and cp
+bytes, from four traces of one row through two and three layers per distinct tp x cp shard, over the schedule's
+bubble). It judges layouts in that order, each kind (pipeline or not, each ZeRO stage) in turn, and leaves out each
+layout whose floor is above both the best few found and the best of its kind, and each one a judged layout covers
+(:func:`covers`: a knob set no faster on a layout that fits). ``budget`` seconds bound it. What it leaves out it
+counts and says why.
 """
 
 from __future__ import annotations
@@ -40,20 +41,21 @@ def trace_layout(build, axes: dict[str, int], zero: int, gpu: bool = False, docu
     """:func:`funcpar.cli.planning.trace_plan` of the step ``build(axes, zero, **over)`` makes (``(model, cfg,
     step, rows, seq_len)``; ``built``: that tuple, when made already), in bounded time.
 
-    A step of many micro-batches (more than the two short counts ``m1 = 2 pp`` (2 off pipelines) and ``m2 = m1 +
+    A step of many micro-batches (more than the two short counts ``m1 = 2 pp`` (or the virtual stages, if more; 2 off
+    pipelines) and ``m2 = m1 +
     max(pp, 2)`` together) is traced at those counts of the same micro-batch (``build(axes, zero, m)``): a
     pipeline's schedule and an accumulation reach their in-flight micro-batches by then, and what still grows with
     the count is linear in it. A model whose layers are alike (:func:`stage_depth`), with more layers a stage than
     :data:`DEPTHS` together, is traced at those depths a stage (``build(axes, zero, m, d)``): its FLOPs, operators,
     bytes sent and memory are linear in the layers. The traces are combined by :func:`combine` with the weights that
     extrapolate to the step (``extrapolated``: ``{"micro": (m1, m2), "layers": (d1, d2, depth)}``, each where
-    used). The row keeps the step's micro-batches (``micro``), rows and sequence length. (A pipeline is traced on its
-    first stage, rank 0's: funcpar cuts the stages to equal weights, the head's counted, so the first stands for the
-    others.)"""
+    used). The row keeps the step's micro-batches (``micro_batches``), rows and sequence length. (A pipeline is
+    traced on its first stage, rank 0's: funcpar cuts the stages to equal weights, the head's counted, so the first
+    stands for the others.)"""
     built = built or build(axes, zero, **over)
     model, cfg, step, rows, seq_len = built
     m, pp = step.options.accum_steps, axes.get("pp", 1)
-    m1 = 2 * pp if pp > 1 else 2
+    m1 = max(2 * pp, step.executor.plan.V) if pp > 1 else 2  # (an interleaved rank warms up chunks x pp)
     m2 = m1 + max(pp, 2)
     counts = _line(m, m1, m2) if m > m1 + m2 and rows % m == 0 else [(None, 1.0)]
     depth = stage_depth(model, cfg, step)
@@ -66,7 +68,8 @@ def trace_layout(build, axes: dict[str, int], zero: int, gpu: bool = False, docu
         depths = [(None, 1.0)]
         traces = _traces(build, axes, zero, built, counts, depths, gpu, documents, **over)
     how = {**({"micro": (m1, m2)} if counts[0][0] else {}), **({"layers": (*ds, depth)} if depths[0][0] else {})}
-    return combine(traces) | {"extrapolated": how, "micro": m, "rows": rows, "seq_len": seq_len, "step": step}
+    return combine(traces) | {"extrapolated": how, "micro_batches": m, "rows": rows, "seq_len": seq_len,
+                              "step": step}
 
 
 def _traces(build, axes, zero, built, counts, depths, gpu, documents, **over) -> list[tuple[float, dict]]:
@@ -184,12 +187,16 @@ class Search:
     ``floor`` orders the search; the model's ``layers`` and the ``global_batch`` size the floors). ``gpu``: a plan
     for GPUs (peaks without the host process); ``documents``: as :func:`trace_layout`; ``log``: where a line goes
     after each layout judged (``print`` to stderr, say); ``budget``: seconds of judging, after which the search
-    stops. ``said`` counts the layouts left out, by why."""
+    stops; ``slots``: the optimizer's state tensors a parameter; ``chunks``: an interleaved or zero-bubble
+    pipeline's virtual stages a rank, where the command line sets them. ``said`` counts the layouts left out, by
+    why."""
 
     def __init__(self, build, memory: float, estimate=None, documents: bool | None = None, gpu: bool = False,
-                 layers: int | None = None, global_batch: int | None = None, log=None, budget: float = math.inf):
+                 layers: int | None = None, global_batch: int | None = None, log=None, budget: float = math.inf,
+                 slots: int = 2, chunks: int | None = None):
         self.build, self.memory, self.estimate, self.documents, self.gpu = build, memory, estimate, documents, gpu
         self.layers, self.global_batch, self.log, self.budget = layers, global_batch, log, budget
+        self.slots, self.chunks = slots, chunks
         self.unjudged_floor = math.inf
         self.said: Counter = Counter()
         self._units: dict[tuple, tuple | None] = {}
@@ -201,14 +208,14 @@ class Search:
         axes, zero, over = r["axes"], r["zero"], _over(r)
         try:
             built = self.build(axes, zero, **over)
-            state = held(*built[:3], zero)
+            state = held(*built[:3], zero, self.slots)
             if state > self.memory:  # (pruned before its trace: what it holds between steps is over already)
                 r |= {"fits": False, "why": f"does not fit: its parameters, gradients and optimizer state alone take "
                                             f"{mib(state)} a rank (not traced)"}
                 return r
             r |= trace_layout(self.build, axes, zero, self.gpu, self.documents, built, **over)
             step = r.pop("step")
-            r |= {"need": r["peak"] + r["runtime"], "micro": step.options.accum_steps}
+            r["need"] = r["peak"] + r["runtime"]
             r["fits"] = r["need"] <= self.memory
             if self.estimate is not None:
                 r["time"] = self.estimate(r, axes, step)
@@ -222,30 +229,32 @@ class Search:
         """The least time layout ``r``'s step can take: its matmuls' FLOPs at the device's reached rate, the
         host's dispatch of its layers' operators and their other kernels' bytes (one row's matmuls through its
         stage's layers, per :meth:`_unit`, times a dp rank's rows; the layers' operators and kernels times its
-        micro-batches, off pipelines, with the embedding and head's matmuls; a pipeline stage's matmuls alone, over
+        micro-batches but one, off pipelines, with the embedding and head's matmuls; a pipeline stage's matmuls alone
+        (its layers taken half a layer under the mean, the cut's rounding), over
         its schedule's bubble), plus the tp and cp bytes its rows send without remat. 0 where there is nothing to
         bound it by."""
         axes = r["axes"]
         unit = self._unit(axes.get("tp", 1), axes.get("cp", 1)) if self.layers and self.estimate else None
-        if unit is None or self.global_batch % axes["dp"]:
+        if unit is None or not self.global_batch or self.global_batch % axes["dp"]:
             return 0.0
         layer, ends, kernels, calls, sent = unit
         pp, rows, micro = axes.get("pp", 1), self.global_batch // axes["dp"], r["micro"] or 1
-        depth = self.layers / pp
+        depth = self.layers / pp if pp == 1 else max(self.layers / pp - 0.5, 0.0)  # (a cut within half a layer)
         ops = {k: rows * n * depth + (rows * ends.get(k, 0) if pp == 1 else 0) for k, n in layer.items()}
         traffic = {a: rows * max(n * depth + (end if pp == 1 else 0), 0.0) for a, (n, end) in sent.items()}
         bubble = 0.0
         if pp > 1 and r["schedule"] and r["micro"]:
             try:
-                bubble = make_schedule(r["schedule"], pp, r["micro"],
-                                       2 if r["schedule"] == "interleaved" else 1).simulate()["bubble"]
+                chunks = self.chunks or (2 if r["schedule"] == "interleaved" else 1)
+                bubble = make_schedule(r["schedule"], pp, r["micro"], chunks).simulate()["bubble"]
             except ValueError:
                 return 0.0  # (a schedule these counts cannot make: its build says why)
         if pp > 1:  # (a stage's per-micro-batch work is not an accumulation's: its matmuls alone bound it)
             kernels, calls = {}, 0.0
+        # (the unit's per-micro-batch work holds an accumulation's add, which the first micro-batch skips)
         return self.estimate.floor([{k: max(n, 0.0) for k, n in ops.items()},
-                                    {k: micro * depth * n for k, n in kernels.items()}],
-                                   micro * depth * calls, axes, bubble, traffic)
+                                    {k: (micro - 1) * depth * n for k, n in kernels.items()}],
+                                   (micro - 1) * depth * calls, axes, bubble, traffic)
 
     def _unit(self, tp: int, cp: int) -> tuple | None:
         """One row's matmuls (:func:`funcpar.cli.timing.op_key` -> calls) per layer and the embedding and head's,
@@ -279,19 +288,22 @@ class Search:
     def run(self, rows: list[dict[str, Any]], shown: int = SHOWN) -> list[dict[str, Any]]:
         """Judge ``rows`` in order of their floors (each kind in turn: :func:`_round_robin`) and return the judged
         ones, fits first, fastest (else fewest bytes sent, then lowest peak) first. Left out (counted in
-        ``said``): a layout whose floor is above the ``shown``-th best time found (``floor``); one a judged layout
+        ``said``): a layout whose floor is above both the ``shown``-th best time found and the best of its kind
+        (pipeline or not, its ZeRO stage: ``floor``); one a judged layout
         of the same mesh covers (:func:`covers`: ``covered``); after ``budget`` seconds (the floors' traces
         included), the rest (``budget``; ``self.unjudged_floor``: the lowest floor among them, so the answer is
         known best where it is above the best time found)."""
         start = time.perf_counter()
         for r in rows:
             r["floor"] = self.floor(r)
-        out, times, by_mesh = [], [], {}
+        out, times, by_mesh, best = [], [], {}, {}
         for r in _round_robin(sorted(rows, key=_order)):
-            if any(covers(a, r) for a in by_mesh.get(_mesh(r), ())):
+            if any(covers(a, r, self.estimate is not None) for a in by_mesh.get(_mesh(r), ())):
                 self.said["covered"] += 1
                 continue
-            if r["floor"] > (sorted(times)[shown - 1] if len(times) >= shown else math.inf):
+            kind = (r["axes"].get("pp", 1) > 1, r["zero"])
+            cut = max(sorted(times)[shown - 1] if len(times) >= shown else math.inf, best.get(kind, math.inf))
+            if r["floor"] > cut:
                 self.said["floor"] += 1
                 continue
             if out and time.perf_counter() - start > self.budget:  # (one judged at least)
@@ -308,6 +320,7 @@ class Search:
                          f"{seconds(time.perf_counter() - t)} to trace")
             if r["fits"] and "time" in r:
                 times.append(r["time"]["step"])
+                best[kind] = min(best.get(kind, math.inf), r["time"]["step"])
         return sorted(out, key=lambda r: (not r["fits"], "why" in r, r["time"]["step"] if "time" in r else 0,
                                           sum(r.get("traffic", {}).values()), r.get("need", 0)))
 
@@ -345,15 +358,16 @@ def _order(r: dict[str, Any]) -> tuple:
             _ZERO_ORDER[r["zero"]], bool(r["remat"]))
 
 
-def covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def covers(a: dict[str, Any], b: dict[str, Any], timed: bool = True) -> bool:
     """Whether judged layout ``a`` makes judging ``b`` (the same mesh) pointless: ``a`` fits and ``b`` differs only
     by knobs set to values no faster (ZeRO 1 -> 2 -> 3; remat on; off pipelines more micro-batches; GPipe for
-    1F1B); or ``a`` does not fit and ``b`` differs only by knobs that hold more (ZeRO 0 for 1, GPipe for 1F1B)."""
-    if "why" in a or a is b or a["axes"] != b["axes"]:
+    1F1B); or ``a`` does not fit and ``b`` differs only by knobs that hold more (ZeRO 0 for 1, GPipe for 1F1B).
+    Not ``timed`` (no estimate: the layouts rank by bytes sent, then peak), only the second."""
+    if "why" in a or a is b or a["axes"] != b["axes"] or a["fits"] and not timed:
         return False
     pp = a["axes"].get("pp", 1) > 1
     schedule = a["schedule"] == b["schedule"] or (a["schedule"], b["schedule"]) == ("1f1b", "gpipe")
-    if a["fits"]:
+    if a["fits"] and timed:
         zero = a["zero"] == b["zero"] or (a["zero"], b["zero"]) in {(1, 2), (1, 3), (2, 3)}
         micro = a["micro"] == b["micro"] if pp else (a["micro"] or 0) <= (b["micro"] or 0)
         return schedule and zero and micro and bool(a["remat"]) <= bool(b["remat"])
@@ -361,12 +375,12 @@ def covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return schedule and zero and a["micro"] == b["micro"] and a["remat"] == b["remat"]
 
 
-def held(model, cfg, step, zero: int) -> float:
-    """Bytes a rank of ``step`` holds between steps at least (:func:`memory_plan` of its stage, float32 state and
-    AdamW's two slots): a layout over ``--memory`` by this alone is pruned untraced."""
+def held(model, cfg, step, zero: int, slots: int = 2) -> float:
+    """Bytes a rank of ``step`` holds between steps at least (:func:`memory_plan` of its stage, float32 state of
+    ``slots`` tensors a parameter: AdamW's two): a layout over ``--memory`` by this alone is pruned untraced."""
     like = params_like(model, cfg)
     stage = like if step.executor is None else step.executor.plan.select(like)
-    return memory_plan(stage, step.specs, step.mesh, zero)["total"] * 2**20
+    return memory_plan(stage, step.specs, step.mesh, zero, slots)["total"] * 2**20
 
 
 def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bool = False, estimate=None,
@@ -374,10 +388,11 @@ def rank_meshes(build, devices: int, memory: float, zeros=(1, 2, 3), context: bo
     """The layouts of ``devices`` ranks (:func:`layouts`: with ``context``, cp axes too; with ``pipeline``, pp
     axes; ``space``: its ``remats``, ``schedules``, ``micro_size`` and ``search_micro``) judged by a
     :class:`Search` (``build``, ``memory``, ``estimate``, and from ``space`` the model's ``layers``, the
-    ``global_batch``, ``log`` and ``budget``: as there), fits first, fastest first. Every row keeps the search's
-    counts of what it left out, by why, as ``said`` (and ``unjudged_floor``: :meth:`Search.run`)."""
+    ``global_batch``, ``log``, ``budget``, ``slots`` and ``chunks``: as there), fits first, fastest first. Every
+    row keeps the search's counts of what it left out, by why, as ``said`` (and ``unjudged_floor``:
+    :meth:`Search.run`)."""
     knobs = {k: space.pop(k, d) for k, d in (("layers", None), ("global_batch", None), ("log", None),
-                                             ("budget", math.inf))}
+                                             ("budget", math.inf), ("slots", 2), ("chunks", None))}
     search = Search(build, memory, estimate, documents, gpu, **knobs)
     rows = layouts(devices, knobs["global_batch"] or devices, context, pipeline, zeros, **space)
     out = search.run(rows)
@@ -396,13 +411,13 @@ def _mesh(r: dict[str, Any]) -> str:
 def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float, shown: int = 8) -> None:
     """:func:`rank_meshes`'s rows as a table: the ``shown`` fastest layouts that fit (each with its estimated step
     and samples a second, when timed) and the fastest of each kind not among them (pipeline or not, each ZeRO
-    stage), layouts alike in every figure but the ZeRO stage once (the lowest); then why each of the next three is
-    slower than the first (:func:`_why_slower`), what did not fit, why layouts could not run, and what the search
-    left out untraced."""
+    stage), layouts alike in every figure but the ZeRO stage once (the first in the order); then why each of the
+    next three is slower than the first (:func:`_why_slower`), what did not fit, why layouts could not run, and
+    what the search left out untraced."""
     timed = any("time" in r for r in rows)
     fits, seen = [], set()
     for r in (r for r in rows if r["fits"]):
-        same = (_mesh(r), r["remat"], r["schedule"], r["micro"], r["need"], sum(r["traffic"].values()),
+        same = (_mesh(r), r["remat"], r["schedule"], r["micro_batches"], r["need"], sum(r["traffic"].values()),
                 round(r["time"]["step"], 12) if timed else 0)
         if same not in seen:
             seen.add(same)
@@ -423,7 +438,7 @@ def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float, shown
         print("the estimate, for the first: " + fits[0]["time"]["assumptions"])
         for r in fits[1:4]:
             print(f"  {_label(r)}: {_why_slower(fits[0], r)}")
-    _print_left_out(rows, len(rows) - len(fits))
+    _print_left_out(rows, len(rows) - len(table))
 
 
 def _table_row(r: dict[str, Any]) -> str:
@@ -432,7 +447,8 @@ def _table_row(r: dict[str, Any]) -> str:
     remat = "-" if r["remat"] is None else ("yes" if r["remat"] else "no")
     acts = "-" if pp else mib(r["activations"])  # (a pipeline's: in flight by its schedule, in the peak)
     est = f"  {seconds(r['time']['step']):>9}  {_samples(r):>9,.2f}" if "time" in r else ""
-    return (f"{_mesh(r):<18} {r['zero']:>4} {remat:>5} {r['micro']:>5} {(r['schedule'] or '-') if pp else '-':<11} "
+    schedule = (r["schedule"] or "-") if pp else "-"
+    return (f"{_mesh(r):<18} {r['zero']:>4} {remat:>5} {r['micro_batches']:>5} {schedule:<11} "
             f"{need:>10} {acts:>11}  {traffic_text(r['traffic']):<30}{est}")
 
 
@@ -456,8 +472,9 @@ def _print_left_out(rows: list[dict[str, Any]], others: int) -> None:
               f"{seconds(rows[0]['unjudged_floor'])} a step ({known})")
     if said:
         print(f"searched {sum(said.values()) + len(rows)} layouts: {len(rows)} judged ({others} not shown above), "
-              f"{said.get('floor', 0)} left out untraced because even their matmuls alone would be slower than the "
-              f"best found, {said.get('covered', 0)} because a judged layout of their mesh covers them (it fits and "
+              f"{said.get('floor', 0)} left out untraced because their floor (their matmuls, kernels, dispatch and "
+              f"tp/cp bytes at the device's rates) is above the best found, {said.get('covered', 0)} because a "
+              f"judged layout of their mesh covers them (it fits and "
               f"they differ only by settings no faster: a higher ZeRO stage, remat, more micro-batches off pipelines, "
               f"GPipe for 1F1B; or it does not fit and they hold more)"
               + (f", {said['budget']} by the time limit" if said.get("budget") else ""))
@@ -465,9 +482,9 @@ def _print_left_out(rows: list[dict[str, Any]], others: int) -> None:
 
 def _label(r: dict[str, Any]) -> str:
     pp = r["axes"].get("pp", 1) > 1
-    return (f"{_mesh(r)} zero={r['zero']}" + (f" {r['schedule'] or ''} m={r['micro']}" if pp else
-                                             (f" m={r['micro']}" if r.get("micro") else ""))
-            + (" remat" if r.get("remat") else ""))
+    m = r.get("micro_batches") or r.get("micro")
+    return (f"{_mesh(r)} zero={r['zero']}" + (f" {r['schedule']}" if pp and r["schedule"] else "")
+            + (f" m={m}" if m else "") + (" remat" if r.get("remat") else ""))
 
 
 def _samples(r: dict[str, Any]) -> float:
