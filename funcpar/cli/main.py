@@ -606,8 +606,9 @@ def planner(argv: list[str]):
                     help="rows a micro-batch (DeepSpeed's train_micro_batch_size_per_gpu): each mesh then runs its dp "
                          "rank's rows over ROWS micro-batches (default: --micro-batches; pipelines at least 2 x pp)")
     ap.add_argument("--search-seconds", type=float, default=240.0, metavar="S",
-                    help="with --devices: stop tracing layouts after S seconds and rank what was judged (it says how "
-                         "many were left and the least time any of them could take; default 240)")
+                    help="with --devices: stop tracing layouts after S seconds (after the floors' traces) and rank "
+                         "what was judged (it says how many were left and the least time any of them could take; "
+                         "default 240)")
     ap.add_argument("--threads", type=int, metavar="N", help="on the CPU: threads a rank (default: OMP_NUM_THREADS, "
                                                              "else 1, as funcpar train runs)")
     ranking, rest = ap.parse_known_args(argv)

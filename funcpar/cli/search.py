@@ -290,13 +290,12 @@ class Search:
         ones, fits first, fastest (else fewest bytes sent, then lowest peak) first. Left out (counted in
         ``said``): a layout whose floor is above both the ``shown``-th best time found and the best of its kind
         (pipeline or not, its ZeRO stage: ``floor``); one a judged layout
-        of the same mesh covers (:func:`covers`: ``covered``); after ``budget`` seconds (the floors' traces
-        included), the rest (``budget``; ``self.unjudged_floor``: the lowest floor among them, so the answer is
-        known best where it is above the best time found)."""
-        start = time.perf_counter()
+        of the same mesh covers (:func:`covers`: ``covered``); after ``budget`` seconds of judging (the floors'
+        traces come before it, not counted), the rest (``budget``; ``self.unjudged_floor``: the lowest floor among
+        them, so the answer is known best where it is above the best time found)."""
         for r in rows:
             r["floor"] = self.floor(r)
-        out, times, by_mesh, best = [], [], {}, {}
+        out, times, by_mesh, best, start = [], [], {}, {}, time.perf_counter()
         for r in _round_robin(sorted(rows, key=_order)):
             if any(covers(a, r, self.estimate is not None) for a in by_mesh.get(_mesh(r), ())):
                 self.said["covered"] += 1
@@ -433,7 +432,8 @@ def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float, shown
     for r in table:
         print(_table_row(r))
     if not table:
-        print(f"(no layout fits in {memory / 2**30:g} GiB a device: see what did not fit, below)")
+        judged = "of those judged " if rows and rows[0].get("said", {}).get("budget") else ""
+        print(f"(no layout {judged}fits in {memory / 2**30:g} GiB a device: see what did not fit, below)")
     if timed and fits:
         print("the estimate, for the first: " + fits[0]["time"]["assumptions"])
         for r in fits[1:4]:
