@@ -230,9 +230,8 @@ class Search:
         host's dispatch of its layers' operators and their other kernels' bytes (one row's matmuls through its
         stage's layers, per :meth:`_unit`, times a dp rank's rows; the layers' operators and kernels times its
         micro-batches but one, off pipelines, with the embedding and head's matmuls; a pipeline stage's matmuls alone
-        (its layers taken half a layer under the mean, the cut's rounding), over
-        its schedule's bubble), plus the tp and cp bytes its rows send without remat. 0 where there is nothing to
-        bound it by."""
+        (its layers taken half a layer under the mean, the cut's rounding), over its schedule's bubble), plus the tp
+        and cp bytes its rows send without remat. 0 where there is nothing to bound it by."""
         axes = r["axes"]
         unit = self._unit(axes.get("tp", 1), axes.get("cp", 1)) if self.layers and self.estimate else None
         if unit is None or not self.global_batch or self.global_batch % axes["dp"]:
@@ -279,8 +278,8 @@ class Search:
             calls = (sum(d.values()) - sum(c.values()) - sum(b.values()) + sum(a.values())) / step
             kernels = {k: (d.get(k, 0) - c.get(k, 0) - b.get(k, 0) + a.get(k, 0)) / step
                        for k in {*a, *b, *c, *d} if k[0] == "kernel"}  # (one row's a micro-batch: a floor)
-            sent = {x: ((tb.get(x, 0) - ta.get(x, 0)) / step, 0.0) for x in {*ta, *tb}}
-            sent = {x: (n, ta.get(x, 0) - DEPTHS[0] * n) for x, (n, _) in sent.items()}
+            per_sent = {x: (tb.get(x, 0) - ta.get(x, 0)) / step for x in {*ta, *tb}}
+            sent = {x: (n, ta.get(x, 0) - DEPTHS[0] * n) for x, n in per_sent.items()}
             self._units[key] = (per, {k: a.get(k, 0) - DEPTHS[0] * per[k] for k in mm}, kernels, max(calls, 0.0),
                                 sent)
         return self._units[key]
@@ -300,7 +299,7 @@ class Search:
             if any(covers(a, r, self.estimate is not None) for a in by_mesh.get(_mesh(r), ())):
                 self.said["covered"] += 1
                 continue
-            kind = (r["axes"].get("pp", 1) > 1, r["zero"])
+            kind = _kind(r)
             cut = max(sorted(times)[shown - 1] if len(times) >= shown else math.inf, best.get(kind, math.inf))
             if r["floor"] > cut:
                 self.said["floor"] += 1
@@ -333,12 +332,17 @@ _ZERO_ORDER = {1: 0, 2: 1, 3: 2, 0: 3}
 _SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1}
 
 
+def _kind(r: dict[str, Any]) -> tuple[bool, int]:
+    """A layout's kind, as the search and the table take turns and keep bests by: pipeline or not, its ZeRO stage."""
+    return r["axes"].get("pp", 1) > 1, r["zero"]
+
+
 def _round_robin(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``rows`` (in floor order) taken in turn from each kind (pipeline or not, each ZeRO stage), each kind in its
     own order: floors are looser on some kinds than on others, and a time limit should reach every kind's best."""
     kinds: dict[tuple, list] = {}
     for r in rows:
-        kinds.setdefault((r["axes"].get("pp", 1) > 1, r["zero"]), []).append(r)
+        kinds.setdefault(_kind(r), []).append(r)
     turns = [iter(k) for k in kinds.values()]
     out = []
     while turns:
@@ -423,7 +427,7 @@ def print_ranking(rows: list[dict[str, Any]], devices: int, memory: float, shown
             fits.append(r)
     kinds = {}
     for r in fits:
-        kinds.setdefault((r["axes"].get("pp", 1) > 1, r["zero"]), r)
+        kinds.setdefault(_kind(r), r)
     table = fits[:shown] + [r for r in kinds.values() if r not in fits[:shown]]
     order = "fastest by the estimate first" if timed else "fewest bytes sent first"
     print(f"layouts of {devices} devices with {memory / 2**30:g} GiB each that fit ({order}):")
