@@ -161,3 +161,13 @@ def test_the_search_stops_at_its_time_limit_and_says_what_it_left(capsys):
     assert line.startswith("searched ") and " 1 judged (" in line and " by the time limit" in line, line
     with pytest.raises(SystemExit, match="--search-seconds 0: expected seconds to search, above 0"):
         cli.plan(["--model", "llama-micro", "--devices", "2", "--search-seconds", "0"])
+
+
+def test_a_cp_mesh_planned_for_gpus_traces(capsys):
+    """On CUDA a cp chunk attends with torch's lower-right causal bias, a tensor subclass the trace's dispatch mode
+    cannot make: the trace uses a stand-in, so a cp mesh planned for GPUs is traced (it was 'not traced on meta
+    tensors')."""
+    cli.plan(["--model", "llama-micro", "--mesh", "dp=1,cp=2", "--global-batch", "8", "--seq-len", "32",
+              "--gpu", "h100", "--precision", "bf16"])
+    out = capsys.readouterr().out
+    assert "sends cp " in out and "estimated step: " in out, out
