@@ -41,6 +41,7 @@ from funcpar.spec import P as P
 from funcpar.spec import SpecError as SpecError
 from funcpar.spec import local_shape as local_shape
 from funcpar.spec import local_slice as local_slice
+from funcpar.state import Handoff as Handoff
 from funcpar.state import MixedState as MixedState
 from funcpar.state import TrainState as TrainState
 from funcpar.train.step import Step as Step

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 
-__all__ = ["TrainState", "MixedState", "StepError"]
+__all__ = ["TrainState", "MixedState", "StepError", "Handoff"]
 
 
 class StepError(ValueError):
@@ -25,3 +25,23 @@ class MixedState(NamedTuple):
     master: Any
     inner: Any
 
+
+
+class Handoff:
+    """A parameter tree handed to ``step.init`` with the caller's only reference (``step.init(Handoff(params))``):
+    init takes the tree out, so its leaves are freed as soon as the step has copied them into its buffers, before
+    the optimizer state is made. A tree passed directly can stay alive until init returns, because the interpreter
+    may keep a call's arguments on the caller's stack: CPython does once a ``torch.compile`` has failed in the
+    process (the frame hook it leaves installed turns off its inlined calls). Init would then hold the whole tree
+    beside the optimizer state."""
+
+    __slots__ = ("_tree",)
+
+    def __init__(self, tree: Any):
+        self._tree = [tree]
+
+    def take(self) -> Any:
+        """The tree, once: the handoff is empty afterwards."""
+        if not self._tree:
+            raise StepError("this Handoff was taken already: hand each init a new one")
+        return self._tree.pop()

@@ -5,6 +5,7 @@ import math
 import os
 import tempfile
 
+import optree
 import pytest
 import torch
 
@@ -438,3 +439,32 @@ def test_options_in_groups_and_as_keywords_are_one_thing():
     step = fp.compile_step(lambda p, b: p["w"].sum(), {"w": fp.P()}, fp.StepOptions(guards=fp.Guards(check=False)),
                            mesh=fp.Mesh(), clip_norm=1.0)
     assert step.options.guards.check is False and step.options.clip_norm == 1.0 and step.options.parallel.zero == 1
+
+
+def test_a_handoff_frees_the_parameters_once_copied_and_is_taken_once():
+    """step.init(fp.Handoff(params)): the state equals init(params); the handed leaves are freed when init has copied
+    them into its buffers (a weak reference to one is dead by the time the optimizer state is made); a handoff
+    taken twice is an error that says so."""
+    import weakref
+
+    cfg, mesh = config(), fp.Mesh()
+    step = fp.compile_step(functools.partial(llama.loss, cfg=cfg, mesh=mesh), llama.specs(cfg), mesh=mesh)
+    direct = step.init(llama.init(cfg))
+    seen = {}
+    optimizer_init = step.optimizer.init
+
+    def init_state(tree):  # (the optimizer state is made after the parameters are in the buffers)
+        seen["alive"] = watch() is not None
+        return optimizer_init(tree)
+
+    params = llama.init(cfg)
+    watch = weakref.ref(params["norm"])
+    handed = fp.Handoff(params)
+    del params
+    step.optimizer = step.optimizer._replace(init=init_state)
+    state = step.init(handed)
+    assert seen == {"alive": False}
+    for a, b in zip(optree.tree_leaves(state.params), optree.tree_leaves(direct.params), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(fp.StepError, match="this Handoff was taken already: hand each init a new one"):
+        step.init(handed)

@@ -118,7 +118,8 @@ def _setup_run(opts, mesh, why_not_gpu: str | None = None) -> _Run:
         lora, base, step, state = build_lora(opts, model, cfg, mesh, specs)
     else:
         step = build_step(opts, model, cfg, mesh, specs)
-        state = step.init(build_params(opts, model, cfg, specs, mesh, keep=step.holds))  # a stage reads its leaves
+        # (a stage reads its leaves; handed off: freed once in the step's buffers, before the optimizer state)
+        state = step.init(fp.Handoff(build_params(opts, model, cfg, specs, mesh, keep=step.holds)))
     loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
     return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader, warnings, lora, base)
 

@@ -26,6 +26,7 @@ from funcpar.cli.timing import SYNC, op_key, seconds
 from funcpar.nn import attention as A
 from funcpar.parallel.collectives import on_simulated_wire
 from funcpar.spec import broadcast_specs, local_shape
+from funcpar.state import Handoff
 
 __all__ = ["params_like", "local_params", "sharding_table", "memory_plan", "OPTIMIZER_SLOTS", "print_plan",
            "trace_step", "trace_plan", "MemoryTrace", "runtime_bytes", "tokens_per_second", "mib", "traffic_text",
@@ -337,7 +338,9 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
                          f"ones over a real mesh; not device={device!r} over {mesh!r}")
     rows = next(x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)).shape[0]
     with MemoryTrace(device) as tr, _fused_attention_on_meta(mesh.device.type), _no_gpu_here(mesh.device):
-        state = step.init(optree.tree_map(lambda x: x.clone(), params))  # fresh: the trace sees them allocated
+        # fresh, so the trace sees them allocated; handed off, so they go where init lets them go whatever the
+        # interpreter keeps of a call's arguments (funcpar.Handoff)
+        state = step.init(Handoff(optree.tree_map(lambda x: x.clone(), params)))
         gc.collect()  # what init let go of is gone by now in the real run too: count no cycle that holds it
         held = tr.live
         a = step.options.accum_steps

@@ -40,7 +40,7 @@ from funcpar.parallel.layout import ZeroLayout
 from funcpar.parallel.mesh import Mesh
 from funcpar.model import get_model
 from funcpar.spec import P, broadcast_specs, global_shape, local_slice
-from funcpar.state import TrainState
+from funcpar.state import Handoff, TrainState
 from funcpar.tree import first_difference, leaves_with_path
 
 __all__ = ["save", "load", "load_params", "export_hf", "metadata", "CheckpointError", "resolve"]
@@ -343,8 +343,9 @@ def load(path, layout: ZeroLayout | None, init: Callable[[Any], TrainState], *, 
     for p, spec, g, s in zip(lay.paths, lay.specs, gshapes, lay.shapes, strict=True):
         t = src.assemble(f"param/{p}", _block(spec, g, mesh), 0, math.prod(s), getattr(torch, saved[p]["dtype"]))
         leaves.append(t.view(s).to(mesh.device))
-    params = lay.unflatten(leaves)
-    fresh = init(params)
+    handed = Handoff(lay.unflatten(leaves))  # (the step frees them once copied: funcpar.state.Handoff)
+    del leaves
+    fresh = init(handed)
     if not src.meta["opt"]:  # parameters only (e.g. from `funcpar convert`): a fresh optimizer
         opt_state = fresh.opt_state
     else:

@@ -43,7 +43,7 @@ from funcpar.optim.loss_scale import loss_scale
 from funcpar.parallel import collectives as C
 from funcpar.parallel.layout import ZeroLayout
 from funcpar.parallel.mesh import Mesh
-from funcpar.state import MixedState, StepError, TrainState
+from funcpar.state import Handoff, MixedState, StepError, TrainState
 from funcpar.train import hostmem
 from funcpar.train.batching import batch_drift, batch_items, check_consistency, drifted, rows as _rows, split as _split
 from funcpar.train.buffers import StateBuffers
@@ -144,8 +144,11 @@ class Step:
 
     def init(self, params: Any) -> TrainState:
         """The train state for this rank's local ``params``; optimizer state only for this rank's ZeRO parts.
-        The parameters are copied into the step's flat buffers (see :mod:`funcpar.train.buffers`)."""
+        The parameters are copied into the step's flat buffers (see :mod:`funcpar.train.buffers`); handed in a
+        :class:`funcpar.Handoff`, they are freed then, before the optimizer state is made."""
         o, mode = self.options, self.mode
+        if isinstance(params, Handoff):
+            params = params.take()
         mixed = o.precision.param_dtype is not None
         params = mode.select(params)
         self.layout = lay = ZeroLayout.build(params, self.specs, self.mesh, zero=o.parallel.zero,
