@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ def one(order: str, world: int, mesh: str, timeout: float) -> tuple[bool, int, s
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--master-port", str(random.randint(20000, 40000)), str(ROOT / "scripts" / "exit_user.py"), order,
+               "--standalone", str(ROOT / "scripts" / "exit_user.py"), order,  # (a free port: torchrun's own pick)
                mesh, str(Path(tmp) / "out")]
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
