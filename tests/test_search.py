@@ -5,6 +5,8 @@ it leave layouts out untraced without leaving out a faster one."""
 from __future__ import annotations
 
 import json
+import math
+import time
 import types
 
 import pytest
@@ -161,6 +163,26 @@ def test_the_search_stops_at_its_time_limit_and_says_what_it_left(capsys):
     assert line.startswith("searched ") and " 1 judged (" in line and " by the time limit" in line, line
     with pytest.raises(SystemExit, match="--search-seconds 0: expected seconds to search, above 0"):
         cli.plan(["--model", "llama-micro", "--devices", "2", "--search-seconds", "0"])
+
+
+def test_the_time_limit_counts_the_floors_traces(tmp_path, monkeypatch):
+    """The limit bounds the whole search: floors whose traces (here made slow) take longer than the limit leave one
+    layout judged and the rest counted as left by the time limit, with the least time any could take."""
+    ranking, opts, build, estimate = cli.planner(["--model", _folder(tmp_path, 4), "--global-batch", "8",
+                                                  "--seq-len", "32", "--gpu", "h100", "--precision", "bf16"])
+    unit = Search._unit
+
+    def slow(self, tp, cp):
+        if (tp, cp) not in self._units:
+            time.sleep(2.0)
+        return unit(self, tp, cp)
+
+    monkeypatch.setattr(Search, "_unit", slow)
+    search = Search(build, float("inf"), estimate, gpu=True, layers=4, global_batch=8, budget=3.0)
+    rows = layouts(4, 8, pipeline=True, zeros=(1, 3), remats=(False,), schedules=("1f1b",), search_micro=True)
+    judged = search.run(rows)
+    assert len(judged) == 1 and search.said["budget"] == len(rows) - 1 - search.said["covered"], search.said
+    assert 0 < search.unjudged_floor < math.inf
 
 
 def test_a_cp_mesh_planned_for_gpus_traces(capsys):

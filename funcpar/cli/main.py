@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
@@ -607,7 +608,7 @@ def planner(argv: list[str]):
                     help="rows a micro-batch (DeepSpeed's train_micro_batch_size_per_gpu): each mesh then runs its dp "
                          "rank's rows over ROWS micro-batches (default: --micro-batches; pipelines at least 2 x pp)")
     ap.add_argument("--search-seconds", type=float, default=240.0, metavar="S",
-                    help="with --devices: stop tracing layouts after S seconds (after the floors' traces) and rank "
+                    help="with --devices: stop the search after S seconds (its floors' traces included) and rank "
                          "what was judged (it says how many were left and the least time any of them could take; "
                          "default 240)")
     ap.add_argument("--threads", type=int, metavar="N", help="on the CPU: threads a rank (default: OMP_NUM_THREADS, "
@@ -656,13 +657,18 @@ def plan(argv: list[str]) -> None:
         memory = ranking.memory * 2**30
         spec, cfg = model_config(opts["model"], None, opts["generic"])
         layers = stage_depth(spec, cfg, types.SimpleNamespace(executor=None))  # (floors: alike layers only)
-        rows = rank_meshes(build, ranking.devices, memory, context=spec.context_parallel,
-                           pipeline=spec.stages is not None, estimate=estimate, documents=documents,
-                           gpu=ranking.gpu is not None, micro_size=ranking.micro_batch_size,
-                           global_batch=opts["global_batch"], layers=None if opts["parts"] else layers,
-                           slots=OPTIMIZER_SLOTS.get(opts["optimizer"], 2), chunks=opts["chunks"] or None,
-                           log=functools.partial(print, file=sys.stderr, flush=True), budget=ranking.search_seconds,
-                           **_search_space(argv, opts, spec))
+        gc.collect()  # (what is live now lives through the search: frozen, each trace's gc.collect walks only
+        gc.freeze()  # what the trace made)
+        try:
+            rows = rank_meshes(build, ranking.devices, memory, context=spec.context_parallel,
+                               pipeline=spec.stages is not None, estimate=estimate, documents=documents,
+                               gpu=ranking.gpu is not None, micro_size=ranking.micro_batch_size,
+                               global_batch=opts["global_batch"], layers=None if opts["parts"] else layers,
+                               slots=OPTIMIZER_SLOTS.get(opts["optimizer"], 2), chunks=opts["chunks"] or None,
+                               log=functools.partial(print, file=sys.stderr, flush=True), budget=ranking.search_seconds,
+                               **_search_space(argv, opts, spec))
+        finally:
+            gc.unfreeze()
         print_ranking(rows, ranking.devices, memory)
         return
     axes = parse_mesh(opts["mesh"])

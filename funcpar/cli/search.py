@@ -16,6 +16,7 @@ counts and says why.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -186,9 +187,10 @@ class Search:
     ``memory`` bytes a device, fastest first by ``estimate(row, axes, step)`` when given (:class:`Pricing`, whose
     ``floor`` orders the search; the model's ``layers`` and the ``global_batch`` size the floors). ``gpu``: a plan
     for GPUs (peaks without the host process); ``documents``: as :func:`trace_layout`; ``log``: where a line goes
-    after each layout judged (``print`` to stderr, say); ``budget``: seconds of judging, after which the search
-    stops; ``slots``: the optimizer's state tensors a parameter; ``chunks``: an interleaved or zero-bubble
-    pipeline's virtual stages a rank, where the command line sets them. ``said`` counts the layouts left out, by
+    after each layout judged (``print`` to stderr, say); ``budget``: seconds after which the search stops
+    (counted from the start of :meth:`run`, the floors' traces included); ``slots``: the optimizer's state tensors a
+    parameter; ``chunks``: an interleaved or zero-bubble pipeline's virtual stages a rank, where the command line
+    sets them. ``said`` counts the layouts left out, by
     why."""
 
     def __init__(self, build, memory: float, estimate=None, documents: bool | None = None, gpu: bool = False,
@@ -243,10 +245,8 @@ class Search:
         traffic = {a: rows * max(n * depth + (end if pp == 1 else 0), 0.0) for a, (n, end) in sent.items()}
         bubble = 0.0
         if pp > 1 and r["schedule"] and r["micro"]:
-            try:
-                chunks = self.chunks or (2 if r["schedule"] == "interleaved" else 1)
-                bubble = make_schedule(r["schedule"], pp, r["micro"], chunks).simulate()["bubble"]
-            except ValueError:
+            bubble = _bubble(r["schedule"], pp, r["micro"], self.chunks or (2 if r["schedule"] == "interleaved" else 1))
+            if bubble is None:
                 return 0.0  # (a schedule these counts cannot make: its build says why)
         if pp > 1:  # (a stage's per-micro-batch work is not an accumulation's: its matmuls alone bound it)
             kernels, calls = {}, 0.0
@@ -289,12 +289,14 @@ class Search:
         ones, fits first, fastest (else fewest bytes sent, then lowest peak) first. Left out (counted in
         ``said``): a layout whose floor is above both the ``shown``-th best time found and the best of its kind
         (pipeline or not, its ZeRO stage: ``floor``); one a judged layout
-        of the same mesh covers (:func:`covers`: ``covered``); after ``budget`` seconds of judging (the floors'
-        traces come before it, not counted), the rest (``budget``; ``self.unjudged_floor``: the lowest floor among
-        them, so the answer is known best where it is above the best time found)."""
+        of the same mesh covers (:func:`covers`: ``covered``); once the search has taken ``budget`` seconds (the
+        floors' traces included, so the limit bounds the whole search; one layout is judged at least), the rest
+        (``budget``; ``self.unjudged_floor``: the lowest floor among them, so the answer is known best where it is
+        above the best time found)."""
+        start = time.perf_counter()
         for r in rows:
             r["floor"] = self.floor(r)
-        out, times, by_mesh, best, start = [], [], {}, {}, time.perf_counter()
+        out, times, by_mesh, best = [], [], {}, {}
         for r in _round_robin(sorted(rows, key=_order)):
             if any(covers(a, r, self.estimate is not None) for a in by_mesh.get(_mesh(r), ())):
                 self.said["covered"] += 1
@@ -330,6 +332,16 @@ class Search:
 # gain), so it is judged after 1 and skipped only where 1 does not fit.
 _ZERO_ORDER = {1: 0, 2: 1, 3: 2, 0: 3}
 _SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1}
+
+
+@functools.lru_cache(maxsize=4096)
+def _bubble(schedule: str, pp: int, micro: int, chunks: int) -> float | None:
+    """The share of a step ``schedule``'s stages idle at these counts (its simulation), None where it cannot be
+    made: one simulation per distinct schedule, not per layout (thousands of layouts share a few hundred)."""
+    try:
+        return make_schedule(schedule, pp, micro, chunks).simulate()["bubble"]
+    except ValueError:
+        return None
 
 
 def _kind(r: dict[str, Any]) -> tuple[bool, int]:
