@@ -907,9 +907,13 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
     mt, tp = cfg.model_type, mesh.axis_size("tp")
     staged = staged or mesh.axis_size("pp") > 1
     if staged and not b.n_layers:
-        raise GenericError(f"model_type '{mt}': no list of decoder layers '{b.layers}' in its base model, which "
-                           f"pipeline stages, ZeRO-3 and remat run one at a time: they are refused (tp and dp run the "
-                           f"model whole)")
+        own = " (funcpar's own model of that type, without --generic, runs them)" if mt in fp.known_models() else ""
+        why = (f"no list of decoder layers '{b.layers}' in its base model"
+               if getattr(cfg.hf_config, "base_model_pp_plan", None) else
+               "the installed transformers gives it no pipeline plan (base_model_pp_plan), which names its list "
+               "of decoder layers")
+        raise GenericError(f"model_type '{mt}': {why}; pipeline stages, ZeRO-3 and remat run those layers one at a "
+                           f"time: they are refused (tp and dp run the model whole){own}")
     if tp > 1 and isinstance(mesh, fp.Mesh):
         probe_mesh(cfg, mesh)
     try:  # (the forward, and the staged form where the run needs it, against transformers' own: once per config)
