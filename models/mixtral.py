@@ -245,6 +245,11 @@ def _exchange(x: torch.Tensor, mesh, ep: int) -> torch.Tensor:
     return C.all_to_all(x, mesh, "ep", 0) if ep > 1 else x
 
 
+# what a plan (meta tensors, no values) takes for an expert's capacity: the tokens' even share (a router's busiest
+# expert takes more, up to every token)
+CAPACITY = "each expert's capacity taken as its even share of the tokens (N x top-k / experts; the busiest takes more)"
+
+
 def _moe(p, x: torch.Tensor, cfg: Config, mesh):
     """The sparse MoE block on this rank's tokens ``x`` (B, T, d), experts over ep (see the module docstring);
     returns the output (B, T, d) and the load-balancing statistics of :func:`_route`. Under sequence parallelism
@@ -261,9 +266,9 @@ def _moe(p, x: torch.Tensor, cfg: Config, mesh):
     flat = ids.reshape(-1)  # (N*k,): assignment a is token a // k's (a % k)-th choice
     onehot = F.one_hot(flat, E)  # (N*k, E)
     pos = (onehot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # (N*k,): its place among its expert's
-    cap = int(onehot.sum(0).max())
+    cap = L.data_size(onehot.sum(0).max(), -(-B * T * k // E), CAPACITY)
     if ep > 1:  # one capacity for the ep group: the exchanged blocks are even
-        cap = int(C.all_reduce(torch.tensor(cap, device=x.device), mesh, "ep", "max"))
+        cap = L.data_size(C.all_reduce(torch.tensor(cap, device=x.device), mesh, "ep", "max"), cap, CAPACITY)
     slot = flat * cap + pos  # (N*k,): row of the (E * cap, d) dispatch buffer
     buf = h.new_zeros(E * cap, d).index_copy(0, slot, h.repeat_interleave(k, dim=0))  # (E*cap, d)
     recv = _exchange(buf.view(ep, E // ep * cap, d), mesh, ep)  # (ep source ranks, E/ep*cap, d)

@@ -442,3 +442,27 @@ def test_what_the_staged_form_cannot_carry_is_refused_by_name(ckpt):
     assert re.search(r"zero=3 partitions every block over the data axes ep, but leaf 'layers\.0\.w_(gate|up|down)' "
                      r"is split over 'ep'", ep3), ep3
     assert "output_router_logits=True" in aux and "set output_router_logits=False" in aux, aux
+
+
+@pytest.mark.parametrize("mesh", ["dp=1", "dp=1,ep=2"])
+def test_a_plan_sizes_each_experts_buffer_by_its_even_share_and_says_so(tmp_path, capsys, monkeypatch, mesh):
+    """An expert's capacity is data (its busiest expert's tokens); a plan's meta trace has no values. It takes the
+    even share, ceil(N x top-k / experts) rows an expert (it took a stand-in 1: the experts' activations were a
+    token each), over ep too, and prints what it assumed."""
+    import json
+
+    from funcpar.cli import main as cli
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0}))
+    shapes = []
+    experts = mixtral._experts
+    monkeypatch.setattr(mixtral, "_experts", lambda p, x, m: shapes.append(tuple(x.shape)) or experts(p, x, m))
+    cli.plan(["--model", str(tmp_path), "--mesh", mesh, "--global-batch", "4", "--seq-len", "100", "--gpu", "h100",
+              "--precision", "bf16"])
+    ep = 2 if "ep" in mesh else 1
+    share = -(-4 * 100 * 2 // 8)  # (rows x tokens x top-k over experts, rounded up)
+    assert shapes and set(shapes) == {(8 // ep, ep * share, 64)}, shapes
+    assert f"(assumed where the data decides: {mixtral.CAPACITY})" in capsys.readouterr().out

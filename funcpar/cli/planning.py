@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry
 
 from funcpar.cli.timing import SYNC, op_key, seconds
 from funcpar.nn import attention as A
+from funcpar.nn import layers as L
 from funcpar.parallel.collectives import on_simulated_wire
 from funcpar.spec import broadcast_specs, local_shape
 from funcpar.state import Handoff
@@ -169,6 +170,8 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     t = traced or trace_plan(model, cfg, step, rows, seq_len, like, gpu=gpu, documents=documents)
     if t.get("extrapolated"):
         print(extrapolation_note(t["extrapolated"], step.options.accum_steps))
+    for what in t.get("stood_in", ()):  # (a size the data decides: the trace has shapes, not values)
+        print(f"(assumed where the data decides: {what})")
     host = f" + runtime {mib(t['runtime'])} (python, torch: host)" if t["runtime"] else ""
     acts = f"activations {mib(t['activations'])} per micro-batch; " if step.executor is None else ""
     how = (" (the eager step's trace: compile='auto' compiles this step's gradient and inductor plans its buffers)"
@@ -328,7 +331,8 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
     (:class:`MemoryTrace`: on a real mesh, the largest buffer the transport's own thread released; 0 on meta);
     ``flops``, the floating-point operations of one step on this rank (:func:`_flops`); and ``ops``, its operators
     tallied by cost (:func:`funcpar.cli.timing.op_key` -> calls a step), what :mod:`funcpar.cli.timing` prices, and
-    ``sequence``: ``[(the operators of every traced step in order, steps, 1.0)]``, for a GPU's queue.
+    ``sequence``: ``[(the operators of every traced step in order, steps, 1.0)]``, for a GPU's queue; ``stood_in``:
+    what sizes the data decides were taken as (:func:`funcpar.nn.layers.data_size`), in words.
 
     ``device="cpu"`` traces a real step on a real mesh the same way (params and batch real): what the tests compare
     the plan with."""
@@ -337,6 +341,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         raise ValueError(f"trace_step traces meta tensors over an abstract mesh (fp.Mesh.abstract(...)), or real "
                          f"ones over a real mesh; not device={device!r} over {mesh!r}")
     rows = next(x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)).shape[0]
+    L.STOOD_IN.clear()
     with MemoryTrace(device) as tr, _fused_attention_on_meta(mesh.device.type), _no_gpu_here(mesh.device):
         # fresh, so the trace sees them allocated; handed off, so they go where init lets them go whatever the
         # interpreter keeps of a call's arguments (funcpar.Handoff)
@@ -358,7 +363,7 @@ def trace_step(step, params, batch, steps: int = 2, device: str = "meta") -> dic
         return {"state": held, "activations": activations, "step_peak": tr.peaks["step"], "peak": peak,
                 "traffic": {a: n / steps for a, n in traffic.items()}, "late": tr.late,
                 "flops": tr.flops.get("step", 0.0) / steps, "ops": {k: n / steps for k, n in tr.ops.items()},
-                "sequence": [(tr.sequence, steps, 1.0)]}
+                "sequence": [(tr.sequence, steps, 1.0)], "stood_in": sorted(L.STOOD_IN)}
 
 
 class _GpusOnMeta(torch.overrides.TorchFunctionMode):

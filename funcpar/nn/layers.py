@@ -22,9 +22,21 @@ __all__ = ["rms_norm", "rotary", "swiglu", "swiglu_mlp", "column_parallel", "pad
            "token_range_errors", "vocab_embedding", "vocab_cross_entropy", "causal_lm_loss", "count_targets",
            "IGNORE_INDEX", "padded_vocab", "unpad_logits", "VocabPadding", "shifted_targets", "check_pad_token_id",
            "sequence_parallel", "row_parallel_sum_", "sequence_shared", "sequence_block", "sequence_length",
-           "context_parallel", "context_pieces", "context_chunk", "context_whole", "position_rows"]
+           "context_parallel", "context_pieces", "context_chunk", "context_whole", "position_rows", "data_size",
+           "STOOD_IN"]
 
 IGNORE_INDEX = -100
+STOOD_IN: dict[str, int] = {}  # what data_size put in for a value on meta, by what it stands for: the plan reads it
+
+
+def data_size(t: torch.Tensor, planned: int, what: str) -> int:
+    """``int(t)``: a size the data decides (a MoE expert's capacity: the tokens its busiest expert takes). Meta
+    tensors carry shapes and no values (``funcpar plan``'s trace), so there ``planned`` stands for it and is counted
+    in :data:`STOOD_IN` under ``what``: the plan says what it assumed instead of sizing a buffer by a stand-in 1."""
+    if t.is_meta:
+        STOOD_IN[what] = STOOD_IN.get(what, 0) + 1
+        return int(planned)
+    return int(t)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
