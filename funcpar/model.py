@@ -38,6 +38,8 @@ inside a model module; everything it needs is named here:
                    refusals)
 ``documents``      capability: a batch's ``position_ids`` mark packed samples, each attending only to itself at
                    its own positions (:mod:`funcpar.nn.documents`; ``mesh.documents`` in the layers)
+``data_axes``      the mesh axes its batch is split over, each rank of them its own rows (default ``("dp",)``;
+                   Mixtral's ``("dp", "ep")``): what ``compile_step(..., data_axes=...)`` takes for it
 ``frozen``         optional, ``frozen(cfg) -> tree of bool`` (or ``None``): the leaves the model's forward never
                    gives a gradient (a module run under ``torch.no_grad``); ``compile_step`` leaves them alone, as
                    torch's optimizers skip a parameter whose ``grad`` is ``None`` (no update, no weight decay)
@@ -186,6 +188,7 @@ class ModelSpec:
     documents: bool = False
     check_run: Callable | None = None
     frozen: Callable | None = None
+    data_axes: tuple[str, ...] = ("dp",)
 
     def __post_init__(self):
         if isinstance(self.model_types, str):

@@ -381,6 +381,6 @@ CONFIG_TYPES = {**fp.DECODER_CONFIG_TYPES, "sliding_window": (int, None), "num_l
 MODEL = fp.register_model(fp.ModelSpec(
     name="mixtral", model_types=("mixtral",), Config=Config, init=init, specs=specs, forward=forward, loss=loss,
     hf=HF, batch_weight=L.count_targets, check_batch=L.token_range_errors, stages=STAGES, sequence_parallel=True,
-    documents=True,
+    documents=True, data_axes=DATA_AXES,
     config_types=CONFIG_TYPES,
 ))

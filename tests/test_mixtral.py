@@ -444,25 +444,42 @@ def test_what_the_staged_form_cannot_carry_is_refused_by_name(ckpt):
     assert "output_router_logits=True" in aux and "set output_router_logits=False" in aux, aux
 
 
-@pytest.mark.parametrize("mesh", ["dp=1", "dp=1,ep=2"])
-def test_a_plan_sizes_each_experts_buffer_by_its_even_share_and_says_so(tmp_path, capsys, monkeypatch, mesh):
-    """An expert's capacity is data (its busiest expert's tokens); a plan's meta trace has no values. It takes the
-    even share, ceil(N x top-k / experts) rows an expert (it took a stand-in 1: the experts' activations were a
-    token each), over ep too, and prints what it assumed."""
+def _config_folder(tmp_path):
     import json
-
-    from funcpar.cli import main as cli
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
         "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_plan_sizes_each_experts_buffer_by_its_even_share_and_says_so(tmp_path, capsys, monkeypatch, dp):
+    """An expert's capacity is data (its busiest expert's tokens); a plan's meta trace has no values. It takes the
+    even share of a rank's tokens, ceil(N x top-k / experts) rows an expert (it took a stand-in 1: the experts'
+    activations were a token each), and prints what it assumed."""
+    from funcpar.cli import main as cli
+
     shapes = []
     experts = mixtral._experts
     monkeypatch.setattr(mixtral, "_experts", lambda p, x, m: shapes.append(tuple(x.shape)) or experts(p, x, m))
-    cli.plan(["--model", str(tmp_path), "--mesh", mesh, "--global-batch", "4", "--seq-len", "100", "--gpu", "h100",
-              "--precision", "bf16"])
-    ep = 2 if "ep" in mesh else 1
-    share = -(-4 * 100 * 2 // 8)  # (rows x tokens x top-k over experts, rounded up)
-    assert shapes and set(shapes) == {(8 // ep, ep * share, 64)}, shapes
+    cli.plan(["--model", _config_folder(tmp_path), "--mesh", f"dp={dp}", "--global-batch", "4", "--seq-len", "100",
+              "--gpu", "h100", "--precision", "bf16"])
+    share = -(-4 // dp * 100 * 2 // 8)  # (a rank's rows x tokens x top-k over the experts, rounded up)
+    assert shapes and set(shapes) == {(8, share, 64)}, shapes
     assert f"(assumed where the data decides: {mixtral.CAPACITY})" in capsys.readouterr().out
+
+
+def test_the_command_line_refuses_an_ep_mesh_it_would_train_inexactly(tmp_path):
+    """ep is Mixtral's data axis (each ep rank its own rows); the command line splits the batch over dp alone, so a
+    run on ep=2 read the same rows on both ranks and was not the one-process run (grad_norm 4.971 against 4.927 at
+    step 1, tiny Mixtral, 2026-11-29). It is refused with what to do instead, in train and plan alike."""
+    from funcpar.cli import main as cli
+
+    assert mixtral.MODEL.data_axes == ("dp", "ep")
+    for command in (["train", "--out", str(tmp_path / "out")], ["plan"]):
+        with pytest.raises(SystemExit, match=r"model 'mixtral' splits the batch over ep as well as dp .*Train on ep "
+                                             r"through the library"):
+            cli.main([*command, "--model", _config_folder(tmp_path), "--mesh", "dp=1,ep=2", "--global-batch", "4",
+                      "--seq-len", "32"])

@@ -785,6 +785,14 @@ def _step_parts(opts, model, cfg, mesh):
     if opts["remat"] and not model.remat:
         raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
                          f"checkpointing); train it without --remat")
+    split = [a for a in model.data_axes if a not in ("dp", "cp") and a in mesh.axis_names and mesh.axis_size(a) > 1]
+    if split:  # (its step would reduce over dp alone, and every rank of that axis read the same rows)
+        raise SystemExit(
+            f"funcpar: model '{model.name}' splits the batch over {split[0]} as well as dp (each {split[0]} rank its "
+            f"own rows: compile_step(..., data_axes={model.data_axes!r})), which the command line does not do yet: it "
+            f"splits the batch over dp alone, so every {split[0]} rank would read the same rows and the experts' "
+            f"gradients count each one {mesh.axis_size(split[0])} times. Train on {split[0]} through the library "
+            f"(funcpar.compile_step with those data_axes), or on dp and tp here")
     if opts["sequence_parallel"] and not model.sequence_parallel:
         raise SystemExit(f"funcpar: --sequence-parallel is not supported by model '{model.name}' yet ("
                          f"{_having('sequence_parallel')} have it); train it without --sequence-parallel")
