@@ -75,9 +75,10 @@ def test_batch_arithmetic_and_held_out_rows_are_checked_before_step_1(tmp_path, 
 
 def test_warnings_for_warmup_and_positions_and_a_learned_position_table_is_a_limit():
     from funcpar.cli import preflight
+    import funcpar as fp
     from funcpar.models import gpt2, llama
 
-    mesh = type("M", (), {"axis_size": lambda self, a: 1})()
+    mesh = fp.Mesh.abstract()  # (one rank: every axis of size 1)
     opts = {**options.DEFAULTS, "steps": 10, "warmup": 20, "seq_len": 512}
     cfg = llama.Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)

@@ -454,32 +454,57 @@ def _config_folder(tmp_path):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_a_plan_sizes_each_experts_buffer_by_its_even_share_and_says_so(tmp_path, capsys, monkeypatch, dp):
+@pytest.mark.parametrize("mesh,blocks,ep", [("dp=1", 1, 1), ("dp=2", 2, 1), ("dp=1,ep=2", 2, 2)])
+def test_a_plan_sizes_each_experts_buffer_by_its_even_share_and_says_so(tmp_path, capsys, monkeypatch, mesh, blocks,
+                                                                         ep):
     """An expert's capacity is data (its busiest expert's tokens); a plan's meta trace has no values. It takes the
     even share of a rank's tokens, ceil(N x top-k / experts) rows an expert (it took a stand-in 1: the experts'
-    activations were a token each), and prints what it assumed."""
+    activations were a token each), and prints what it assumed. A rank's rows are its block over dp x ep (ep is a
+    data axis)."""
     from funcpar.cli import main as cli
 
     shapes = []
     experts = mixtral._experts
     monkeypatch.setattr(mixtral, "_experts", lambda p, x, m: shapes.append(tuple(x.shape)) or experts(p, x, m))
-    cli.plan(["--model", _config_folder(tmp_path), "--mesh", f"dp={dp}", "--global-batch", "4", "--seq-len", "100",
+    cli.plan(["--model", _config_folder(tmp_path), "--mesh", mesh, "--global-batch", "4", "--seq-len", "100",
               "--gpu", "h100", "--precision", "bf16"])
-    share = -(-4 // dp * 100 * 2 // 8)  # (a rank's rows x tokens x top-k over the experts, rounded up)
-    assert shapes and set(shapes) == {(8, share, 64)}, shapes
+    share = -(-4 // blocks * 100 * 2 // 8)  # (a rank's rows x tokens x top-k over the experts, rounded up)
+    assert shapes and set(shapes) == {(8 // ep, ep * share, 64)}, shapes
     assert f"(assumed where the data decides: {mixtral.CAPACITY})" in capsys.readouterr().out
 
 
-def test_the_command_line_refuses_an_ep_mesh_it_would_train_inexactly(tmp_path):
-    """ep is Mixtral's data axis (each ep rank its own rows); the command line splits the batch over dp alone, so a
-    run on ep=2 read the same rows on both ranks and was not the one-process run (grad_norm 4.971 against 4.927 at
-    step 1, tiny Mixtral, 2026-11-29). It is refused with what to do instead, in train and plan alike."""
-    from funcpar.cli import main as cli
+@pytest.mark.subprocess
+def test_the_command_line_trains_on_an_ep_mesh_as_one_process(tmp_path):
+    """ep is Mixtral's data axis (ModelSpec.data_axes): funcpar train splits the batch over dp x ep and sums over
+    both, so ep=2 (and dp=1 x ep=2 with its aux loss) gives the one-process run's losses and gradient norms, the
+    held-out loss included. (It used to split over dp alone: both ep ranks read the same rows, grad_norm 4.971
+    against 4.927 at step 1.)"""
+    import json
+    import subprocess
+    import sys
+
+    import transformers as tf
 
     assert mixtral.MODEL.data_axes == ("dp", "ep")
-    for command in (["train", "--out", str(tmp_path / "out")], ["plan"]):
-        with pytest.raises(SystemExit, match=r"model 'mixtral' splits the batch over ep as well as dp .*Train on ep "
-                                             r"through the library"):
-            cli.main([*command, "--model", _config_folder(tmp_path), "--mesh", "dp=1,ep=2", "--global-batch", "4",
-                      "--seq-len", "32"])
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                              num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.02)
+    tf.MixtralForCausalLM(config).save_pretrained(tmp_path / "model")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    rows = {}
+    for mesh in ("1", "ep=2"):
+        p = subprocess.run([sys.executable, "-m", "funcpar", "train", "--model", str(tmp_path / "model"),
+                            "--tokenizer", "byte", "--schedule", "constant", "--mesh", mesh, "--global-batch", "4",
+                            "--seq-len", "32", "--steps", "3", "--eval-every", "3", "--out", str(tmp_path / mesh)],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        rows[mesh] = [json.loads(x) for x in (tmp_path / mesh / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows["1"]) == len(rows["ep=2"]) == 3
+    for one, ep in zip(rows["1"], rows["ep=2"], strict=True):
+        for k in ("loss", "grad_norm", "eval_loss"):
+            assert (k in one) == (k in ep), k
+            if k in one:
+                assert ep[k] == pytest.approx(one[k], rel=1e-5), (k, one, ep)
+    assert "eval_loss" in rows["1"][-1]

@@ -226,6 +226,9 @@ def test_tokens_per_second_count_the_jobs_tokens_once_and_share_them_over_every_
     assert round(job) == 6936 and round(rank) == 867
     job, rank = tokens_per_second(64, 256, fp.Mesh.abstract(dp=2, tp=2, pp=2), 1.0)
     assert job == 64 * 2 * 256 and rank == job / 8
+    job, rank = tokens_per_second(16, 256, fp.Mesh.abstract(dp=2, ep=2), 1.0, ("dp", "ep"))  # (Mixtral: ep splits)
+    assert job == 16 * 4 * 256 and rank == job / 4
+    assert fp.Mesh.abstract(dp=2, ep=2, cp=2).data_block(("dp", "ep", "cp")) == (4, 0)  # (cp ranks share a row)
 
 
 def test_the_device_search_takes_pipeline_meshes_with_enough_micro_batches(capsys):

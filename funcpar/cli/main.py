@@ -36,7 +36,8 @@ from funcpar.cli.preflight import RUN_FILES, check_run, claim_out, lock_out, mar
 from funcpar.cli.progress import Progress, flops_per_token, measure_peak_flops
 from funcpar.cli.options import (DEFAULTS, build_lora, build_params, build_step, data_differences, data_record,
                              datasets, generic_path, lora_parts,
-                             model_config, parse_mesh, read_options, run_options, saved_options, saved_run_options,
+                             model_config, parse_mesh, read_options, run_data_axes, run_options, saved_options,
+                             saved_run_options,
                              tokenizer, with_epochs,
                              with_tokenizer)
 from funcpar.cli.planning import OPTIMIZER_SLOTS, params_like, print_plan, sharding_table, vocab_note
@@ -111,7 +112,7 @@ def _setup_run(opts, mesh, why_not_gpu: str | None = None) -> _Run:
     data, train_data, eval_data = datasets(opts, cfg)
     opts = with_epochs(opts, len(train_data))
     # before any work: refused now or never
-    warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens)
+    warnings = check_run(opts, cfg, mesh, len(train_data), len(eval_data), data.tokens, run_data_axes(model, mesh))
     if why_not_gpu:
         warnings.insert(0, f"the ranks run on the CPU: {why_not_gpu}")
     lora = base = None
@@ -121,7 +122,8 @@ def _setup_run(opts, mesh, why_not_gpu: str | None = None) -> _Run:
         step = build_step(opts, model, cfg, mesh, specs)
         # (a stage reads its leaves; handed off: freed once in the step's buffers, before the optimizer state)
         state = step.init(fp.Handoff(build_params(opts, model, cfg, specs, mesh, keep=step.holds)))
-    loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
+    loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"],
+                            data_axes=step.options.parallel.data_axes)
     return _Run(opts, mesh, model, cfg, specs, data, train_data, eval_data, step, state, loader, warnings, lora, base)
 
 
@@ -366,9 +368,10 @@ def _evaluate(run: _Run, data, global_batch) -> tuple[float, dict[str, float]]:
 
 def _held_out_sums(run: _Run, data, global_batch) -> torch.Tensor:
     """``[summed token loss, tokens]`` of one source's held-out rows over the whole mesh (:meth:`funcpar.Step.
-    held_out` on each rank's rows, summed over the step's data axes: dp splits the rows, cp each row)."""
+    held_out` on each rank's rows, summed over the step's data axes: dp splits the rows (and Mixtral's ep), cp
+    each row)."""
     mesh = run.mesh
-    dp, c = mesh.axis_size("dp"), mesh.coord("dp")
+    dp, c = mesh.data_block(run.step.options.parallel.data_axes)
     gb = min(global_batch, len(data)) // dp * dp
     if gb:  # whole batches of the held-out rows in order, each dp rank its block (read one batch at a time)
         block = gb // dp
@@ -521,12 +524,14 @@ def _preflight(opts, sizes) -> None:
     else:
         build_step(opts, model, cfg, mesh, specs)
     data, train_data, eval_data = datasets(opts, cfg)
-    check_run(with_epochs(opts, len(train_data)), cfg, mesh, len(train_data), len(eval_data), data.tokens)
+    check_run(with_epochs(opts, len(train_data)), cfg, mesh, len(train_data), len(eval_data), data.tokens,
+              run_data_axes(model, mesh))
     claim_out(Path(opts["out"]), opts["resume"], opts["overwrite"], check_only=True, reads=read_paths(opts))
     lock_out(Path(opts["out"]), hold=False)
     src = _resume_source(opts) if opts["resume"] else None
     if src is not None:  # (the checkpoint's meta.json only: what it recorded, not a tensor)
-        loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"])
+        loader = fp.data.Loader(train_data, mesh, opts["global_batch"], seed=opts["seed"],
+                                data_axes=run_data_axes(model, mesh))
         _same_run(opts, fp.checkpoint.metadata(src).get("extra") or {}, src, loader)
 
 
@@ -629,20 +634,22 @@ def planner(argv: list[str]):
         device = _plan_device(opts["device"], ranking.gpu, axes)
         mesh = fp.Mesh.abstract(device=device, **axes)
         o = {**opts, **over, "zero": zero}
-        dp = mesh.axis_size("dp")
-        micro_batches = over.get("micro_batches") or _micro_batches(opts, axes, ranking.micro_batch_size)
-        if opts["global_batch"] % (dp * micro_batches):
-            raise ValueError(f"--global-batch {opts['global_batch']} does not split over dp={dp} x {micro_batches}")
-        micro = micro or micro_batches
         if layers is not None and axes.get("pp", 1) > 1:  # (every virtual stage that many layers)
             stages = axes["pp"] * (o["chunks"] or {"interleaved": 2}.get(o["pipeline"], 1))
             o["parts"], layers = ",".join([f"{layers:g}"] * stages), round(layers * stages)
         model, cfg = model_config(opts["model"], mesh, opts["generic"], layers)  # (ValueErrors: a row's reason)
+        data_axes = run_data_axes(model, mesh)
+        blocks = mesh.data_block(data_axes)[0]  # (dp's ranks; Mixtral's ep ranks too: each its own rows)
+        micro_batches = over.get("micro_batches") or _micro_batches(opts, axes, ranking.micro_batch_size, blocks)
+        if opts["global_batch"] % (blocks * micro_batches):
+            raise ValueError(f"--global-batch {opts['global_batch']} does not split over "
+                             f"{mesh.data_text(data_axes)} x {micro_batches}")
+        micro = micro or micro_batches
         try:
             step = build_step({**o, "micro_batches": micro}, model, cfg, mesh, model.specs(cfg, mesh))
         except SystemExit as e:  # an option this mesh cannot take (--seq-len over cp, ...): a reason, not the end
             raise ValueError(str(e.code).removeprefix("funcpar: ")) from None
-        return model, cfg, step, opts["global_batch"] // dp // micro_batches * micro, opts["seq_len"]
+        return model, cfg, step, opts["global_batch"] // blocks // micro_batches * micro, opts["seq_len"]
 
     return ranking, opts, build, estimate
 
@@ -718,12 +725,12 @@ def _estimator(ranking, opts) -> Pricing | None:
     return Pricing(host_device(threads), ("loopback", "loopback"), host=True, threads=threads)
 
 
-def _micro_batches(opts, axes: dict, size: int | None = None) -> int:
+def _micro_batches(opts, axes: dict, size: int | None = None, blocks: int | None = None) -> int:
     """The micro-batches a planned mesh runs: each dp rank's rows over ``size`` rows a micro-batch
     (``--micro-batch-size``) when given; else ``--micro-batches``, and on pipeline stages (``pp`` > 1) at least
     twice the stages where it gives fewer (a pipeline of as many micro-batches as stages idles half its time), the
     smallest such count that splits each dp rank's rows, else ``--micro-batches`` as given."""
-    rows = opts["global_batch"] // max(axes.get("dp", 1), 1)
+    rows = opts["global_batch"] // (blocks or max(axes.get("dp", 1), 1))  # (blocks: the data axes' ranks)
     if size:
         if rows % size:
             raise ValueError(f"a dp rank's {rows} rows do not split into micro-batches of {size}")

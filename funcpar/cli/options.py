@@ -785,14 +785,6 @@ def _step_parts(opts, model, cfg, mesh):
     if opts["remat"] and not model.remat:
         raise SystemExit(f"funcpar: --remat is not supported by model '{model.name}' (it has no activation "
                          f"checkpointing); train it without --remat")
-    split = [a for a in model.data_axes if a not in ("dp", "cp") and a in mesh.axis_names and mesh.axis_size(a) > 1]
-    if split:  # (its step would reduce over dp alone, and every rank of that axis read the same rows)
-        raise SystemExit(
-            f"funcpar: model '{model.name}' splits the batch over {split[0]} as well as dp (each {split[0]} rank its "
-            f"own rows: compile_step(..., data_axes={model.data_axes!r})), which the command line does not do yet: it "
-            f"splits the batch over dp alone, so every {split[0]} rank would read the same rows and the experts' "
-            f"gradients count each one {mesh.axis_size(split[0])} times. Train on {split[0]} through the library "
-            f"(funcpar.compile_step with those data_axes), or on dp and tp here")
     if opts["sequence_parallel"] and not model.sequence_parallel:
         raise SystemExit(f"funcpar: --sequence-parallel is not supported by model '{model.name}' yet ("
                          f"{_having('sequence_parallel')} have it); train it without --sequence-parallel")
@@ -814,7 +806,14 @@ def _step_parts(opts, model, cfg, mesh):
         mesh=mesh, optimizer=build_optimizer(opts), zero=opts["zero"], accum_steps=opts["micro_batches"],
         clip_norm=opts["clip"] or None, param_dtype=precisions[opts["precision"]],
         offload="cpu" if opts["offload"] else None, compile={"on": True, "off": False}.get(opts["compile"], "auto"),
-        data_axes=("dp", "cp") if cp > 1 else ("dp",))  # (cp: every rank a chunk of each sequence, its sums partial)
+        data_axes=run_data_axes(model, mesh))
+
+
+def run_data_axes(model, mesh) -> tuple[str, ...]:
+    """The axes a run's batch and its sums go over: the model's data axes the mesh has (dp; Mixtral's ep too: each
+    rank of them its own rows), then cp where it is over 1 (every rank a chunk of each sequence, its sums partial)."""
+    return (*(a for a in model.data_axes if a in mesh.axis_names and a != "cp"),
+            *(("cp",) if "cp" in mesh.axis_names and mesh.axis_size("cp") > 1 else ()))
 
 
 def _having(capability: str) -> str:

@@ -182,7 +182,7 @@ def print_plan(model, cfg, step, zero: int, optimizer: str, rows: int, seq_len: 
     if estimate is not None:
         e = estimate(t, step)
         comm = ", ".join(f"{a} {seconds(s)}" for a, s in e["comm"].items()) or "none"
-        job, per_rank = tokens_per_second(rows, seq_len, mesh, e["step"])
+        job, per_rank = tokens_per_second(rows, seq_len, mesh, e["step"], step.options.parallel.data_axes)
         print(f"estimated step: {seconds(e['step'])} (compute {seconds(e['compute'])}, communication {comm}); "
               f"{job / seq_len:,.2f} samples/s, {job:,.0f} tokens/s for the job, {per_rank:,.0f} per rank. "
               f"Assumed: {e['assumptions']}")
@@ -201,12 +201,14 @@ def extrapolation_note(how: dict[str, tuple], micro: int) -> str:
     return f"(traced {'; '.join(said)})"
 
 
-def tokens_per_second(rows: int, seq_len: int, mesh, step_seconds: float) -> tuple[float, float]:
-    """The job's tokens a second and each rank's share, from ``rows`` (one dp rank's rows a step, every
-    micro-batch together) of ``seq_len`` tokens: the job's step takes ``rows x dp x seq_len`` tokens whatever the
-    other axes (pp, tp and cp ranks share a row; micro-batches split it), and a rank's share is that over every rank
-    of the mesh, as throughput tables count it."""
-    job = rows * mesh.axis_size("dp") * seq_len / step_seconds
+def tokens_per_second(rows: int, seq_len: int, mesh, step_seconds: float,
+                      data_axes: tuple[str, ...] = ("dp",)) -> tuple[float, float]:
+    """The job's tokens a second and each rank's share, from ``rows`` (one data rank's rows a step, every
+    micro-batch together) of ``seq_len`` tokens: the job's step takes ``rows x dp x seq_len`` tokens (x ep where
+    ``data_axes`` split the batch over it too) whatever the other axes (pp, tp and cp ranks share a row;
+    micro-batches split it), and a rank's share is that over every rank of the mesh, as throughput tables count
+    it."""
+    job = rows * mesh.data_block(data_axes)[0] * seq_len / step_seconds
     return job, job / math.prod(mesh.shape.values())
 
 

@@ -29,16 +29,18 @@ def _seq_len_that_fits(opts: dict[str, Any], tokens: int | None) -> int:
     return 0
 
 
-def _batch(opts: dict[str, Any], mesh, train_rows: int, eval_rows: int, tokens: int | None) -> None:
-    dp, micro, gb = mesh.axis_size("dp"), opts["micro_batches"], opts["global_batch"]
-    unit = dp * micro
+def _batch(opts: dict[str, Any], mesh, train_rows: int, eval_rows: int, tokens: int | None,
+           data_axes: tuple[str, ...] = ("dp",)) -> None:
+    (blocks, _), dp, micro, gb = mesh.data_block(data_axes), mesh.data_text(data_axes), opts["micro_batches"], \
+        opts["global_batch"]
+    unit = blocks * micro
     if gb % unit:
-        raise SystemExit(f"funcpar: --global-batch {gb} does not split over dp={dp} x --micro-batches {micro}: use a "
+        raise SystemExit(f"funcpar: --global-batch {gb} does not split over {dp} x --micro-batches {micro}: use a "
                          f"multiple of {unit} (e.g. {max(unit, gb // unit * unit)})")
     if train_rows < gb:
         fits, seq_len = train_rows // unit * unit, _seq_len_that_fits(opts, tokens)
         change = " or ".join(
-            ([f"lower --global-batch to {fits} or less (a multiple of dp={dp} x --micro-batches {micro})"] if fits
+            ([f"lower --global-batch to {fits} or less (a multiple of {dp} x --micro-batches {micro})"] if fits
              else []) + ([f"use --seq-len {seq_len} or less"] if seq_len else []) or ["use fewer dp ranks"])
         raise SystemExit(f"funcpar: the training data makes {train_rows} rows of --seq-len {opts['seq_len']} "
                          f"({eval_rows} more held out), fewer than one --global-batch of {gb}: {change}, or bring "
@@ -60,10 +62,12 @@ def _positions(opts: dict[str, Any], cfg) -> list[str]:
     return []
 
 
-def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, tokens: int | None = None) -> list[str]:
+def check_run(opts: dict[str, Any], cfg, mesh, train_rows: int, eval_rows: int, tokens: int | None = None,
+              data_axes: tuple[str, ...] = ("dp",)) -> list[str]:
     """Refuse a run that cannot finish (``SystemExit`` with what to change); return the warnings for the rest.
-    ``tokens``: how many the data holds (to suggest a ``--seq-len`` that fits)."""
-    _batch(opts, mesh, train_rows, eval_rows, tokens)
+    ``tokens``: how many the data holds (to suggest a ``--seq-len`` that fits); ``data_axes``: the axes the batch is
+    split over (:func:`funcpar.cli.options.run_data_axes`)."""
+    _batch(opts, mesh, train_rows, eval_rows, tokens, data_axes)
     warnings = _positions(opts, cfg)
     if opts["warmup"] >= opts["steps"] > 0 and opts["schedule"] != "constant":
         short = opts["steps"] - 1  # (options.build_optimizer shortens the warmup to fit)

@@ -15,7 +15,9 @@ from funcpar.data.order import permute
 
 
 class Loader:
-    """Endless global batches of a :class:`Dataset` or :class:`Mixture`; each rank yields its dp block.
+    """Endless global batches of a :class:`Dataset` or :class:`Mixture`; each rank yields its block over the data
+    axes (``data_axes``, as ``compile_step`` takes them: dp by default; a model whose batch is split over ep too, as
+    Mixtral's, gives ``("dp", "ep")``; cp ranks share each row).
 
     Row ``i`` drawn from a source of ``n`` rows is row ``permute(i % n, n, key(seed, source, i // n))``: a new
     order every epoch, batches running on across epochs, nothing held in memory but the batch. ``state_dict()`` /
@@ -23,15 +25,16 @@ class Loader:
     depends only on ``seed``, the global batch and the weights, not on the mesh.
     """
 
-    def __init__(self, data, mesh: Mesh, global_batch: int, seed: int = 0, shuffle: bool = True):
-        dp = mesh.axis_size("dp")
-        if global_batch % dp:
-            raise DataError(f"global_batch={global_batch} is not divisible by dp={dp}")
+    def __init__(self, data, mesh: Mesh, global_batch: int, seed: int = 0, shuffle: bool = True,
+                 data_axes: tuple[str, ...] = ("dp",)):
+        if global_batch % mesh.data_block(data_axes)[0]:
+            raise DataError(f"global_batch={global_batch} is not divisible by {mesh.data_text(data_axes)}")
         data = data if isinstance(data, Mixture) else Mixture([data])
         if len(data) < global_batch:
             raise DataError(f"the data has {len(data)} rows, fewer than one global batch of {global_batch}")
         data.check_batch(global_batch)
         self.data, self.mesh, self.global_batch, self.seed, self.shuffle = data, mesh, global_batch, seed, shuffle
+        self.data_axes = tuple(data_axes)
         self.position = 0
 
     def _drawn(self, s: int, first: int, stop: int) -> torch.Tensor:
@@ -71,11 +74,11 @@ class Loader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        """This rank's dp block of the next global batch: only its rows are read."""
+        """This rank's block of the next global batch: only its rows are read."""
         src, row = self.batch_index(self.position)
         self.position += 1
-        dp, c = self.mesh.axis_size("dp"), self.mesh.coord("dp")
-        block = len(row) // dp
+        blocks, c = self.mesh.data_block(self.data_axes)
+        block = len(row) // blocks
         b = self._read(src[c * block : (c + 1) * block], row[c * block : (c + 1) * block])
         return {k: v.to(self.mesh.device) for k, v in b.items()}
 

@@ -397,6 +397,19 @@ class MeshBase:
         self._check_axis(axis)
         return list(self._group_ranks[axis])
 
+    def data_block(self, axes=("dp",)) -> tuple[int, int]:
+        """``(blocks, this rank's block)`` of a batch split over the data ``axes`` of this mesh (a cp axis shares
+        each row, so it splits none; axes the mesh lacks are left out): dp-major, as the axes are named."""
+        blocks, index = 1, 0
+        for a in axes:
+            if a != "cp" and a in self._sizes:
+                blocks, index = blocks * self._sizes[a], index * self._sizes[a] + self.coord(a)
+        return blocks, index
+
+    def data_text(self, axes=("dp",)) -> str:
+        """The data axes that split a batch, as a message names them (``dp=2`` or ``dp=2 x ep=2``)."""
+        return " x ".join(f"{a}={self._sizes[a]}" for a in axes if a != "cp" and a in self._sizes) or "dp=1"
+
     def coords_of(self, rank: int) -> dict[str, int]:
         out = {}
         for axis in reversed(self.axis_names):
