@@ -31,9 +31,9 @@ class Handoff:
     """A parameter tree handed to ``step.init`` with the caller's only reference (``step.init(Handoff(params))``):
     init takes the tree out, so its leaves are freed as soon as the step has copied them into its buffers, before
     the optimizer state is made. A tree passed directly can stay alive until init returns, because the interpreter
-    may keep a call's arguments on the caller's stack: CPython does once a ``torch.compile`` has failed in the
-    process (the frame hook it leaves installed turns off its inlined calls). Init would then hold the whole tree
-    beside the optimizer state."""
+    may keep a call's arguments on the caller's stack: CPython 3.10 always does, and 3.11+ does once a
+    ``torch.compile`` has failed in the process (the frame hook it leaves installed turns off its inlined calls).
+    Init would then hold the whole tree beside the optimizer state."""
 
     __slots__ = ("_tree",)
 

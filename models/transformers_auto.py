@@ -907,7 +907,10 @@ def check_mesh(cfg: Config, mesh, staged: bool = False) -> None:
     mt, tp = cfg.model_type, mesh.axis_size("tp")
     staged = staged or mesh.axis_size("pp") > 1
     if staged and not b.n_layers:
-        own = " (funcpar's own model of that type, without --generic, runs them)" if mt in fp.known_models() else ""
+        spec = fp.known_models().get(mt)  # (funcpar's own model of that type: what of these it runs)
+        runs = [w for w, ok in (("pipeline stages", spec and spec.stages), ("ZeRO-3", spec and spec.stages),
+                                ("remat", spec and spec.remat)) if ok]
+        own = f" (funcpar's own {mt}, without --generic, runs {', '.join(runs)})" if runs else ""
         why = (f"no list of decoder layers '{b.layers}' in its base model"
                if getattr(cfg.hf_config, "base_model_pp_plan", None) else
                "the installed transformers gives it no pipeline plan (base_model_pp_plan), which names its list "

@@ -277,13 +277,14 @@ def test_refused_style_at_tp2():
 
 def test_a_type_without_a_pipeline_plan_says_so_and_names_funcpars_own_model():
     """GPT-2 has no base_model_pp_plan in transformers: the staged forms (pipelines, ZeRO-3, remat) are refused
-    with that reason (not a missing 'layers' list) and the hand-written gpt2 named; tp and dp still run."""
+    with that reason (not a missing 'layers' list) and what the hand-written gpt2 runs of them named (not remat:
+    it has none); tp and dp still run."""
     spec = fp.get_model("gpt2", generic=True)
     cfg = spec.config({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64,
                        "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
     with pytest.raises(G.GenericError, match=r"model_type 'gpt2': the installed transformers gives it no pipeline "
-                                             r"plan \(base_model_pp_plan\).*\(funcpar's own model of that type, "
-                                             r"without --generic, runs them\)"):
+                                             r"plan \(base_model_pp_plan\).*\(funcpar's own gpt2, without "
+                                             r"--generic, runs pipeline stages, ZeRO-3\)$"):
         G.check_mesh(cfg, fp.Mesh.abstract(pp=2))
     G.check_mesh(cfg, fp.Mesh.abstract(dp=2))
 

@@ -476,9 +476,9 @@ def test_a_plan_sizes_each_experts_buffer_by_its_even_share_and_says_so(tmp_path
 @pytest.mark.subprocess
 def test_the_command_line_trains_on_an_ep_mesh_as_one_process(tmp_path):
     """ep is Mixtral's data axis (ModelSpec.data_axes): funcpar train splits the batch over dp x ep and sums over
-    both, so ep=2 (and dp=1 x ep=2 with its aux loss) gives the one-process run's losses and gradient norms, the
-    held-out loss included. (It used to split over dp alone: both ep ranks read the same rows, grad_norm 4.971
-    against 4.927 at step 1.)"""
+    both, so ep=2 gives the one-process run's losses (its load-balancing loss included: output_router_logits) and
+    gradient norms, the held-out loss too. (It used to split over dp alone: both ep ranks read the same rows,
+    grad_norm 4.971 against 4.927 at step 1.)"""
     import json
     import subprocess
     import sys
@@ -489,7 +489,8 @@ def test_the_command_line_trains_on_an_ep_mesh_as_one_process(tmp_path):
     torch.manual_seed(0)
     config = tf.MixtralConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-                              num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.02)
+                              num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.02,
+                              output_router_logits=True)
     tf.MixtralForCausalLM(config).save_pretrained(tmp_path / "model")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)

@@ -292,8 +292,8 @@ print(json.dumps({"before": before, "after": (peak(), keeps_its_argument())}))
 
 
 def test_the_planned_memory_does_not_depend_on_what_the_process_ran_before():
-    """A torch.compile that failed earlier in the process leaves CPython keeping a call's arguments until it
-    returns (measured here: ``keeps_its_argument``). The trace hands init its parameters (funcpar.Handoff), so the
+    """A torch.compile that failed earlier in the process leaves CPython 3.11+ keeping a call's arguments until it
+    returns, as 3.10 always does (measured here: ``keeps_its_argument``). The trace hands init its parameters (funcpar.Handoff), so the
     planned peak is the same before and after: a plan in a long process (a test run, a notebook) equals a fresh one.
     (In a subprocess: the interpreter stays so for the rest of the process.)"""
     import json
@@ -304,5 +304,7 @@ def test_the_planned_memory_does_not_depend_on_what_the_process_ran_before():
                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["before"][1] is False and got["after"][1] is True, got  # (what makes this test one)
+    assert got["after"][1] is True, got  # (what makes this test one: the interpreter now keeps the arguments)
+    if sys.version_info >= (3, 11):  # (3.10 keeps them always: the same plan, then, before and after)
+        assert got["before"][1] is False, got
     assert got["after"][0] == got["before"][0], got

@@ -166,8 +166,8 @@ def test_the_search_stops_at_its_time_limit_and_says_what_it_left(capsys):
 
 
 def test_the_time_limit_counts_the_floors_traces(tmp_path, monkeypatch):
-    """The limit bounds the whole search: floors whose traces (here made slow) take longer than the limit leave one
-    layout judged and the rest counted as left by the time limit, with the least time any could take."""
+    """The limit counts the floors' traces too: floors whose traces (here made slow) take longer than the limit
+    leave one layout judged and the rest counted as left by the time limit, with the least time any could take."""
     ranking, opts, build, estimate = cli.planner(["--model", _folder(tmp_path, 4), "--global-batch", "8",
                                                   "--seq-len", "32", "--gpu", "h100", "--precision", "bf16"])
     unit = Search._unit

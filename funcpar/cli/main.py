@@ -373,10 +373,10 @@ def _held_out_sums(run: _Run, data, global_batch) -> torch.Tensor:
     mesh = run.mesh
     dp, c = mesh.data_block(run.step.options.parallel.data_axes)
     gb = min(global_batch, len(data)) // dp * dp
-    if gb:  # whole batches of the held-out rows in order, each dp rank its block (read one batch at a time)
+    if gb:  # whole batches of the held-out rows in order, each data rank its block (read one batch at a time)
         block = gb // dp
         local = (data.take_range(lo + c * block, lo + (c + 1) * block) for lo in range(0, len(data) // gb * gb, gb))
-    else:  # fewer held-out rows than dp ranks: every rank evaluates them all, dp rank 0's sums count
+    else:  # fewer held-out rows than data ranks: every rank evaluates them all, data rank 0's sums count
         local = iter([data.take_range(0, len(data))])
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
@@ -613,7 +613,7 @@ def planner(argv: list[str]):
                     help="rows a micro-batch (DeepSpeed's train_micro_batch_size_per_gpu): each mesh then runs its dp "
                          "rank's rows over ROWS micro-batches (default: --micro-batches; pipelines at least 2 x pp)")
     ap.add_argument("--search-seconds", type=float, default=240.0, metavar="S",
-                    help="with --devices: stop the search after S seconds (its floors' traces included) and rank "
+                    help="with --devices: stop the search after S seconds (its floors' traces counted) and rank "
                          "what was judged (it says how many were left and the least time any of them could take; "
                          "default 240)")
     ap.add_argument("--threads", type=int, metavar="N", help="on the CPU: threads a rank (default: OMP_NUM_THREADS, "
@@ -627,7 +627,7 @@ def planner(argv: list[str]):
     estimate = _estimator(ranking, opts)
 
     def build(axes, zero, micro=None, layers=None, **over):
-        """One dp rank's step of the mesh ``axes`` at ZeRO ``zero``, with the options ``over`` sets (``remat``,
+        """One data rank's step of the mesh ``axes`` at ZeRO ``zero``, with the options ``over`` sets (``remat``,
         ``pipeline``, ``chunks``, ``micro_batches``) over the command line's; ``micro``: that many micro-batches of
         the step's size, ``layers``: that many layers (a pipeline's: on each of its virtual stages), for
         :func:`funcpar.cli.search.trace_layout`'s extrapolation."""
@@ -664,8 +664,10 @@ def plan(argv: list[str]) -> None:
         memory = ranking.memory * 2**30
         spec, cfg = model_config(opts["model"], None, opts["generic"])
         layers = stage_depth(spec, cfg, types.SimpleNamespace(executor=None))  # (floors: alike layers only)
-        gc.collect()  # (what is live now lives through the search: frozen, each trace's gc.collect walks only
-        gc.freeze()  # what the trace made)
+        frozen = gc.get_freeze_count() == 0  # (a program that froze its own objects keeps them so)
+        if frozen:  # what is live now lives through the search: frozen, each trace's gc.collect walks only its own
+            gc.collect()
+            gc.freeze()
         try:
             rows = rank_meshes(build, ranking.devices, memory, context=spec.context_parallel,
                                pipeline=spec.stages is not None, estimate=estimate, documents=documents,
@@ -675,7 +677,8 @@ def plan(argv: list[str]) -> None:
                                log=functools.partial(print, file=sys.stderr, flush=True), budget=ranking.search_seconds,
                                **_search_space(argv, opts, spec))
         finally:
-            gc.unfreeze()
+            if frozen:
+                gc.unfreeze()
         print_ranking(rows, ranking.devices, memory)
         return
     axes = parse_mesh(opts["mesh"])
@@ -726,14 +729,15 @@ def _estimator(ranking, opts) -> Pricing | None:
 
 
 def _micro_batches(opts, axes: dict, size: int | None = None, blocks: int | None = None) -> int:
-    """The micro-batches a planned mesh runs: each dp rank's rows over ``size`` rows a micro-batch
-    (``--micro-batch-size``) when given; else ``--micro-batches``, and on pipeline stages (``pp`` > 1) at least
-    twice the stages where it gives fewer (a pipeline of as many micro-batches as stages idles half its time), the
-    smallest such count that splits each dp rank's rows, else ``--micro-batches`` as given."""
-    rows = opts["global_batch"] // (blocks or max(axes.get("dp", 1), 1))  # (blocks: the data axes' ranks)
+    """The micro-batches a planned mesh runs: each data rank's rows (``blocks``: the data axes' ranks, default dp's)
+    over ``size`` rows a micro-batch (``--micro-batch-size``) when given; else ``--micro-batches``, and on pipeline
+    stages (``pp`` > 1) at least twice the stages where it gives fewer (a pipeline of as many micro-batches as stages
+    idles half its time), the smallest such count that splits each data rank's rows, else ``--micro-batches`` as
+    given."""
+    rows = opts["global_batch"] // (blocks or max(axes.get("dp", 1), 1))
     if size:
         if rows % size:
-            raise ValueError(f"a dp rank's {rows} rows do not split into micro-batches of {size}")
+            raise ValueError(f"a data rank's {rows} rows do not split into micro-batches of {size}")
         return rows // size
     micro, pp = opts["micro_batches"], axes.get("pp", 1)
     if pp <= 1 or micro >= 2 * pp:

@@ -188,10 +188,9 @@ class Search:
     ``floor`` orders the search; the model's ``layers`` and the ``global_batch`` size the floors). ``gpu``: a plan
     for GPUs (peaks without the host process); ``documents``: as :func:`trace_layout`; ``log``: where a line goes
     after each layout judged (``print`` to stderr, say); ``budget``: seconds after which the search stops
-    (counted from the start of :meth:`run`, the floors' traces included); ``slots``: the optimizer's state tensors a
-    parameter; ``chunks``: an interleaved or zero-bubble pipeline's virtual stages a rank, where the command line
-    sets them. ``said`` counts the layouts left out, by
-    why."""
+    (counted from the start of :meth:`run`: the floors' traces count, though they are not cut short); ``slots``:
+    the optimizer's state tensors a parameter; ``chunks``: an interleaved or zero-bubble pipeline's virtual stages a
+    rank, where the command line sets them. ``said`` counts the layouts left out, by why."""
 
     def __init__(self, build, memory: float, estimate=None, documents: bool | None = None, gpu: bool = False,
                  layers: int | None = None, global_batch: int | None = None, log=None, budget: float = math.inf,
@@ -290,7 +289,8 @@ class Search:
         ``said``): a layout whose floor is above both the ``shown``-th best time found and the best of its kind
         (pipeline or not, its ZeRO stage: ``floor``); one a judged layout
         of the same mesh covers (:func:`covers`: ``covered``); once the search has taken ``budget`` seconds (the
-        floors' traces included, so the limit bounds the whole search; one layout is judged at least), the rest
+        floors' traces counted, though they run to the end, and the layout being judged finishes; one layout is judged
+        at least), the rest
         (``budget``; ``self.unjudged_floor``: the lowest floor among them, so the answer is known best where it is
         above the best time found)."""
         start = time.perf_counter()

@@ -318,7 +318,8 @@ def load(path, layout: ZeroLayout | None, init: Callable[[Any], TrainState], *, 
     Args:
         path: a checkpoint folder, or the folder holding ``latest`` (the checkpoint it names is loaded).
         layout: the :class:`funcpar.ZeroLayout` of the initialised step to resume (``None``: refused).
-        init: the step's ``init``: turns the loaded parameters (whole local leaves) into a fresh state of the step.
+        init: the step's ``init``: turns the loaded parameters (whole local leaves, in a :class:`funcpar.Handoff`,
+            which ``Step.init`` takes) into a fresh state of the step.
         known: on a pipeline stage, the paths of the whole model's leaves (the checkpoint holds every stage's);
             default ``None``: the checkpoint must hold exactly ``layout``'s leaves.
         restore_rng: restore the torch RNG state this rank (or, on a larger mesh, rank 0) had at save time; default
@@ -341,8 +342,8 @@ def load(path, layout: ZeroLayout | None, init: Callable[[Any], TrainState], *, 
     saved = _check_params(src, list(lay.paths), gshapes, known)
     leaves = []
     for p, spec, g, s in zip(lay.paths, lay.specs, gshapes, lay.shapes, strict=True):
-        t = src.assemble(f"param/{p}", _block(spec, g, mesh), 0, math.prod(s), getattr(torch, saved[p]["dtype"]))
-        leaves.append(t.view(s).to(mesh.device))
+        leaves.append(src.assemble(f"param/{p}", _block(spec, g, mesh), 0, math.prod(s),
+                                   getattr(torch, saved[p]["dtype"])).view(s).to(mesh.device))
     handed = Handoff(lay.unflatten(leaves))  # (the step frees them once copied: funcpar.state.Handoff)
     del leaves
     fresh = init(handed)
