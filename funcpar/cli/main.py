@@ -371,10 +371,10 @@ def _held_out_sums(run: _Run, data, global_batch) -> torch.Tensor:
     held_out` on each rank's rows, summed over the step's data axes: dp splits the rows (and Mixtral's ep), cp
     each row)."""
     mesh = run.mesh
-    dp, c = mesh.data_block(run.step.options.parallel.data_axes)
-    gb = min(global_batch, len(data)) // dp * dp
+    blocks, c = mesh.data_block(run.step.options.parallel.data_axes)
+    gb = min(global_batch, len(data)) // blocks * blocks
     if gb:  # whole batches of the held-out rows in order, each data rank its block (read one batch at a time)
-        block = gb // dp
+        block = gb // blocks
         local = (data.take_range(lo + c * block, lo + (c + 1) * block) for lo in range(0, len(data) // gb * gb, gb))
     else:  # fewer held-out rows than data ranks: every rank evaluates them all, data rank 0's sums count
         local = iter([data.take_range(0, len(data))])
@@ -728,13 +728,13 @@ def _estimator(ranking, opts) -> Pricing | None:
     return Pricing(host_device(threads), ("loopback", "loopback"), host=True, threads=threads)
 
 
-def _micro_batches(opts, axes: dict, size: int | None = None, blocks: int | None = None) -> int:
-    """The micro-batches a planned mesh runs: each data rank's rows (``blocks``: the data axes' ranks, default dp's)
-    over ``size`` rows a micro-batch (``--micro-batch-size``) when given; else ``--micro-batches``, and on pipeline
+def _micro_batches(opts, axes: dict, size: int | None, blocks: int) -> int:
+    """The micro-batches a planned mesh runs: each data rank's rows (``blocks``: the data axes' ranks) over ``size``
+    rows a micro-batch (``--micro-batch-size``) when given; else ``--micro-batches``, and on pipeline
     stages (``pp`` > 1) at least twice the stages where it gives fewer (a pipeline of as many micro-batches as stages
     idles half its time), the smallest such count that splits each data rank's rows, else ``--micro-batches`` as
     given."""
-    rows = opts["global_batch"] // (blocks or max(axes.get("dp", 1), 1))
+    rows = opts["global_batch"] // blocks
     if size:
         if rows % size:
             raise ValueError(f"a data rank's {rows} rows do not split into micro-batches of {size}")

@@ -31,16 +31,15 @@ def _seq_len_that_fits(opts: dict[str, Any], tokens: int | None) -> int:
 
 def _batch(opts: dict[str, Any], mesh, train_rows: int, eval_rows: int, tokens: int | None,
            data_axes: tuple[str, ...] = ("dp",)) -> None:
-    (blocks, _), dp, micro, gb = mesh.data_block(data_axes), mesh.data_text(data_axes), opts["micro_batches"], \
-        opts["global_batch"]
-    unit = blocks * micro
+    micro, gb = opts["micro_batches"], opts["global_batch"]
+    unit, split = mesh.data_block(data_axes)[0] * micro, mesh.data_text(data_axes)  # (split: "dp=2", "dp=2 x ep=2")
     if gb % unit:
-        raise SystemExit(f"funcpar: --global-batch {gb} does not split over {dp} x --micro-batches {micro}: use a "
+        raise SystemExit(f"funcpar: --global-batch {gb} does not split over {split} x --micro-batches {micro}: use a "
                          f"multiple of {unit} (e.g. {max(unit, gb // unit * unit)})")
     if train_rows < gb:
         fits, seq_len = train_rows // unit * unit, _seq_len_that_fits(opts, tokens)
         change = " or ".join(
-            ([f"lower --global-batch to {fits} or less (a multiple of {dp} x --micro-batches {micro})"] if fits
+            ([f"lower --global-batch to {fits} or less (a multiple of {split} x --micro-batches {micro})"] if fits
              else []) + ([f"use --seq-len {seq_len} or less"] if seq_len else []) or ["use fewer dp ranks"])
         raise SystemExit(f"funcpar: the training data makes {train_rows} rows of --seq-len {opts['seq_len']} "
                          f"({eval_rows} more held out), fewer than one --global-batch of {gb}: {change}, or bring "

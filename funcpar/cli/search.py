@@ -287,12 +287,11 @@ class Search:
         """Judge ``rows`` in order of their floors (each kind in turn: :func:`_round_robin`) and return the judged
         ones, fits first, fastest (else fewest bytes sent, then lowest peak) first. Left out (counted in
         ``said``): a layout whose floor is above both the ``shown``-th best time found and the best of its kind
-        (pipeline or not, its ZeRO stage: ``floor``); one a judged layout
-        of the same mesh covers (:func:`covers`: ``covered``); once the search has taken ``budget`` seconds (the
-        floors' traces counted, though they run to the end, and the layout being judged finishes; one layout is judged
-        at least), the rest
-        (``budget``; ``self.unjudged_floor``: the lowest floor among them, so the answer is known best where it is
-        above the best time found)."""
+        (pipeline or not, its ZeRO stage: ``floor``); one a judged layout of the same mesh covers (:func:`covers`:
+        ``covered``); once the search has taken ``budget`` seconds (the floors' traces counted, though they run to
+        the end, and the layout being judged finishes; one layout is judged at least), the rest (``budget``;
+        ``self.unjudged_floor``: the lowest floor among them, so the answer is known best where it is above the best
+        time found)."""
         start = time.perf_counter()
         for r in rows:
             r["floor"] = self.floor(r)

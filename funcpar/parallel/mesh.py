@@ -401,14 +401,17 @@ class MeshBase:
         """``(blocks, this rank's block)`` of a batch split over the data ``axes`` of this mesh (a cp axis shares
         each row, so it splits none; axes the mesh lacks are left out): dp-major, as the axes are named."""
         blocks, index = 1, 0
-        for a in axes:
-            if a != "cp" and a in self._sizes:
-                blocks, index = blocks * self._sizes[a], index * self._sizes[a] + self.coord(a)
+        for a in self._splitting(axes):
+            blocks, index = blocks * self._sizes[a], index * self._sizes[a] + self.coord(a)
         return blocks, index
 
     def data_text(self, axes=("dp",)) -> str:
         """The data axes that split a batch, as a message names them (``dp=2`` or ``dp=2 x ep=2``)."""
-        return " x ".join(f"{a}={self._sizes[a]}" for a in axes if a != "cp" and a in self._sizes) or "dp=1"
+        return " x ".join(f"{a}={self._sizes[a]}" for a in self._splitting(axes)) or "dp=1"
+
+    def _splitting(self, axes) -> list[str]:
+        """Those of ``axes`` this mesh has that split a batch's rows (cp splits each row instead)."""
+        return [a for a in axes if a != "cp" and a in self._sizes]
 
     def coords_of(self, rank: int) -> dict[str, int]:
         out = {}
