@@ -130,3 +130,26 @@ def test_an_exception_in_the_command_line_is_python_s_own_traceback():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stderr.rstrip().endswith("RuntimeError: boom")
     assert "atexit handler ran" in p.stdout and "not reached" not in p.stdout
+
+
+def test_the_error_file_is_whole_or_absent_when_its_writer_dies_mid_write(tmp_path, monkeypatch):
+    """torchrun's agent parses every failed worker's error file and ends the whole job, restarts unspent, on one it
+    cannot parse (the soak saw "Expecting value: line 1 column 1"): a worker killed while writing it must leave no
+    part-written file. report() writes beside it and renames; a write that dies part-way leaves the old file."""
+    import json
+
+    from funcpar.parallel import lifeline
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    lifeline.report("first", echo=False)
+    assert json.loads(error_file.read_text())["message"] == "first"
+
+    def dies(obj, fh):  # (a kill mid-write: part of the JSON out, then the writer is gone)
+        fh.write('{"message": ')
+        fh.flush()
+        raise OSError("killed")
+
+    monkeypatch.setattr(lifeline.json, "dump", dies)
+    lifeline.report("second", echo=False)
+    assert json.loads(error_file.read_text())["message"] == "first"

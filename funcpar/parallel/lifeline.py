@@ -51,10 +51,14 @@ def report(message: str, echo: bool = True, printed: bool = False, retry: bool =
     then spends no ``--max-restarts`` on it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
+        # written beside it, then renamed: a worker killed mid-write (torchrun tears the others down when one dies)
+        # leaves no empty file, which torchrun's agent cannot parse and would end the whole job on, restarts unspent
+        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            with open(path, "w") as fh:
+            with open(tmp, "w") as fh:
                 json.dump({"message": message, "timestamp": int(time.time()), "printed": printed, "retry": retry},
                           fh)
+            os.replace(tmp, path)
         except OSError:
             path = None
     if not printed and (not path or echo and os.environ.get(LAUNCHER_ENV) != "1"):
